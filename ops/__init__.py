@@ -1,0 +1,12 @@
+"""Op semantics and kernels, one module per op family.
+
+Importing this package registers every op (see ops/registry.py for the declaration API).
+"""
+import importlib
+import pkgutil
+
+# Every module in this package except the registry and helpers declares ops; import them all so
+# their @register decorators run. A family is added by dropping a module here.
+for _info in pkgutil.iter_modules(__path__):
+    if not _info.name.startswith("_") and _info.name != "registry":
+        importlib.import_module(f"{__name__}.{_info.name}")

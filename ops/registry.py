@@ -1,0 +1,176 @@
+"""The op registry: which implementation runs a node, keyed by (backend, domain, op type, version).
+
+An op is declared once, as a subclass of `OpImpl` registered for the ONNX since-versions whose
+semantics it implements:
+
+    @register("Softmax", versions=[13])
+    class Softmax13(OpImpl):
+        def setup(self):                      # validate / precompute from attributes, once per node
+            ...
+        def run(self, x):                     # the CPU kernel: numpy in, numpy out
+            ...
+
+Attributes are set on the instance under their ONNX names (`self.axis`), with the defaults the
+ONNX schema declares filled in; an optional attribute with no default is `None`. A subgraph
+attribute arrives compiled: an object with `.run(inputs, scope) -> list`. A node with omitted
+optional inputs receives `None` for them. `run` returns one value, or a tuple with one entry per
+output (extra entries beyond the node's declared outputs are dropped).
+
+A model's node is bound to the implementation registered for the *since-version* of the schema
+in force at the model's opset, so a change of semantics at a later opset can never be run with
+an older kernel by accident. Kernels for other backends subclass the CPU implementation and are
+registered with `backend=`; they inherit its semantics and override `run`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterable
+
+import onnx
+from onnx import defs
+
+from ember.errors import InvalidModelError
+from ember.ir import Node
+
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+# (backend, domain, op_type) -> {since_version: impl class}
+_TABLE: dict[tuple[str, str, str], dict[int, type["OpImpl"]]] = {}
+
+
+class OpImpl:
+    """One op, for one group of since-versions, bound to one node at load time."""
+
+    domain: str = ""
+    op_type: str = ""
+    versions: tuple[int, ...] = ()
+    backend: str = "cpu"
+    # Attribute names that would shadow members of this class are stored with a trailing "_".
+    _reserved = frozenset({"run", "setup", "node", "n_inputs", "n_outputs", "domain", "op_type",
+                           "versions", "backend", "version", "attrs"})
+
+    def __init__(self, node: Node, attrs: dict[str, Any]):
+        self.node = node
+        self.version = node.version
+        self.n_inputs = len(node.inputs)
+        self.n_outputs = len(node.outputs)
+        self.attrs = attrs
+        for name, value in attrs.items():
+            setattr(self, name + "_" if name in self._reserved else name, value)
+        self.setup()
+
+    def setup(self) -> None:
+        """Check attributes and precompute what `run` needs. Runs once per node."""
+
+    def run(self, *inputs):  # pragma: no cover - every op overrides it
+        raise NotImplementedError(self.op_type)
+
+    def fail(self, message: str) -> InvalidModelError:
+        """An error about this node's attributes or inputs, naming the node."""
+        label = self.node.name or (self.node.outputs[0] if self.node.outputs else "?")
+        return InvalidModelError(f"{self.op_type} node '{label}': {message}")
+
+
+def normalize_domain(domain: str) -> str:
+    return "" if domain in _DEFAULT_DOMAINS else domain
+
+
+def register(op_type: str, versions: Iterable[int], domain: str = "",
+             backend: str = "cpu") -> Callable[[type[OpImpl]], type[OpImpl]]:
+    """Class decorator: `cls` implements `op_type` for each listed since-version."""
+    domain = normalize_domain(domain)
+    versions = tuple(versions)
+
+    def wrap(cls: type[OpImpl]) -> type[OpImpl]:
+        cls.op_type, cls.domain, cls.versions, cls.backend = op_type, domain, versions, backend
+        slot = _TABLE.setdefault((backend, domain, op_type), {})
+        for v in versions:
+            if v in slot and slot[v] is not cls:
+                raise RuntimeError(f"{domain}::{op_type}-{v} registered twice for {backend}")
+            slot[v] = cls
+        return cls
+
+    return wrap
+
+
+@functools.lru_cache(maxsize=None)
+def schema_for(domain: str, op_type: str, opset: int) -> defs.OpSchema | None:
+    """The ONNX schema in force for this op at this opset, or None for unknown/custom ops."""
+    try:
+        return defs.get_schema(op_type, opset, domain)
+    except defs.SchemaError:
+        return None
+
+
+def since_version(domain: str, op_type: str, opset: int) -> int:
+    """The since-version whose semantics apply at `opset` (the opset itself for custom ops)."""
+    schema = schema_for(domain, op_type, opset)
+    if schema is not None:
+        return schema.since_version
+    versions = [v for v in versions_registered(domain, op_type) if v <= opset]
+    return max(versions) if versions else opset
+
+
+def versions_registered(domain: str, op_type: str, backend: str = "cpu") -> list[int]:
+    return sorted(_TABLE.get((backend, normalize_domain(domain), op_type), {}))
+
+
+def lookup(domain: str, op_type: str, opset: int, backend: str = "cpu") -> type[OpImpl] | None:
+    """The implementation for a node of `op_type` in `domain` under `opset`, or None."""
+    domain = normalize_domain(domain)
+    _ensure_loaded()
+    slot = _TABLE.get((backend, domain, op_type))
+    if not slot:
+        return None
+    return slot.get(since_version(domain, op_type, opset))
+
+
+def supported_ops(backend: str = "cpu") -> dict[tuple[str, str], list[int]]:
+    """(domain, op_type) -> since-versions implemented, for `ember info` and the README table."""
+    _ensure_loaded()
+    return {(d, op): sorted(vs) for (b, d, op), vs in sorted(_TABLE.items()) if b == backend}
+
+
+@functools.lru_cache(maxsize=None)
+def attribute_defaults(domain: str, op_type: str, opset: int) -> tuple[dict[str, Any], frozenset[str]]:
+    """Defaults declared by the ONNX schema, and the names of required attributes."""
+    from ember.importer.onnx_values import decode_attribute
+
+    schema = schema_for(domain, op_type, opset)
+    if schema is None:
+        return {}, frozenset()
+    defaults: dict[str, Any] = {}
+    required = set()
+    for name, attr in schema.attributes.items():
+        if attr.required:
+            required.add(name)
+        elif attr.default_value.type != onnx.AttributeProto.UNDEFINED:
+            defaults[name] = decode_attribute(attr.default_value)
+        else:
+            defaults[name] = None
+    return defaults, frozenset(required)
+
+
+def bind(node: Node, impl: type[OpImpl], attrs: dict[str, Any]) -> OpImpl:
+    """Instantiate `impl` for `node`, filling schema defaults and checking required attributes.
+
+    `attrs` is node.attrs with subgraphs already compiled by the caller.
+    """
+    defaults, required = attribute_defaults(node.domain, node.op_type, node.version)
+    missing = sorted(required - set(attrs))
+    if missing:
+        raise InvalidModelError(
+            f"{node.op_type} node '{node.name or node.outputs[0]}' lacks required attribute(s) "
+            f"{', '.join(missing)}")
+    return impl(node, {**defaults, **attrs})
+
+
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    """Import every op family module once, so their @register calls have run."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import ember.ops  # noqa: F401  (its __init__ imports the families)

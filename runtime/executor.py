@@ -1,0 +1,211 @@
+"""Plans and runs an IR graph.
+
+A `Plan` is built once per graph: nodes in topological order, each bound to its kernel, every
+value given a slot in a flat list, and for each step the slots that die after it. `run` then is
+a single loop over precomputed steps; nothing walks the graph per run. Subgraphs (If, Loop,
+Scan bodies) are compiled into plans of their own when their node is bound; values they read
+from enclosing scopes are handed to them as a name -> value dict.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ember.errors import EmberError, ExecutionError, InvalidModelError, UnsupportedOpError
+from ember.ir import Graph, Node
+from ember.ops.registry import OpImpl, bind, lookup, since_version
+
+_OMITTED = 0  # slot that always holds None: an omitted optional input
+_DISCARD = 1  # slot that receives omitted optional outputs
+_RESERVED_SLOTS = 2
+
+
+@dataclass
+class Step:
+    node: Node
+    kernel: OpImpl
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    frees: tuple[int, ...]  # slots whose value is dead after this step
+    scope: tuple[tuple[str, int], ...]  # outer-scope values the node's subgraphs read
+
+
+def missing_ops(graph: Graph, backend: str = "cpu") -> list[tuple[str, str, int]]:
+    """Every (domain, op, since-version) in `graph` (subgraphs included) with no kernel."""
+    missing = []
+    for node in graph.iter_nodes():
+        if lookup(node.domain, node.op_type, node.version, backend) is None:
+            missing.append((node.domain, node.op_type,
+                            since_version(node.domain, node.op_type, node.version)))
+    return sorted(set(missing))
+
+
+def topological_order(graph: Graph, available: set[str]) -> list[Node]:
+    """Nodes ordered so that each runs after its producers; raises on undefined values."""
+    producers = {out: i for i, node in enumerate(graph.nodes) for out in node.outputs if out}
+    order, state = [], [0] * len(graph.nodes)  # 0 new, 1 visiting, 2 done
+
+    def visit(i: int) -> None:
+        stack = [(i, False)]
+        while stack:
+            j, expanded = stack.pop()
+            if expanded:
+                state[j] = 2
+                order.append(graph.nodes[j])
+                continue
+            if state[j] == 2:
+                continue
+            if state[j] == 1:
+                raise InvalidModelError(f"the graph has a cycle through node "
+                                        f"'{graph.nodes[j].name or graph.nodes[j].op_type}'")
+            state[j] = 1
+            stack.append((j, True))
+            node = graph.nodes[j]
+            for name in list(node.inputs) + list(node.implicit_inputs):
+                if not name or name in available:
+                    continue
+                if name not in producers:
+                    raise InvalidModelError(
+                        f"node '{node.name or node.op_type}' ({node.op_type}) reads '{name}', "
+                        "which no node, input or initializer of the graph defines")
+                if state[producers[name]] != 2:
+                    stack.append((producers[name], False))
+
+    for i in range(len(graph.nodes)):
+        if state[i] == 0:
+            visit(i)
+    return order
+
+
+class Plan:
+    """A graph compiled for repeated execution on one backend."""
+
+    def __init__(self, graph: Graph, backend: str = "cpu", outer_names: Sequence[str] = (),
+                 wanted_outputs: Sequence[str] | None = None):
+        self.graph = graph
+        self.backend = backend
+        missing = missing_ops(graph, backend)
+        if missing:
+            raise UnsupportedOpError(missing, backend)
+
+        self.input_names = [v.name for v in graph.inputs]
+        self.output_names = list(wanted_outputs) if wanted_outputs is not None \
+            else [v.name for v in graph.outputs]
+        self.outer_names = list(outer_names)
+
+        slots: dict[str, int] = {}
+
+        def slot(name: str) -> int:
+            if name not in slots:
+                slots[name] = _RESERVED_SLOTS + len(slots)
+            return slots[name]
+
+        available = set(self.input_names) | set(graph.initializers) | set(self.outer_names)
+        nodes = self._needed(topological_order(graph, available), available)
+
+        constants = {slot(name): value for name, value in graph.initializers.items()}
+        self.input_slots = [slot(n) for n in self.input_names]
+        self.outer_slots = [(n, slot(n)) for n in self.outer_names]
+        for value in constants.values():
+            if isinstance(value, np.ndarray) and value.flags.writeable:
+                value.setflags(write=False)  # kernels must never write into weights
+
+        steps = []
+        for node in nodes:
+            steps.append(Step(
+                node=node,
+                kernel=self._bind(node),
+                inputs=tuple(slot(n) if n else _OMITTED for n in node.inputs),
+                outputs=tuple(slot(n) if n else _DISCARD for n in node.outputs),
+                frees=(),
+                scope=tuple((n, slot(n)) for n in node.implicit_inputs),
+            ))
+        for name in self.output_names:
+            if name not in slots and name not in available:
+                raise InvalidModelError(f"graph output '{name}' is never computed")
+        self.output_slots = [slot(n) for n in self.output_names]
+        self.steps = self._with_frees(steps, set(self.output_slots))
+        self.initial_env: list[Any] = [None] * (_RESERVED_SLOTS + len(slots))
+        for s, value in constants.items():
+            self.initial_env[s] = value
+        self.slots = slots
+
+    def _needed(self, ordered: list[Node], available: set[str]) -> list[Node]:
+        """Drop nodes that no requested output depends on."""
+        needed = set(self.output_names)
+        kept = []
+        for node in reversed(ordered):
+            if any(out in needed for out in node.outputs if out):
+                kept.append(node)
+                needed.update(n for n in node.inputs if n)
+                needed.update(node.implicit_inputs)
+        return kept[::-1]
+
+    def _bind(self, node: Node) -> OpImpl:
+        impl = lookup(node.domain, node.op_type, node.version, self.backend)
+        attrs = {}
+        for name, value in node.attrs.items():
+            if isinstance(value, Graph):
+                value = Plan(value, self.backend, outer_names=value.free_names())
+            elif isinstance(value, list) and value and isinstance(value[0], Graph):
+                value = [Plan(g, self.backend, outer_names=g.free_names()) for g in value]
+            attrs[name] = value
+        return bind(node, impl, attrs)
+
+    @staticmethod
+    def _with_frees(steps: list[Step], keep: set[int]) -> list[Step]:
+        last_use: dict[int, int] = {}
+        for i, step in enumerate(steps):
+            for s in step.inputs + step.outputs + tuple(s for _, s in step.scope):
+                last_use[s] = i
+        dying: dict[int, list[int]] = {}
+        for s, i in last_use.items():
+            if s >= _RESERVED_SLOTS and s not in keep:
+                dying.setdefault(i, []).append(s)
+        for i, step in enumerate(steps):
+            step.frees = tuple(dying.get(i, ()))
+        return steps
+
+    def run(self, feeds: Sequence[Any], scope: dict[str, Any] | None = None) -> list[Any]:
+        """Run with `feeds` aligned to `input_names`; `scope` gives outer-scope values."""
+        env = self.initial_env.copy()
+        for s, value in zip(self.input_slots, feeds):
+            env[s] = value
+        if scope is not None:
+            for name, s in self.outer_slots:
+                env[s] = scope[name]
+        step = None
+        try:
+            for step in self.steps:
+                args = [env[s] for s in step.inputs]
+                if step.scope:
+                    result = step.kernel.run(*args, scope={n: env[s] for n, s in step.scope})
+                else:
+                    result = step.kernel.run(*args)
+                if type(result) is tuple:
+                    for s, value in zip(step.outputs, result):
+                        env[s] = value if isinstance(value, (np.ndarray, list)) or value is None \
+                            else np.asarray(value)
+                else:
+                    env[step.outputs[0]] = result if isinstance(result, (np.ndarray, list)) \
+                        or result is None else np.asarray(result)
+                for s in step.frees:
+                    env[s] = None
+        except EmberError as exc:
+            if step is not None and not getattr(exc, "_ember_located", False):
+                exc.args = (f"{_describe(step.node)}: {exc}",)
+                exc._ember_located = True
+            raise
+        except Exception as exc:
+            raise ExecutionError(f"{_describe(step.node)} failed: {type(exc).__name__}: {exc}") \
+                from exc
+        return [env[s] for s in self.output_slots]
+
+
+def _describe(node: Node) -> str:
+    label = f" '{node.name}'" if node.name else f" producing '{node.outputs[0]}'" \
+        if node.outputs else ""
+    domain = f"{node.domain}::" if node.domain else ""
+    return f"node{label} ({domain}{node.op_type}, opset {node.version})"

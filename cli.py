@@ -1,0 +1,205 @@
+"""The `ember` command line: run a model, describe a model.
+
+Exit codes: 0 success, 2 an ember error (printed as one line, no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+from ember.errors import EmberError, InputError
+from ember.importer import import_model
+from ember.ir import Model
+from ember.runtime.session import BACKENDS, IOInfo, Session
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.command(args)
+    except EmberError as exc:
+        print(f"ember: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="ONNX inference with pluggable backends")
+    sub = parser.add_subparsers()
+
+    run = sub.add_parser("run", help="run a model on given or random inputs")
+    run.add_argument("model", help="path to an .onnx file")
+    run.add_argument("-i", "--input", action="append", default=[], metavar="NAME=FILE.npy",
+                     help="feed an input from a .npy file (repeatable); others are random")
+    run.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
+                     help="size of a symbolic dimension for random inputs (default 1)")
+    run.add_argument("--backend", default=None, help=f"one of {', '.join(BACKENDS)} "
+                                                     "(default: $EMBER_BACKEND or cpu)")
+    run.add_argument("-o", "--output", metavar="OUT.npz", help="save all outputs to an .npz file")
+    run.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
+    run.set_defaults(command=cmd_run)
+
+    info = sub.add_parser("info", help="describe a model: opsets, inputs, outputs, ops")
+    info.add_argument("model", help="path to an .onnx file")
+    info.set_defaults(command=cmd_info)
+
+    ops = sub.add_parser("ops", help="print the table of ops each backend implements (markdown)")
+    ops.set_defaults(command=cmd_ops)
+    return parser
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise InputError(f"{flag} expects NAME=VALUE, got '{item}'")
+        pairs[name] = value
+    return pairs
+
+
+def random_input(info: IOInfo, dims: dict[str, int], rng: np.random.Generator) -> np.ndarray:
+    """A random array matching an input's declared dtype and shape."""
+    if info.dtype is None or info.shape is None:
+        raise InputError(f"input '{info.name}' ({info.type}) has no declared tensor type/shape; "
+                         "feed it with -i NAME=FILE.npy")
+    shape = []
+    for d in info.shape:
+        if isinstance(d, int) and d > 0:
+            shape.append(d)
+        elif isinstance(d, str) and d in dims:
+            shape.append(dims[d])
+        else:
+            shape.append(1)
+    dtype = np.dtype(info.dtype)
+    if dtype == bool:
+        return rng.random(shape) < 0.5
+    if dtype.kind in "iu":
+        return rng.integers(0, 10, size=shape).astype(dtype)
+    if dtype == object:
+        return np.array(rng.choice(["a", "b", "c"], size=shape), dtype=object)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    session = Session(import_model(args.model), args.backend)
+    load_ms = (time.perf_counter() - t0) * 1e3
+    files = _pairs(args.input, "-i")
+    try:
+        dims = {k: int(v) for k, v in _pairs(args.dim, "--dim").items()}
+    except ValueError as exc:
+        raise InputError(f"--dim values must be integers: {exc}") from exc
+    rng = np.random.default_rng(args.seed)
+    feeds = {}
+    for info in session.inputs:
+        if info.name in files:
+            try:
+                feeds[info.name] = np.load(files.pop(info.name), allow_pickle=False)
+            except (OSError, ValueError) as exc:
+                raise InputError(f"cannot read input '{info.name}': {exc}") from exc
+        else:
+            feeds[info.name] = random_input(info, dims, rng)
+    if files:
+        raise InputError(f"unknown input name(s) {', '.join(files)}; the model's inputs are "
+                         f"{', '.join(i.name for i in session.inputs)}")
+    t0 = time.perf_counter()
+    outputs = session.run(feeds)
+    run_ms = (time.perf_counter() - t0) * 1e3
+    for name, value in outputs.items():
+        print(_summary(name, value))
+    print(f"backend {session.backend}: load {load_ms:.1f} ms, run {run_ms:.2f} ms")
+    if args.output:
+        np.savez(args.output, **{k: v for k, v in outputs.items() if isinstance(v, np.ndarray)})
+        print(f"saved outputs to {args.output}")
+    return 0
+
+
+def _summary(name: str, value) -> str:
+    if isinstance(value, list):
+        return f"{name}: sequence of {len(value)}"
+    if value is None:
+        return f"{name}: empty optional"
+    head = np.array2string(value.reshape(-1)[:6], precision=5, separator=", ")
+    stats = ""
+    if value.size and value.dtype.kind in "fiu":
+        v = value.astype(np.float64)
+        stats = f" min {v.min():.5g} max {v.max():.5g} mean {v.mean():.5g}"
+    return f"{name}: {value.dtype} {list(value.shape)}{stats} first {head}"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    model = import_model(args.model)
+    print(describe(model))
+    return 0
+
+
+def describe(model: Model) -> str:
+    from ember.ops.registry import lookup, since_version, supported_ops
+    from ember.runtime.session import _io_info
+
+    lines = [f"model: {model.path or '<memory>'}",
+             f"producer: {model.producer_name} {model.producer_version}".rstrip(),
+             "opsets: " + ", ".join(f"{d or 'ai.onnx'} {v}" for d, v in sorted(model.opsets.items()))]
+    graph = model.graph
+    lines.append("inputs:")
+    for v in graph.inputs:
+        if v.name not in graph.initializers:
+            lines.append(f"  {_io_line(_io_info(v))}")
+    lines.append("outputs:")
+    for v in graph.outputs:
+        lines.append(f"  {_io_line(_io_info(v))}")
+    lines.append(f"parameters: {model.parameter_count():,} in {len(graph.initializers)} initializers")
+    hist = model.op_histogram()
+    lines.append(f"ops: {sum(hist.values())} nodes, {len(hist)} op types")
+    for op, count in hist.items():
+        lines.append(f"  {op:<28} {count}")
+    lines.append("backend support:")
+    for backend in BACKENDS:
+        missing = sorted({f"{n.op_type}-{since_version(n.domain, n.op_type, n.version)}"
+                          for n in graph.iter_nodes()
+                          if lookup(n.domain, n.op_type, n.version, backend) is None})
+        if backend != "cpu" and not supported_ops(backend):
+            lines.append(f"  {backend}: not available in this build")
+        elif missing:
+            lines.append(f"  {backend}: {len(missing)} op(s) missing: {', '.join(missing)}")
+        else:
+            lines.append(f"  {backend}: all ops supported")
+    return "\n".join(lines)
+
+
+def ops_table_markdown() -> str:
+    """The README's ops table: every registered op with the since-versions each backend runs."""
+    from ember.ops.registry import supported_ops
+
+    per_backend = {b: supported_ops(b) for b in BACKENDS}
+    keys = sorted(set().union(*per_backend.values()), key=lambda k: (k[0], k[1].lower()))
+    rows = ["| domain | op | " + " | ".join(BACKENDS) + " |",
+            "|---|---|" + "---|" * len(BACKENDS)]
+    for domain, op in keys:
+        cells = [", ".join(map(str, per_backend[b].get((domain, op), []))) or "-" for b in BACKENDS]
+        rows.append(f"| {domain or 'ai.onnx'} | {op} | " + " | ".join(cells) + " |")
+    counts = ", ".join(f"{b}: {len(per_backend[b])}" for b in BACKENDS)
+    return "\n".join(rows) + f"\n\nOp types per backend: {counts}.\n"
+
+
+def cmd_ops(args: argparse.Namespace) -> int:
+    print(ops_table_markdown(), end="")
+    return 0
+
+
+def _io_line(info: IOInfo) -> str:
+    shape = "?" if info.shape is None else "[" + ", ".join(
+        "?" if d is None else str(d) for d in info.shape) + "]"
+    return f"{info.name}: {info.type} {shape}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""Bad input gives an ember error with an actionable message, and the CLI exits 2 on it."""
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import ember
+from ember.cli import main as cli_main
+
+MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+MLP = os.path.join(MODELS, "mlp.onnx")
+
+
+def _save(model: onnx.ModelProto, path) -> str:
+    onnx.save(model, str(path))
+    return str(path)
+
+
+def _unknown_ops_model() -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("FrobnicateA", ["a"], ["b"], domain="com.example"),
+        helper.make_node("FrobnicateB", ["b"], ["c"], domain="com.example"),
+        helper.make_node("NotAnOnnxOp", ["c"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                   helper.make_opsetid("com.example", 1)])
+
+
+def test_truncated_file(tmp_path):
+    data = open(MLP, "rb").read()
+    path = tmp_path / "truncated.onnx"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ember.ModelLoadError, match="truncated or corrupt|no graph"):
+        ember.load(str(path))
+
+
+def test_garbage_file(tmp_path):
+    path = tmp_path / "garbage.onnx"
+    path.write_bytes(os.urandom(64) + b"\xff" * 64)
+    with pytest.raises(ember.ModelLoadError):
+        ember.load(str(path))
+
+
+def test_empty_and_missing_file(tmp_path):
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    with pytest.raises(ember.ModelLoadError, match="empty"):
+        ember.load(str(empty))
+    with pytest.raises(ember.ModelLoadError, match="not found"):
+        ember.load(str(tmp_path / "nope.onnx"))
+
+
+def test_unknown_ops_are_listed_all_at_once():
+    with pytest.raises(ember.UnsupportedOpError) as info:
+        ember.load(_unknown_ops_model())
+    message = str(info.value)
+    assert "com.example::FrobnicateA-1" in message
+    assert "com.example::FrobnicateB-1" in message
+    assert "NotAnOnnxOp" in message
+    assert "3 unsupported" in message
+    assert len(info.value.missing) == 3
+
+
+def test_missing_input_names_the_input():
+    sess = ember.load(MLP)
+    with pytest.raises(ember.InputError, match="missing input.*'x'.*tensor\\(float\\)"):
+        sess.run({})
+
+
+def test_unknown_input_name():
+    sess = ember.load(MLP)
+    with pytest.raises(ember.InputError, match="unknown input name.*'z'.*inputs are x"):
+        sess.run({"x": np.zeros((1, 4), np.float32), "z": np.zeros(1)})
+
+
+def test_wrong_dtype_names_expected_and_given():
+    sess = ember.load(MLP)
+    with pytest.raises(ember.InputError, match="'x' expects dtype float32, got float64"):
+        sess.run({"x": np.zeros((1, 4), np.float64)})
+
+
+def test_wrong_rank_and_fixed_dimension():
+    sess = ember.load(MLP)
+    with pytest.raises(ember.InputError, match="expects rank 2"):
+        sess.run({"x": np.zeros(4, np.float32)})
+    with pytest.raises(ember.InputError, match="expects size 4 in dimension 1"):
+        sess.run({"x": np.zeros((1, 5), np.float32)})
+
+
+def test_unknown_output_name():
+    sess = ember.load(MLP)
+    with pytest.raises(ember.InputError, match="unknown output name"):
+        sess.run({"x": np.zeros((1, 4), np.float32)}, outputs=["nope"])
+
+
+def _external_model(tmp_path, location: str) -> str:
+    weight = numpy_helper.from_array(np.arange(4, dtype=np.float32), "w")
+    weight.data_location = TensorProto.EXTERNAL
+    entry = weight.external_data.add()
+    entry.key, entry.value = "location", location
+    weight.ClearField("raw_data")
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    folder = tmp_path / "model_dir"
+    folder.mkdir(exist_ok=True)
+    return _save(model, folder / "model.onnx")
+
+
+@pytest.mark.parametrize("location", ["../secret.bin", "/etc/passwd", "sub/../../secret.bin"])
+def test_external_data_outside_model_folder_is_refused(tmp_path, location):
+    (tmp_path / "secret.bin").write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    path = _external_model(tmp_path, location)
+    with pytest.raises(ember.ModelLoadError, match="outside|absolute"):
+        ember.load(path)
+
+
+def test_external_data_symlink_out_is_refused(tmp_path):
+    (tmp_path / "secret.bin").write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    path = _external_model(tmp_path, "link.bin")
+    os.symlink(tmp_path / "secret.bin", tmp_path / "model_dir" / "link.bin")
+    with pytest.raises(ember.ModelLoadError, match="outside"):
+        ember.load(path)
+
+
+def test_external_data_inside_folder_is_read(tmp_path):
+    path = _external_model(tmp_path, "weights.bin")
+    (tmp_path / "model_dir" / "weights.bin").write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    out = ember.load(path).run({"x": np.ones(4, np.float32)})["y"]
+    np.testing.assert_array_equal(out, np.arange(4, dtype=np.float32) + 1)
+
+
+def test_large_external_tensor_is_memory_mapped(tmp_path):
+    from ember.importer import import_model
+
+    n = 1 << 19  # 2 MiB of float32, above the mmap threshold
+    path = _external_model(tmp_path, "big.bin")
+    model = onnx.load(path, load_external_data=False)
+    model.graph.initializer[0].dims[:] = [n]
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = n
+    model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = n
+    onnx.save(model, path)
+    (tmp_path / "model_dir" / "big.bin").write_bytes(np.arange(n, dtype=np.float32).tobytes())
+    weight = import_model(path).graph.initializers["w"]
+    assert isinstance(weight, np.memmap)
+    out = ember.load(path).run({"x": np.zeros(n, np.float32)})["y"]
+    np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32))
+
+
+# -- the CLI turns each of these into one line on stderr and exit code 2 -------------------------
+def test_cli_exit_2_on_corrupt_file(tmp_path, capsys):
+    path = tmp_path / "bad.onnx"
+    path.write_bytes(b"\x08\x07garbage" * 10)
+    assert cli_main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ember: error:") and "Traceback" not in err
+
+
+def test_cli_exit_2_on_unknown_op(tmp_path, capsys):
+    path = _save(_unknown_ops_model(), tmp_path / "unknown.onnx")
+    assert cli_main(["run", path]) == 2
+    err = capsys.readouterr().err
+    assert "FrobnicateA" in err and "FrobnicateB" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_exit_2_on_wrong_dtype_input(tmp_path, capsys):
+    npy = tmp_path / "x.npy"
+    np.save(npy, np.zeros((1, 4), np.float64))
+    assert cli_main(["run", MLP, "-i", f"x={npy}"]) == 2
+    assert "expects dtype float32" in capsys.readouterr().err
+
+
+def test_cli_exit_2_on_unknown_input(tmp_path, capsys):
+    npy = tmp_path / "x.npy"
+    np.save(npy, np.zeros((1, 4), np.float32))
+    assert cli_main(["run", MLP, "-i", f"nope={npy}"]) == 2
+    assert "unknown input name" in capsys.readouterr().err

@@ -1,0 +1,56 @@
+"""Models exported from PyTorch run in ember and match onnxruntime to 1e-4 relative.
+
+Built by models/export_torch_models.py into a cache folder; skipped where torch is absent
+(.ci/run installs it). Tolerance: |ember - ort| <= 1e-4 * (|ort| + max|ort|), i.e. 1e-4
+relative, measured against the output's scale so values near zero are not held to 1e-4 of
+themselves.
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import ember
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxscript")
+ort = pytest.importorskip("onnxruntime")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "models"))
+import export_torch_models  # noqa: E402
+
+CACHE = os.path.join(REPO, ".cache", f"torch-models-{torch.__version__}")
+NAMES = list(export_torch_models.model_specs())
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def exported(request):
+    name = request.param
+    path = os.path.join(CACHE, f"{name}.onnx")
+    if not os.path.exists(path):
+        export_torch_models.export(name, CACHE)
+    inputs = dict(np.load(os.path.join(CACHE, f"{name}.inputs.npz")))
+    return name, path, inputs
+
+
+def assert_close_relative(actual: np.ndarray, expected: np.ndarray, rtol: float = 1e-4):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    scale = float(np.max(np.abs(expected))) if expected.size else 0.0
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
+
+
+def test_matches_onnxruntime(exported):
+    name, path, inputs = exported
+    want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, inputs)
+    got = ember.load(path).run(inputs)
+    assert len(got) == len(want)
+    for act, exp in zip(got.values(), want):
+        assert_close_relative(act, exp)
+
+
+def test_opsets_are_as_exported(exported):
+    name, path, _ = exported
+    opset = ember.load(path).model.opsets[""]
+    assert opset == (17 if name == "lstm_gru" else 18)

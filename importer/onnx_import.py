@@ -2,7 +2,8 @@
 
 Phases, in order: read bytes safely, parse, resolve opsets per domain, inline model-local
 functions, decode every graph (subgraphs included) into IR nodes with decoded attributes,
-and record which outer-scope values each subgraph-carrying node reads.
+record which outer-scope values each subgraph-carrying node reads, and rewrite Gradient
+nodes into the ops that compute them.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from ember.errors import ModelLoadError
+from ember.importer.gradient import expand_gradient_nodes
 from ember.importer.onnx_values import decode_attribute, decode_type, tensor_to_array
 from ember.ir import Graph, Model, Node, ValueInfo
 from ember.ops.registry import normalize_domain
@@ -70,8 +72,10 @@ class Importer:
 
     def model(self, path: str | None = None) -> Model:
         p = self.proto
+        graph = self.graph(p.graph, self.opsets)
+        expand_gradient_nodes(graph, self.opsets.get("", 1))  # training-preview Gradient nodes
         return Model(
-            graph=self.graph(p.graph, self.opsets),
+            graph=graph,
             opsets=dict(self.opsets),
             ir_version=p.ir_version,
             producer_name=p.producer_name,

@@ -1,18 +1,389 @@
-"""Elementwise ops: unary math, binary arithmetic with numpy broadcasting, activations."""
+"""Elementwise ops: unary math, binary arithmetic / comparison / logic with numpy broadcasting,
+bit operations, and the variadic Max/Min/Sum/Mean. Activations live in ops/activations.py.
+
+Most ops are one numpy ufunc and are declared by one line in the tables below; ops with
+attributes or semantics of their own (integer Div, Mod, Pow's mixed types, BitShift, Clip,
+IsInf, Where, ...) are small classes.
+
+Dtypes: outputs keep the input dtype (bool for comparisons and predicates). numpy computes
+float16 and the ml_dtypes floats (bfloat16, float8s) elementwise by widening each value to
+float32 and rounding the result back, so one ufunc on them is exact-rounded; multi-step formulas
+widen explicitly with `widen()` and round once at the end.
+
+Opset-1/6 binary ops carry `broadcast`/`axis` attributes: with `axis` set, B's shape matches a
+contiguous run of A's dims starting at `axis` (B is reshaped with trailing 1s); without it,
+B matches A's trailing dims, which is numpy broadcasting.
+"""
 from __future__ import annotations
+
+import functools
+import sys
 
 import numpy as np
 
+from ember.ops._dtypes import is_narrow_float, widen
 from ember.ops.registry import OpImpl, register
 
 
-@register("Add", versions=[7, 13, 14])
-class Add(OpImpl):
-    def run(self, a, b):
-        return np.add(a, b)
+# ------------------------------------------------------------------------------------ helpers
+
+def back(y, dtype: np.dtype) -> np.ndarray:
+    """`y` (a result computed on `widen`ed inputs) cast back to the op's output dtype."""
+    return np.asarray(y).astype(dtype, copy=False)
 
 
-@register("Relu", versions=[6, 13, 14])
-class Relu(OpImpl):
+# Coefficients of the rational approximations of erf (|x| <= 1) and erfc (1 <= x < 8) from
+# Cephes' ndtr.c (S. L. Moshier); relative error below 2e-16 in float64.
+_ERF_T = (9.60497373987051638749e0, 9.00260197203842689217e1, 2.23200534594684319226e3,
+          7.00332514112805075473e3, 5.55923013010394962768e4)
+_ERF_U = (1.0, 3.35617141647503099647e1, 5.21357949780152679795e2, 4.59432382970980127987e3,
+          2.26290000613890934246e4, 4.92673942608635921086e4)
+_ERFC_P = (2.46196981473530512524e-10, 5.64189564831068821977e-1, 7.46321056442269912687e0,
+           4.86371970985681366614e1, 1.96520832956077098242e2, 5.26445194995477358631e2,
+           9.34528527171957607540e2, 1.02755188689515710272e3, 5.57535335369399327526e2)
+_ERFC_Q = (1.0, 1.32281951154744992508e1, 8.67072140885989742329e1, 3.54937778887819891062e2,
+           9.75708501743205489753e2, 1.82390916687909736289e3, 2.24633760818710981792e3,
+           1.65666309194161350182e3, 5.57535340817727675546e2)
+
+
+def _poly(coefs, x):
+    """Horner evaluation of a polynomial (highest power first), in place, in x's dtype."""
+    acc = np.empty_like(x)
+    acc.fill(coefs[0])
+    for c in coefs[1:]:
+        acc *= x
+        acc += c
+    return acc
+
+
+def _erf_small(z):  # |z| <= 1
+    z2 = z * z
+    y = _poly(_ERF_T, z2)
+    y *= z
+    y /= _poly(_ERF_U, z2)
+    return y
+
+
+def _erf_big(z):  # |z| > 1 (and NaN, which propagates): sign(z) * (1 - erfc(|z|))
+    a = np.abs(z)
+    np.minimum(a, 8.0, out=a)  # erfc(8) ~ 1e-29: erf is +-1 to double precision beyond
+    e = a * a
+    np.negative(e, out=e)
+    np.exp(e, out=e)
+    e *= _poly(_ERFC_P, a)
+    e /= _poly(_ERFC_Q, a)
+    np.subtract(1.0, e, out=e)
+    return np.copysign(e, z, out=e)
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """Vectorised erf in x's dtype (float32 or float64), accurate to that dtype's precision."""
+    x = np.asarray(x)
+    if x.ndim == 0:
+        return erf(x.reshape(1)).reshape(())
+    with np.errstate(all="ignore"):
+        small = np.abs(x) <= 1.0
+        n = np.count_nonzero(small)
+        if n == small.size:
+            return _erf_small(x)
+        if n == 0:
+            return _erf_big(x)
+        out = np.empty_like(x)
+        out[small] = _erf_small(x[small])
+        big = ~small
+        out[big] = _erf_big(x[big])
+    return out
+
+
+def _legacy_align(self, a, b):
+    """Opset-1/6 limited broadcasting: B aligned to A's dims starting at `axis`."""
+    if getattr(self, "broadcast", 0) and self.axis is not None and np.ndim(b) and np.ndim(a):
+        axis = self.axis + a.ndim if self.axis < 0 else self.axis
+        if not 0 <= axis <= a.ndim - b.ndim:
+            raise self.fail(f"axis {self.axis} cannot align shape {b.shape} with {a.shape}")
+        b = b.reshape(b.shape + (1,) * (a.ndim - axis - b.ndim))
+    return a, b
+
+
+# ----------------------------------------------------------------------- table-driven classes
+
+class Unary(OpImpl):
+    """y = fn(x)."""
+    fn = staticmethod(np.positive)
+
     def run(self, x):
-        return np.maximum(x, x.dtype.type(0))
+        return self.fn(x)
+
+
+class QuietUnary(Unary):
+    """y = fn(x) for math that can leave its domain (log(0), sqrt(-1), ...): IEEE results,
+    numpy's floating-point warnings silenced (np.errstate costs ~1us, so only here)."""
+
+    def run(self, x):
+        with np.errstate(all="ignore"):
+            return self.fn(x)
+
+
+class Binary(OpImpl):
+    """z = fn(a, b) with numpy (multidirectional) broadcasting. (No np.errstate here: it costs
+    more than a small Add; the kernels that can divide by zero silence warnings themselves.)"""
+    fn = staticmethod(np.add)
+
+    def run(self, a, b):
+        return self.fn(a, b)
+
+
+class LegacyBinary(Binary):
+    """Opset-1/6 form of a binary op, with `broadcast` and `axis` attributes."""
+
+    def run(self, a, b):
+        a, b = _legacy_align(self, a, b)
+        return self.fn(a, b)
+
+
+class Variadic(OpImpl):
+    """fn folded over 1..N inputs with broadcasting (Max, Min, Sum)."""
+    fn = staticmethod(np.add)
+
+    def run(self, *xs):
+        xs = [x for x in xs if x is not None]
+        if not xs:
+            raise self.fail("needs at least one input")
+        if len(xs) == 1:
+            return xs[0].copy()
+        return functools.reduce(self.fn, xs)
+
+
+def _declare(base: type, op: str, versions: list[int], fn, name: str) -> type:
+    """A subclass of `base` computing `fn`, registered for `op` at `versions`."""
+    module = sys._getframe(2).f_globals.get("__name__", __name__)  # the declaring module
+    cls = type(name, (base,), {"fn": staticmethod(fn), "__module__": module,
+                               "__qualname__": name, "__doc__": base.__doc__})
+    return register(op, versions)(cls)
+
+
+def unary(op: str, versions: list[int], fn, quiet: bool = False) -> type:
+    """Declare `op` as y = fn(x); `quiet` silences numpy's floating-point warnings."""
+    return _declare(QuietUnary if quiet else Unary, op, versions, fn, op)
+
+
+def binary(op: str, versions: list[int], fn) -> type:
+    """Declare `op` as z = fn(a, b) with numpy broadcasting."""
+    return _declare(Binary, op, versions, fn, op)
+
+
+def legacy_binary(op: str, versions: list[int], fn) -> type:
+    """Declare the opset-1/6 form of a binary op (`broadcast`/`axis` attributes)."""
+    return _declare(LegacyBinary, op, versions, fn, f"{op}{versions[0]}")
+
+
+def variadic(op: str, versions: list[int], fn) -> type:
+    """Declare `op` as fn folded over its 1..N inputs."""
+    return _declare(Variadic, op, versions, fn, op)
+
+
+# ------------------------------------------------------------------------------- unary math
+
+def _float_erf(x):
+    if x.dtype in (np.float32, np.float64):
+        return erf(x)
+    return back(erf(x.astype(np.float32)), x.dtype)
+
+
+Abs        = unary("Abs",        [1, 6, 13],  np.abs)
+Neg        = unary("Neg",        [1, 6, 13],  np.negative)
+Sign       = unary("Sign",       [9, 13],     np.sign)
+Ceil       = unary("Ceil",       [1, 6, 13],  np.ceil)
+Floor      = unary("Floor",      [1, 6, 13],  np.floor)
+Round      = unary("Round",      [11, 22],    np.round)  # halves to even, like ONNX
+IsNaN      = unary("IsNaN",      [9, 13, 20], np.isnan)
+Not        = unary("Not",        [1],         np.logical_not)
+BitwiseNot = unary("BitwiseNot", [18],        np.invert)
+Reciprocal = unary("Reciprocal", [1, 6, 13],  np.reciprocal, quiet=True)
+Sqrt       = unary("Sqrt",       [1, 6, 13],  np.sqrt, quiet=True)
+Exp        = unary("Exp",        [1, 6, 13],  np.exp, quiet=True)
+Log        = unary("Log",        [1, 6, 13],  np.log, quiet=True)
+Erf        = unary("Erf",        [9, 13],     _float_erf, quiet=True)
+Sin        = unary("Sin",        [7, 22],     np.sin, quiet=True)
+Cos        = unary("Cos",        [7, 22],     np.cos, quiet=True)
+Tan        = unary("Tan",        [7, 22],     np.tan, quiet=True)
+Asin       = unary("Asin",       [7, 22],     np.arcsin, quiet=True)
+Acos       = unary("Acos",       [7, 22],     np.arccos, quiet=True)
+Atan       = unary("Atan",       [7, 22],     np.arctan, quiet=True)
+Sinh       = unary("Sinh",       [9, 22],     np.sinh, quiet=True)
+Cosh       = unary("Cosh",       [9, 22],     np.cosh, quiet=True)
+Tanh       = unary("Tanh",       [1, 6, 13],  np.tanh, quiet=True)
+Asinh      = unary("Asinh",      [9, 22],     np.arcsinh, quiet=True)
+Acosh      = unary("Acosh",      [9, 22],     np.arccosh, quiet=True)
+Atanh      = unary("Atanh",      [9, 22],     np.arctanh, quiet=True)
+
+
+@register("IsInf", versions=[10, 20])
+class IsInf(OpImpl):
+    def run(self, x):
+        if self.detect_positive and self.detect_negative:
+            return np.isinf(x)
+        if self.detect_positive:
+            return np.isposinf(widen(x))
+        if self.detect_negative:
+            return np.isneginf(widen(x))
+        return np.zeros(x.shape, dtype=bool)
+
+
+# --------------------------------------------------------------------------------- arithmetic
+
+def _div(a, b):
+    """Div: true division for floats; integers truncate toward zero (C semantics)."""
+    with np.errstate(all="ignore"):  # x/0 gives inf/nan for floats, 0 for integers
+        if a.dtype.kind not in "iu":
+            return np.divide(a, b)
+        if a.dtype.kind == "u":
+            return np.floor_divide(a, b)
+        # a - fmod(a, b) is an exact multiple of b of smaller magnitude than a: no overflow.
+        return np.floor_divide(a - np.fmod(a, b), b)
+
+
+def _pow(x, y):
+    """Pow: the output has the base's dtype whatever the exponent's (opset 12+)."""
+    with np.errstate(all="ignore"):
+        return _pow_kernel(x, y)
+
+
+def _pow_kernel(x, y):
+    if x.dtype.kind in "iu":
+        if y.dtype.kind in "iu" and not (y < 0).any():
+            return np.power(x, y.astype(x.dtype, copy=False))
+        # Non-integral or negative exponents: compute in float64, truncate like a C cast.
+        return back(np.trunc(np.power(x.astype(np.float64), y.astype(np.float64))), x.dtype)
+    if y.dtype != x.dtype:
+        if is_narrow_float(x.dtype):
+            return back(np.power(x.astype(np.float32), y.astype(np.float32)), x.dtype)
+        y = y.astype(x.dtype)
+    return np.power(x, y)
+
+
+Add = binary("Add", [7, 13, 14],     np.add)
+Sub = binary("Sub", [7, 13, 14],     np.subtract)
+Mul = binary("Mul", [7, 13, 14],     np.multiply)
+Div = binary("Div", [7, 13, 14],     _div)
+Pow = binary("Pow", [7, 12, 13, 15], _pow)
+
+Add1 = legacy_binary("Add", [1, 6], np.add)
+Sub1 = legacy_binary("Sub", [1, 6], np.subtract)
+Mul1 = legacy_binary("Mul", [1, 6], np.multiply)
+Div1 = legacy_binary("Div", [1, 6], _div)
+Pow1 = legacy_binary("Pow", [1],    _pow)
+
+
+@register("Mod", versions=[10, 13, 28])
+class Mod(OpImpl):
+    """fmod=0: result has the sign of B (Python/numpy %); fmod=1: sign of A (C fmod)."""
+
+    def setup(self):
+        if self.fmod not in (0, 1):
+            raise self.fail(f"fmod must be 0 or 1, got {self.fmod}")
+
+    def run(self, a, b):
+        with np.errstate(all="ignore"):
+            return np.fmod(a, b) if self.fmod else np.mod(a, b)
+
+
+Max = variadic("Max", [1, 6, 8, 12, 13], np.maximum)
+Min = variadic("Min", [1, 6, 8, 12, 13], np.minimum)
+Sum = variadic("Sum", [1, 6, 8, 13],     np.add)
+
+
+@register("Mean", versions=[1, 6, 8, 13])
+class Mean(Variadic):
+    def run(self, *xs):
+        xs = [x for x in xs if x is not None]
+        if not xs:
+            raise self.fail("needs at least one input")
+        if len(xs) == 1:
+            return xs[0].copy()
+        total = functools.reduce(np.add, [widen(x) for x in xs])
+        return back(total / len(xs), xs[0].dtype)
+
+
+@register("Clip", versions=[1, 6])
+class Clip1(OpImpl):
+    """Clip with `min`/`max` attributes (absent: unbounded)."""
+
+    def run(self, x):
+        y = x
+        with np.errstate(all="ignore"):  # the default bounds overflow float16 to +-inf
+            if self.min is not None:
+                y = np.maximum(y, np.asarray(self.min).astype(x.dtype))
+            if self.max is not None:
+                y = np.minimum(y, np.asarray(self.max).astype(x.dtype))
+        return y if y is not x else x.copy()
+
+
+@register("Clip", versions=[11, 12, 13])
+class Clip(OpImpl):
+    """Clip with optional scalar `min`/`max` inputs; min > max gives max everywhere."""
+
+    def run(self, x, lo=None, hi=None):
+        y = x
+        if lo is not None and np.size(lo):  # an empty tensor also means "no bound"
+            y = np.maximum(y, np.asarray(lo, dtype=x.dtype).reshape(()))
+        if hi is not None and np.size(hi):
+            y = np.minimum(y, np.asarray(hi, dtype=x.dtype).reshape(()))
+        return y if y is not x else x.copy()
+
+
+# -------------------------------------------------------------------- comparison and logic
+
+Equal          = binary("Equal",          [7, 11, 13, 19], np.equal)
+Greater        = binary("Greater",        [7, 9, 13],      np.greater)
+Less           = binary("Less",           [7, 9, 13],      np.less)
+GreaterOrEqual = binary("GreaterOrEqual", [12, 16],        np.greater_equal)
+LessOrEqual    = binary("LessOrEqual",    [12, 16],        np.less_equal)
+And            = binary("And",            [7],             np.logical_and)
+Or             = binary("Or",             [7],             np.logical_or)
+Xor            = binary("Xor",            [7],             np.logical_xor)
+BitwiseAnd     = binary("BitwiseAnd",     [18],            np.bitwise_and)
+BitwiseOr      = binary("BitwiseOr",      [18],            np.bitwise_or)
+BitwiseXor     = binary("BitwiseXor",     [18],            np.bitwise_xor)
+
+Equal1   = legacy_binary("Equal",   [1], np.equal)
+Greater1 = legacy_binary("Greater", [1], np.greater)
+Less1    = legacy_binary("Less",    [1], np.less)
+And1     = legacy_binary("And",     [1], np.logical_and)
+Or1      = legacy_binary("Or",      [1], np.logical_or)
+Xor1     = legacy_binary("Xor",     [1], np.logical_xor)
+
+
+@register("BitShift", versions=[11, 28])
+class BitShift(OpImpl):
+    """Shifts by Y bits; Y < 0 or >= the bit width gives 0 (-1 for a right shift of a negative
+    signed X, i.e. pure sign extension). Right shifts of signed types are arithmetic."""
+
+    def setup(self):
+        direction = self.direction.decode() if isinstance(self.direction, bytes) \
+            else self.direction
+        if direction not in ("LEFT", "RIGHT"):
+            raise self.fail(f"direction must be 'LEFT' or 'RIGHT', got {direction!r}")
+        self.left = direction == "LEFT"
+
+    def run(self, x, y):
+        bits = x.dtype.itemsize * 8
+        out_of_range = (y >= bits) | (y < 0) if y.dtype.kind == "i" else y >= bits
+        if out_of_range.any():
+            safe = np.where(out_of_range, 0, y).astype(x.dtype)
+        else:
+            safe = y
+        z = np.left_shift(x, safe) if self.left else np.right_shift(x, safe)
+        if out_of_range.any():
+            if self.left or x.dtype.kind == "u":
+                fill = np.zeros((), x.dtype)
+            else:
+                fill = np.where(x < 0, x.dtype.type(-1), x.dtype.type(0))
+            z = np.where(out_of_range, fill, z)
+        return z
+
+
+@register("Where", versions=[9, 16])
+class Where(OpImpl):
+    def run(self, condition, x, y):
+        return np.where(condition, x, y)

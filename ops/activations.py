@@ -1,0 +1,167 @@
+"""Activation functions: Relu, Sigmoid, Softplus, Gelu, Swish/SwiGLU and the parametrised units.
+
+Multi-step formulas run in `widen(x)` (float32 for float16/bfloat16 inputs, else x's own dtype)
+and are rounded to the input dtype once at the end. Float attributes are Python floats, which
+numpy treats as weakly typed, so they never widen a float32 computation.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ember.ops._dtypes import widen
+from ember.ops.elementwise import back, erf, unary
+from ember.ops.registry import OpImpl, register
+
+
+def _float_op(formula):
+    """A unary kernel evaluating `formula(w)` on the widened input, cast back to x's dtype."""
+    def fn(x):
+        with np.errstate(all="ignore"):
+            return back(formula(widen(x)), x.dtype)
+    return fn
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-x)) without overflow, keeping relative precision for very negative x."""
+    e = np.exp(-np.abs(x))
+    s = 1 / (1 + e)
+    return np.where(x >= 0, s, e * s)
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + exp(x)) without overflow."""
+    return np.logaddexp(x.dtype.type(0), x)
+
+
+def _relu(x):
+    return np.maximum(x, np.zeros((), x.dtype))
+
+
+def _softsign(w):
+    return w / (1 + np.abs(w))
+
+
+def _hardswish(w):
+    return w * np.clip(w / 6 + 0.5, 0, 1)
+
+
+def _mish(w):
+    return w * np.tanh(softplus(w))
+
+
+Relu      = unary("Relu",      [1, 6, 13, 14], _relu)
+Sigmoid   = unary("Sigmoid",   [1, 6, 13],     _float_op(sigmoid))
+Softplus  = unary("Softplus",  [1, 22],        _float_op(softplus))
+Softsign  = unary("Softsign",  [1, 22],        _float_op(_softsign))
+HardSwish = unary("HardSwish", [14, 22],       _float_op(_hardswish))
+Mish      = unary("Mish",      [18, 22],       _float_op(_mish))
+
+
+class _FloatActivation(OpImpl):
+    """Base for activations with attributes: `formula(w)` on the widened input."""
+
+    def formula(self, w):  # pragma: no cover - every subclass overrides it
+        raise NotImplementedError
+
+    def run(self, x):
+        with np.errstate(all="ignore"):
+            return back(self.formula(widen(x)), x.dtype)
+
+
+@register("Elu", versions=[1, 6, 22])
+class Elu(_FloatActivation):
+    def formula(self, w):
+        return np.where(w >= 0, w, self.alpha * np.expm1(np.minimum(w, 0)))
+
+
+@register("Celu", versions=[12, 28])
+class Celu(_FloatActivation):
+    def setup(self):
+        if self.alpha == 0:
+            raise self.fail("alpha must not be 0")
+
+    def formula(self, w):
+        return np.maximum(w, 0) + np.minimum(0, self.alpha * np.expm1(w / self.alpha))
+
+
+@register("Selu", versions=[1, 6, 22])
+class Selu(_FloatActivation):
+    def formula(self, w):
+        return self.gamma * np.where(w > 0, w, self.alpha * np.expm1(np.minimum(w, 0)))
+
+
+@register("LeakyRelu", versions=[1, 6, 16])
+class LeakyRelu(_FloatActivation):
+    def formula(self, w):
+        return np.where(w >= 0, w, self.alpha * w)
+
+
+@register("ThresholdedRelu", versions=[10, 22])
+class ThresholdedRelu(_FloatActivation):
+    def formula(self, w):
+        return np.where(w > self.alpha, w, 0)
+
+
+@register("HardSigmoid", versions=[1, 6, 22])
+class HardSigmoid(_FloatActivation):
+    def formula(self, w):
+        return np.clip(self.alpha * w + self.beta, 0, 1)
+
+
+@register("Gelu", versions=[20])
+class Gelu(_FloatActivation):
+    def setup(self):
+        approximate = self.approximate.decode() if isinstance(self.approximate, bytes) \
+            else self.approximate
+        if approximate not in ("none", "tanh"):
+            raise self.fail(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.tanh = approximate == "tanh"
+
+    def formula(self, w):
+        if self.tanh:
+            inner = math.sqrt(2 / math.pi) * (w + 0.044715 * w ** 3)
+            return 0.5 * w * (1 + np.tanh(inner))
+        return 0.5 * w * (1 + erf(w * math.sqrt(0.5)))
+
+
+@register("Swish", versions=[24])
+class Swish(_FloatActivation):
+    def formula(self, w):
+        return w * sigmoid(self.alpha * w)
+
+
+@register("SwiGLU", versions=[28])
+class SwiGLU(OpImpl):
+    """Y = Swish_alpha(A) * B, with A and B of identical shapes."""
+
+    def run(self, a, b):
+        if a.shape != b.shape:
+            raise self.fail(f"A and B must have the same shape, got {a.shape} and {b.shape}")
+        with np.errstate(all="ignore"):
+            wa = widen(a)
+            return back(wa * sigmoid(self.alpha * wa) * widen(b), a.dtype)
+
+
+@register("Shrink", versions=[9])
+class Shrink(OpImpl):
+    """x - bias where x > lambd, x + bias where x < -lambd, else 0 (any numeric type)."""
+
+    def run(self, x):
+        w = widen(x) if x.dtype.kind not in "iu" else x.astype(np.float64)
+        y = np.where(w > self.lambd, w - self.bias,
+                     np.where(w < -self.lambd, w + self.bias, 0))
+        return back(y, x.dtype)
+
+
+@register("PRelu", versions=[1, 6, 7, 9, 16])
+class PRelu(OpImpl):
+    """slope * x where x < 0, else x; slope broadcasts unidirectionally onto x."""
+
+    def run(self, x, slope):
+        if self.version < 7 and slope.ndim == 1 and slope.size > 1 and x.ndim > 2 \
+                and slope.size == x.shape[1]:
+            slope = slope.reshape((-1,) + (1,) * (x.ndim - 2))  # opset 1/6: per channel
+        with np.errstate(all="ignore"):
+            return np.where(x < 0, x * slope, x).astype(x.dtype, copy=False)

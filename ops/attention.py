@@ -1,0 +1,376 @@
+"""Attention family: Attention (23/24/25), RotaryEmbedding (23), LinearAttention (27),
+ai.onnx.preview::FlexAttention (1).
+
+Attention runs as batched matmuls over (batch, heads) with numpy broadcasting; narrow float
+inputs (float16, bfloat16) are computed in float32 and cast back at the end.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ember.ops._dtypes import is_narrow_float, work_dtype
+from ember.ops.registry import OpImpl, register
+
+# ONNX TensorProto data type codes accepted by softmax_precision
+_PRECISION = {1: np.float32, 10: np.float16, 11: np.float64}
+
+
+def _precision_dtype(code):
+    if code == 16:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(_PRECISION[code])
+
+
+def _masked_softmax(scores: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis; rows that are entirely -inf give zeros, not NaN."""
+    m = np.max(scores, axis=-1, keepdims=True)
+    m[~np.isfinite(m)] = 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        e = np.subtract(scores, m)  # a fresh array: the in-place steps below never touch input
+        np.exp(e, out=e)
+        s = np.sum(e, axis=-1, keepdims=True)
+        s[s == 0] = 1
+        e /= s
+    return e
+
+
+class _Attention(OpImpl):
+    has_nonpad = False
+    has_window = False
+
+    def setup(self):
+        self.is_causal = bool(self.is_causal)
+        self.softcap = float(self.softcap or 0.0)
+        mode = int(self.qk_matmul_output_mode or 0)
+        if mode not in (0, 1, 2, 3):
+            raise self.fail(f"qk_matmul_output_mode must be 0..3, got {mode}")
+        self.mode = mode
+        if self.softmax_precision is not None and self.softmax_precision not in (1, 10, 11, 16):
+            raise self.fail(f"unsupported softmax_precision {self.softmax_precision}")
+        self.left = int(getattr(self, "left_window_size", -1) if self.has_window else -1)
+        self.right = int(getattr(self, "right_window_size", -1) if self.has_window else -1)
+
+    def _to_4d(self, x, heads, what):
+        if x.ndim == 4:
+            return x
+        if x.ndim != 3:
+            raise self.fail(f"{what} must be 3-D or 4-D, got shape {x.shape}")
+        if not heads:
+            raise self.fail("3-D inputs need the q_num_heads and kv_num_heads attributes")
+        b, s, hidden = x.shape
+        if hidden % heads:
+            raise self.fail(f"{what} hidden size {hidden} is not divisible by {heads} heads")
+        return x.reshape(b, s, heads, hidden // heads).transpose(0, 2, 1, 3)
+
+    def run(self, Q, K, V, attn_mask=None, past_key=None, past_value=None,
+            nonpad_kv_seqlen=None):
+        out_dtype = Q.dtype
+        in3d = Q.ndim == 3
+        q = self._to_4d(Q, self.q_num_heads, "Q")
+        k = self._to_4d(K, self.kv_num_heads, "K")
+        v = self._to_4d(V, self.kv_num_heads, "V")
+        if nonpad_kv_seqlen is not None and not self.has_nonpad:
+            raise self.fail("nonpad_kv_seqlen is an input from opset 24 on")
+        if (past_key is None) != (past_value is None):
+            raise self.fail("past_key and past_value must be given together")
+        past_len = 0
+        if past_key is not None:
+            past_len = past_key.shape[2]
+            k = np.concatenate([past_key, k.astype(past_key.dtype, copy=False)], axis=2)
+            v = np.concatenate([past_value, v.astype(past_value.dtype, copy=False)], axis=2)
+        present_k, present_v = k, v
+
+        batch, q_heads, q_len, head = q.shape
+        kv_heads, total = k.shape[1], k.shape[2]
+        if q_heads % kv_heads:
+            raise self.fail(f"q heads {q_heads} not a multiple of kv heads {kv_heads}")
+        work = work_dtype(out_dtype)
+        qw = q.astype(work, copy=False)
+        kw = k.astype(work, copy=False)
+        vw = v.astype(work_dtype(V.dtype), copy=False)
+        # GQA without copying K/V: query head h uses kv head h // group, so the query heads of
+        # one kv head are contiguous and fold into the sequence axis of one batched matmul.
+        group = q_heads // kv_heads
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head)
+        root = work.type(math.sqrt(scale))
+        qg = (qw * root).reshape(batch, kv_heads, group * q_len, head)
+        scores = np.matmul(qg, np.swapaxes(kw * root, -1, -2)).reshape(
+            batch, q_heads, q_len, total)
+        qk_out = scores if self.mode == 0 else None
+        if self.softcap > 0:
+            cap = work.type(self.softcap)
+            scores = cap * np.tanh(scores / cap)
+        if self.mode == 1:
+            qk_out = scores
+
+        bias = self._bias(attn_mask, batch, q_len, total, past_len, nonpad_kv_seqlen, work)
+        if bias is not None:
+            scores = scores + bias
+        if self.mode == 2:
+            qk_out = scores
+
+        if self.softmax_precision is not None:
+            sdt = _precision_dtype(self.softmax_precision)
+            probs = _masked_softmax(scores.astype(sdt).astype(np.float32) if
+                                    is_narrow_float(sdt) else scores.astype(sdt))
+            if is_narrow_float(sdt):
+                probs = probs.astype(sdt)
+            probs = probs.astype(work)
+        else:
+            probs = _masked_softmax(scores)
+        if self.mode == 3:
+            qk_out = probs
+
+        y = np.matmul(probs.reshape(batch, kv_heads, group * q_len, total), vw).reshape(
+            batch, q_heads, q_len, vw.shape[-1])
+        if in3d:
+            y = y.transpose(0, 2, 1, 3).reshape(batch, q_len, -1)
+        y = y.astype(out_dtype, copy=False)
+        results = [y, present_k, present_v]
+        if self.n_outputs > 3:
+            results.append(qk_out.astype(out_dtype, copy=False))
+        return tuple(results[:max(self.n_outputs, 1)])
+
+    def _bias(self, attn_mask, batch, q_len, total, past_len, nonpad, work):
+        """Additive bias broadcastable to (batch, heads, q_len, total), or None."""
+        neg = work.type(-np.inf)
+        bias = None
+        if attn_mask is not None:
+            m = attn_mask
+            if m.dtype == bool:
+                m = np.where(m, work.type(0), neg)
+            else:
+                m = m.astype(work)
+            if m.shape[-1] < total:
+                pad = [(0, 0)] * (m.ndim - 1) + [(0, total - m.shape[-1])]
+                m = np.pad(m, pad, constant_values=-np.inf)
+            elif m.shape[-1] > total:
+                raise self.fail(f"attn_mask last dimension {m.shape[-1]} exceeds total "
+                                f"sequence length {total}")
+            bias = m
+        # structural constraints: causal, sliding window, non-padded kv length
+        allowed = None
+        rows = np.arange(q_len).reshape(-1, 1)
+        cols = np.arange(total).reshape(1, -1)
+        if nonpad is not None and past_len == 0:
+            offset = np.asarray(nonpad, np.int64).reshape(-1, 1, 1, 1) - q_len
+        else:
+            offset = past_len
+        pos = rows + offset  # absolute query position(s)
+        if self.is_causal:
+            allowed = cols <= pos
+        if self.left >= 0:
+            a = cols >= pos - self.left
+            allowed = a if allowed is None else allowed & a
+        if self.right >= 0:
+            a = cols <= pos + self.right
+            allowed = a if allowed is None else allowed & a
+        if nonpad is not None:
+            a = cols < np.asarray(nonpad, np.int64).reshape(-1, 1, 1, 1)
+            allowed = a if allowed is None else allowed & a
+        if allowed is not None:
+            structural = np.where(allowed, work.type(0), neg)
+            bias = structural if bias is None else bias + structural
+        return bias
+
+
+@register("Attention", versions=[23])
+class Attention23(_Attention):
+    pass
+
+
+@register("Attention", versions=[24])
+class Attention24(_Attention):
+    has_nonpad = True
+
+
+@register("Attention", versions=[25])
+class Attention25(_Attention):
+    has_nonpad = True
+    has_window = True
+
+
+# --------------------------------------------------------------------------------------------
+
+@register("RotaryEmbedding", versions=[23])
+class RotaryEmbedding(OpImpl):
+    def setup(self):
+        self.interleaved = bool(self.interleaved)
+        self.rot_dim = int(self.rotary_embedding_dim or 0)
+
+    def run(self, x, cos_cache, sin_cache, position_ids=None):
+        shape = x.shape
+        if x.ndim == 4:
+            xs = x  # (B, H, S, D); caches broadcast as (B, 1, S, d/2)
+            head_axis = 1
+        elif x.ndim == 3:
+            if not self.num_heads:
+                raise self.fail("3-D input needs the num_heads attribute")
+            b, s, hidden = shape
+            if hidden % self.num_heads:
+                raise self.fail(f"hidden size {hidden} not divisible by {self.num_heads} heads")
+            xs = x.reshape(b, s, self.num_heads, hidden // self.num_heads)  # (B, S, H, D)
+            head_axis = 2
+        else:
+            raise self.fail(f"input must be 3-D or 4-D, got shape {shape}")
+        head = xs.shape[-1]
+        rot = self.rot_dim or head
+        if rot > head or rot % 2:
+            raise self.fail(f"rotary_embedding_dim {rot} invalid for head size {head}")
+        half = rot // 2
+        if position_ids is not None:
+            cos = np.take(cos_cache, position_ids, axis=0)
+            sin = np.take(sin_cache, position_ids, axis=0)
+        else:
+            cos, sin = cos_cache, sin_cache
+        if cos.shape[-1] != half or sin.shape[-1] != half:
+            raise self.fail(f"cos/sin caches have last dimension {cos.shape[-1]}, "
+                            f"expected {half}")
+        work = work_dtype(x.dtype)
+        cos = np.expand_dims(cos.astype(work, copy=False), head_axis)  # (B, 1, S, h) / (B, S, 1, h)
+        sin = np.expand_dims(sin.astype(work, copy=False), head_axis)
+        xw = xs.astype(work, copy=False)
+        xr = xw[..., :rot]
+        if self.interleaved:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        else:
+            x1, x2 = xr[..., :half], xr[..., half:]
+        real = cos * x1 - sin * x2
+        imag = sin * x1 + cos * x2
+        out = np.empty(xw.shape, work)
+        if self.interleaved:
+            out[..., 0:rot:2] = real
+            out[..., 1:rot:2] = imag
+        else:
+            out[..., :half] = real
+            out[..., half:rot] = imag
+        out[..., rot:] = xw[..., rot:]
+        return out.reshape(shape).astype(x.dtype, copy=False)
+
+
+# --------------------------------------------------------------------------------------------
+
+@register("LinearAttention", versions=[27])
+class LinearAttention(OpImpl):
+    """Recurrent linear attention, run step by step over the sequence (vectorised over batch
+    and heads). The state S has shape (B, H_kv, d_k, d_v)."""
+
+    _RULES = ("linear", "gated", "delta", "gated_delta")
+
+    def setup(self):
+        rule = self.update_rule
+        if isinstance(rule, bytes):
+            rule = rule.decode()
+        if rule not in self._RULES:
+            raise self.fail(f"unknown update_rule '{rule}'")
+        self.rule = rule
+        self.gated = rule in ("gated", "gated_delta")
+        self.delta = rule in ("delta", "gated_delta")
+        if not self.q_num_heads or not self.kv_num_heads or self.q_num_heads % self.kv_num_heads:
+            raise self.fail("q_num_heads must be a positive multiple of kv_num_heads")
+
+    def run(self, query, key, value, past_state=None, decay=None, beta=None):
+        if query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
+            raise self.fail("query, key and value must be 3-D (B, T, H*D)")
+        b, t, qh_dk = query.shape
+        hq, hkv = self.q_num_heads, self.kv_num_heads
+        dk = qh_dk // hq
+        dv = value.shape[2] // hkv
+        if key.shape[2] != hkv * dk:
+            raise self.fail(f"key hidden size {key.shape[2]} != kv_num_heads * d_k")
+        if self.gated and decay is None:
+            raise self.fail(f"update_rule '{self.rule}' needs the decay input")
+        if self.delta and beta is None:
+            raise self.fail(f"update_rule '{self.rule}' needs the beta input")
+        work = np.float64 if query.dtype == np.float64 else np.float32
+        group = hq // hkv
+        q = query.astype(work).reshape(b, t, hkv, group, dk)
+        k = key.astype(work).reshape(b, t, hkv, dk)
+        v = value.astype(work).reshape(b, t, hkv, dv)
+        if past_state is not None:
+            state = past_state.astype(work)  # copy: never write into the input
+        else:
+            state = np.zeros((b, hkv, dk, dv), work)
+        if decay is not None:
+            g = decay.astype(work)
+            if g.shape[2] == hkv * dk:
+                g = np.exp(g.reshape(b, t, hkv, dk, 1))
+            elif g.shape[2] == hkv:
+                g = np.exp(g.reshape(b, t, hkv, 1, 1))
+            else:
+                raise self.fail(f"decay last dimension {g.shape[2]} must be H_kv*d_k or H_kv")
+        if beta is not None:
+            bt = beta.astype(work)
+            if bt.shape[2] not in (hkv, 1):
+                raise self.fail(f"beta last dimension {bt.shape[2]} must be H_kv or 1")
+            bt = bt.reshape(b, t, bt.shape[2], 1, 1)
+        scale = float(self.scale or 0.0) or 1.0 / math.sqrt(dk)
+        out = np.empty((b, t, hkv, group, dv), work)
+        for i in range(t):
+            kt, vt = k[:, i], v[:, i]  # (B, Hkv, dk), (B, Hkv, dv)
+            if self.gated:
+                state = state * g[:, i]
+            if self.delta:
+                pred = np.einsum("bhkv,bhk->bhv", state, kt)
+                update = bt[:, i] * (kt[..., :, None] * (vt - pred)[..., None, :])
+            else:
+                update = kt[..., :, None] * vt[..., None, :]
+            state = state + update
+            out[:, i] = np.einsum("bhgk,bhkv->bhgv", q[:, i], state)
+        out *= work(scale)
+        state_dtype = past_state.dtype if past_state is not None else query.dtype
+        return (out.reshape(b, t, hq * dv).astype(query.dtype, copy=False),
+                state.astype(state_dtype, copy=False))
+
+
+# --------------------------------------------------------------------------------------------
+
+@register("FlexAttention", versions=[1], domain="ai.onnx.preview")
+class FlexAttention(OpImpl):
+    """Scaled dot-product attention with optional score_mod / prob_mod subgraphs."""
+
+    def setup(self):
+        if self.softmax_precision is not None and self.softmax_precision not in (1, 10, 11, 16):
+            raise self.fail(f"unsupported softmax_precision {self.softmax_precision}")
+
+    def _modify(self, graph, value, scope):
+        if graph is None:
+            return value
+        out = graph.run([value], scope)
+        if len(out) != 1:
+            raise self.fail("a modifier subgraph must produce exactly one output")
+        result = np.asarray(out[0])
+        if result.shape != value.shape:
+            result = np.broadcast_to(result, value.shape)
+        return result.astype(value.dtype, copy=False)
+
+    def run(self, Q, K, V, scope=None):
+        if Q.ndim != 4 or K.ndim != 4 or V.ndim != 4:
+            raise self.fail("Q, K and V must be rank-4 tensors")
+        batch, q_heads, q_len, head = Q.shape
+        kv_heads = K.shape[1]
+        if kv_heads == 0 or q_heads % kv_heads:
+            raise self.fail(f"q heads {q_heads} not a multiple of kv heads {kv_heads}")
+        if self.softmax_precision is not None:
+            sdt = _precision_dtype(self.softmax_precision)
+        else:
+            sdt = np.dtype(np.float64 if Q.dtype == np.float64 else np.float32)
+        work = np.dtype(np.float64 if Q.dtype == np.float64 or sdt == np.float64 else np.float32)
+        q = Q.astype(work, copy=False)
+        k = K.astype(work, copy=False)
+        v = V.astype(work, copy=False)
+        group = q_heads // kv_heads
+        if group > 1:
+            k = np.repeat(k, group, axis=1)
+            v = np.repeat(v, group, axis=1)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head)
+        scores = np.matmul(q, np.swapaxes(k, -1, -2)) * work.type(scale)
+        scores = self._modify(self.score_mod, scores.astype(sdt, copy=False), scope)
+        probs = _masked_softmax(scores.astype(np.float32) if is_narrow_float(sdt) else scores)
+        probs = self._modify(self.prob_mod, probs.astype(sdt, copy=False), scope)
+        y = np.matmul(probs.astype(work, copy=False), v)
+        return y.astype(Q.dtype, copy=False)

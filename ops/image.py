@@ -1,0 +1,608 @@
+"""Image and geometry ops: Resize, Upsample, GridSample, AffineGrid, RoiAlign, NonMaxSuppression,
+ImageDecoder (through Pillow).
+
+Resize is separable: for every resized axis we precompute, once per call, an (out_len, taps)
+array of source indices and one of weights, then apply the axis with a few vectorised gathers.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ember.ops.registry import OpImpl, register
+
+# ----------------------------------------------------------------------------------------------
+# Resize / Upsample: per-axis plans
+
+_CT_MODES = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners",
+             "asymmetric", "tf_half_pixel_for_nn", "tf_crop_and_resize")
+_NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil", "simple")
+
+
+def _to_str(v):
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _source_coords(ct: str, in_len: int, out_len: int, scale: float,
+                   roi_start: float, roi_end: float) -> np.ndarray:
+    """x_original for every x_resized of one axis (float64)."""
+    x = np.arange(out_len, dtype=np.float64)
+    # Like the ONNX reference, align_corners and tf_crop_and_resize use the fractional target
+    # length scale * in_len (it equals out_len whenever sizes were given).
+    width = scale * in_len
+    if abs(width - out_len) < 1e-6 * max(1, out_len):
+        width = float(out_len)
+    if ct == "half_pixel":
+        return (x + 0.5) / scale - 0.5
+    if ct == "half_pixel_symmetric":
+        adjustment = out_len / (scale * in_len)
+        offset = (in_len / 2.0) * (1.0 - adjustment)
+        return offset + (x + 0.5) / scale - 0.5
+    if ct == "pytorch_half_pixel":
+        # (the reference tests the fractional length; the spec maps a single output to 0)
+        return (x + 0.5) / scale - 0.5 if width != 1 else np.zeros(out_len)
+    if ct == "align_corners":
+        return x * ((in_len - 1) / (width - 1)) if width != 1 else np.zeros(out_len)
+    if ct == "asymmetric":
+        return x / scale
+    if ct == "tf_half_pixel_for_nn":
+        return (x + 0.5) / scale
+    if ct == "tf_crop_and_resize":
+        # The crop start is formed in float32, as the roi tensor is (so 0.1 * 5 is 0.5).
+        start = float(np.float32(roi_start) * np.float32(in_len - 1))
+        if width != 1:
+            return start + x * ((roi_end - roi_start) * (in_len - 1) / (width - 1))
+        return np.full(out_len, 0.5 * (roi_start + roi_end) * (in_len - 1))
+    raise ValueError(ct)
+
+
+def _cubic_kernel(t: np.ndarray, a: float) -> np.ndarray:
+    t = np.abs(t)
+    t2, t3 = t * t, t * t * t
+    near = (a + 2) * t3 - (a + 3) * t2 + 1
+    far = a * t3 - 5 * a * t2 + 8 * a * t - 4 * a
+    return np.where(t <= 1, near, np.where(t < 2, far, 0.0))
+
+
+def _axis_plan(mode: str, x: np.ndarray, in_len: int, scale: float, *, nearest_mode: str,
+               cubic_a: float, exclude_outside: bool, antialias: bool):
+    """(indices, weights) of shape (out_len, taps); weights None for nearest (one tap)."""
+    if mode == "nearest":
+        if nearest_mode == "round_prefer_floor":
+            idx = np.ceil(x - 0.5)
+        elif nearest_mode == "round_prefer_ceil":
+            idx = np.floor(x + 0.5)
+        elif nearest_mode == "floor":
+            idx = np.floor(x)
+        elif nearest_mode == "ceil":
+            idx = np.ceil(x)
+        else:  # "simple": opset <= 10 Upsample/Resize
+            idx = np.ceil(x) if scale < 1 else np.floor(x)
+        return np.clip(idx, 0, in_len - 1).astype(np.intp)[:, None], None
+    s = min(scale, 1.0) if antialias else 1.0
+    left = np.floor(x)
+    ratio = x - left
+    if mode == "linear":
+        start = int(math.floor(-1.0 / s) + 1)
+        n = 2 - 2 * start
+    else:
+        start = int(math.floor(-2.0 / s) + 1)
+        n = 2 - 2 * start
+    offsets = np.arange(start, start + n, dtype=np.float64)
+    args = (offsets[None, :] - ratio[:, None]) * s
+    if mode == "linear":
+        w = np.clip(1.0 - np.abs(args), 0.0, 1.0)
+    else:
+        w = _cubic_kernel(args, cubic_a)
+    idx = left[:, None].astype(np.int64) + offsets.astype(np.int64)[None, :]
+    if exclude_outside:
+        w = np.where((idx < 0) | (idx >= in_len), 0.0, w)
+    total = w.sum(axis=1, keepdims=True)
+    w = w / np.where(total == 0, 1.0, total)
+    idx = np.clip(idx, 0, in_len - 1).astype(np.intp)
+    # Drop taps that never carry weight (keeps the common 2/4-tap cases lean).
+    keep = np.any(w != 0, axis=0)
+    if not keep.all() and keep.any():
+        idx, w = idx[:, keep], w[:, keep]
+    return idx, w
+
+
+def _work_dtype(dt: np.dtype) -> np.dtype:
+    if dt == np.float64 or (dt.kind in "iu" and dt.itemsize >= 4):
+        return np.dtype(np.float64)
+    return np.dtype(np.float32)
+
+
+def _apply_axis(data: np.ndarray, axis: int, idx: np.ndarray, w, work_dt) -> np.ndarray:
+    if w is None:
+        return np.take(data, idx[:, 0], axis=axis)
+    shape = [1] * data.ndim
+    shape[axis] = idx.shape[0]
+    w = w.astype(work_dt)
+    acc = None
+    for t in range(idx.shape[1]):
+        term = np.take(data, idx[:, t], axis=axis)
+        if term.dtype != work_dt:
+            term = term.astype(work_dt)
+        term = term * w[:, t].reshape(shape)
+        acc = term if acc is None else acc + term
+    return acc
+
+
+def _finish(result: np.ndarray, dt: np.dtype) -> np.ndarray:
+    if result.dtype == dt:
+        return result
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return np.clip(np.rint(result), info.min, info.max).astype(dt)
+    if dt == np.bool_:
+        return result != 0
+    return result.astype(dt)
+
+
+def resize_nd(x: np.ndarray, out_shape, scales, *, mode: str, ct: str, nearest_mode: str,
+              cubic_a: float = -0.75, exclude_outside: bool = False,
+              extrapolation_value: float = 0.0, antialias: bool = False, roi=None) -> np.ndarray:
+    """Separable N-D resize. scales/out_shape/roi (starts, ends) cover every axis of x."""
+    dt = x.dtype
+    work_dt = _work_dtype(dt)
+    result = x
+    masks = []
+    for axis in range(x.ndim):
+        in_len, out_len, scale = x.shape[axis], int(out_shape[axis]), float(scales[axis])
+        rs, re = (0.0, 1.0) if roi is None else (float(roi[0][axis]), float(roi[1][axis]))
+        if out_len == in_len and scale == 1.0 and (ct != "tf_crop_and_resize"
+                                                   or (rs == 0.0 and re == 1.0)) \
+                and ct != "tf_half_pixel_for_nn":
+            continue
+        if in_len == 0 or out_len == 0:
+            shape = list(result.shape)
+            shape[axis] = out_len
+            result = np.zeros(shape, dtype=result.dtype)
+            continue
+        coords = _source_coords(ct, in_len, out_len, scale, rs, re)
+        idx, w = _axis_plan(mode, coords, in_len, scale, nearest_mode=nearest_mode,
+                            cubic_a=cubic_a, exclude_outside=exclude_outside,
+                            antialias=antialias)
+        if ct == "tf_crop_and_resize":
+            outside = (coords < 0) | (coords > in_len - 1)
+            if outside.any():
+                shape = [1] * x.ndim
+                shape[axis] = out_len
+                masks.append(outside.reshape(shape))
+        if w is None and idx.shape[0] == in_len and np.array_equal(idx[:, 0], np.arange(in_len)):
+            continue
+        result = _apply_axis(result, axis, idx, w, work_dt)
+    if masks:
+        mask = masks[0]
+        for m in masks[1:]:
+            mask = mask | m
+        result = np.where(mask, np.asarray(extrapolation_value, dtype=result.dtype), result)
+    return _finish(result, dt)
+
+
+class _ResizeBase(OpImpl):
+    def _check(self):
+        self.mode = _to_str(self.mode)
+        if self.mode == "bilinear":
+            self.mode = "linear"
+        if self.mode not in ("nearest", "linear", "cubic"):
+            raise self.fail(f"unsupported mode '{self.mode}'")
+
+
+@register("Resize", versions=[11, 13, 18, 19])
+class Resize11(_ResizeBase):
+    def setup(self):
+        self._check()
+        self.ct = _to_str(self.coordinate_transformation_mode)
+        if self.ct not in _CT_MODES:
+            raise self.fail(f"unsupported coordinate_transformation_mode '{self.ct}'")
+        self.nearest = _to_str(getattr(self, "nearest_mode", None) or "round_prefer_floor")
+        if self.nearest not in _NEAREST_MODES[:4]:
+            raise self.fail(f"unsupported nearest_mode '{self.nearest}'")
+        self.policy = _to_str(getattr(self, "keep_aspect_ratio_policy", None) or "stretch")
+        if self.policy not in ("stretch", "not_larger", "not_smaller"):
+            raise self.fail(f"unsupported keep_aspect_ratio_policy '{self.policy}'")
+        self.aa = bool(getattr(self, "antialias", 0) or 0) and self.mode != "nearest"
+
+    def run(self, x, roi=None, scales=None, sizes=None):
+        r = x.ndim
+        axes_attr = getattr(self, "axes", None)
+        if axes_attr is None:
+            axes = list(range(r))
+        else:
+            axes = [a + r if a < 0 else a for a in axes_attr]
+            if any(not 0 <= a < r for a in axes) or len(set(axes)) != len(axes):
+                raise self.fail(f"invalid axes {list(axes_attr)} for rank {r}")
+        k = len(axes)
+        if scales is not None and scales.size == 0:
+            scales = None
+        if sizes is not None and sizes.size == 0:
+            sizes = None
+        if (scales is None) == (sizes is None):
+            raise self.fail("exactly one of 'scales' and 'sizes' must be given")
+        full_scales = [1.0] * r
+        out_shape = list(x.shape)
+        if scales is not None:
+            sc = np.asarray(scales, dtype=np.float64).reshape(-1)
+            if sc.size != k:
+                raise self.fail(f"scales has {sc.size} entries, expected {k}")
+            if np.any(sc <= 0):
+                raise self.fail("scales must be positive")
+            for i, a in enumerate(axes):
+                full_scales[a] = float(scales.reshape(-1)[i])
+                out_shape[a] = int(np.float64(scales.reshape(-1)[i]) * x.shape[a])
+        else:
+            sz = np.asarray(sizes, dtype=np.int64).reshape(-1)
+            if sz.size != k:
+                raise self.fail(f"sizes has {sz.size} entries, expected {k}")
+            ratios = [sz[i] / x.shape[a] if x.shape[a] else 1.0 for i, a in enumerate(axes)]
+            if self.policy == "stretch":
+                for i, a in enumerate(axes):
+                    full_scales[a] = float(ratios[i])
+                    out_shape[a] = int(sz[i])
+            else:
+                s = min(ratios) if self.policy == "not_larger" else max(ratios)
+                for a in axes:
+                    full_scales[a] = float(s)
+                    out_shape[a] = int(math.floor(s * x.shape[a] + 0.5))
+        roi_pair = None
+        if self.ct == "tf_crop_and_resize":
+            starts, ends = [0.0] * r, [1.0] * r
+            if roi is not None and roi.size:
+                rv = np.asarray(roi, dtype=np.float64).reshape(-1)
+                if rv.size != 2 * k:
+                    raise self.fail(f"roi has {rv.size} entries, expected {2 * k}")
+                for i, a in enumerate(axes):
+                    starts[a], ends[a] = rv[i], rv[k + i]
+            roi_pair = (starts, ends)
+        return resize_nd(x, out_shape, full_scales, mode=self.mode, ct=self.ct,
+                         nearest_mode=self.nearest, cubic_a=float(self.cubic_coeff_a),
+                         exclude_outside=bool(self.exclude_outside),
+                         extrapolation_value=float(self.extrapolation_value),
+                         antialias=self.aa, roi=roi_pair)
+
+
+def _upsample(impl: _ResizeBase, x: np.ndarray, scales) -> np.ndarray:
+    sc = [float(s) for s in np.asarray(scales, dtype=np.float64).reshape(-1)]
+    if len(sc) != x.ndim:
+        raise impl.fail(f"scales has {len(sc)} entries, expected {x.ndim}")
+    if any(s <= 0 for s in sc):
+        raise impl.fail("scales must be positive")
+    out_shape = [int(np.float64(s) * n) for s, n in zip(np.asarray(scales).reshape(-1), x.shape)]
+    return resize_nd(x, out_shape, sc, mode=impl.mode, ct="asymmetric", nearest_mode="simple")
+
+
+@register("Resize", versions=[10])
+class Resize10(_ResizeBase):
+    def setup(self):
+        self._check()
+        if self.mode == "cubic":
+            raise self.fail("cubic mode needs Resize-11 or later")
+
+    def run(self, x, scales):
+        return _upsample(self, x, scales)
+
+
+@register("Upsample", versions=[9, 10])
+class Upsample9(Resize10):
+    pass
+
+
+@register("Upsample", versions=[7])
+class Upsample7(Resize10):
+    def run(self, x):
+        return _upsample(self, x, np.asarray(self.scales, dtype=np.float32))
+
+
+@register("Upsample", versions=[1])
+class Upsample1(Resize10):
+    def run(self, x):
+        if x.ndim != 4:
+            raise self.fail("Upsample-1 takes a 4-D input")
+        sc = np.array([1.0, 1.0, self.height_scale, self.width_scale], dtype=np.float32)
+        return _upsample(self, x, sc)
+
+
+# ----------------------------------------------------------------------------------------------
+# GridSample, AffineGrid
+
+
+def _reflect(v: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    rng = hi - lo
+    if rng <= 0:
+        return np.full_like(v, lo)
+    below, above = v < lo, v > hi
+    dx = np.where(below, lo - v, np.where(above, v - hi, 0))
+    n = np.floor(dx / rng)
+    r = dx - n * rng
+    even = (n % 2) == 0
+    from_below = np.where(even, lo + r, hi - r)
+    from_above = np.where(even, hi - r, lo + r)
+    return np.where(below, from_below, np.where(above, from_above, v))
+
+
+@register("GridSample", versions=[16, 20, 22])
+class GridSample(OpImpl):
+    def setup(self):
+        mode = _to_str(self.mode)
+        self.kind = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
+        if self.kind not in ("nearest", "linear", "cubic"):
+            raise self.fail(f"unsupported mode '{mode}'")
+        self.pad = _to_str(self.padding_mode)
+        if self.pad not in ("zeros", "border", "reflection"):
+            raise self.fail(f"unsupported padding_mode '{self.pad}'")
+
+    def run(self, x, grid):
+        n, c = x.shape[:2]
+        dims = x.shape[2:]
+        r = len(dims)
+        if grid.shape[0] != n or grid.shape[-1] != r or grid.ndim != r + 2:
+            raise self.fail(f"grid shape {grid.shape} does not match input shape {x.shape}")
+        if self.version < 20 and r != 2:
+            raise self.fail("GridSample-16 takes 4-D inputs")
+        out_sp = grid.shape[1:-1]
+        cdt = grid.dtype if grid.dtype in (np.float32, np.float64) else np.dtype(np.float32)
+        g = grid.astype(cdt, copy=False).reshape(n, -1, r)
+        m = g.shape[1]
+        align = bool(self.align_corners)
+        work_dt = _work_dtype(x.dtype)
+        # Per spatial dim i (order D1..Dr), coordinate comes from grid[..., r-1-i].
+        taps_per_dim = []
+        for i, d in enumerate(dims):
+            gi = g[:, :, r - 1 - i]
+            if align:
+                xc = (gi + 1) / 2 * (d - 1)
+                lo, hi = 0.0, float(d - 1)
+            else:
+                xc = ((gi + 1) * d - 1) / 2
+                lo, hi = -0.5, d - 0.5
+            if self.kind == "nearest":
+                xc = np.rint(xc)
+            out = (xc < lo) | (xc > hi)
+            if self.pad == "border":
+                xc = np.where(out, np.clip(xc, 0, d - 1), xc)
+            elif self.pad == "reflection":
+                xc = np.where(out, _reflect(xc, lo, hi), xc)
+            if self.kind == "nearest":
+                offs = [(xc.astype(np.int64), None)]
+            else:
+                base = np.floor(xc)
+                t = xc - base
+                b = base.astype(np.int64)
+                if self.kind == "linear":
+                    offs = [(b, 1 - t), (b + 1, t)]
+                else:
+                    ws = [_cubic_kernel(t + 1, -0.75), _cubic_kernel(t, -0.75),
+                          _cubic_kernel(1 - t, -0.75), _cubic_kernel(2 - t, -0.75)]
+                    offs = [(b + k - 1, ws[k]) for k in range(4)]
+            resolved = []
+            for idx, w in offs:
+                if self.pad == "zeros":
+                    valid = (idx >= 0) & (idx < d)
+                    idx = np.clip(idx, 0, d - 1)
+                    w = valid.astype(cdt) if w is None else np.where(valid, w, 0)
+                elif self.pad == "border":
+                    idx = np.clip(idx, 0, d - 1)
+                else:
+                    idx = np.clip(_reflect(idx.astype(np.float64), lo, hi).astype(np.int64),
+                                  0, d - 1)
+                resolved.append((idx, w))
+            taps_per_dim.append(resolved)
+        xf = x.reshape(n, c, -1)
+        strides = np.cumprod((1,) + tuple(dims[::-1]))[:-1][::-1]
+        acc = None
+        for combo in np.ndindex(*[len(t) for t in taps_per_dim]):
+            flat = np.zeros((n, m), dtype=np.int64)
+            weight = None
+            for i, k in enumerate(combo):
+                idx, w = taps_per_dim[i][k]
+                flat += idx * int(strides[i])
+                if w is not None:
+                    weight = w if weight is None else weight * w
+            vals = np.take_along_axis(xf, flat[:, None, :], axis=2)
+            if weight is not None:
+                vals = vals.astype(work_dt, copy=False) * weight[:, None, :].astype(work_dt)
+            acc = vals if acc is None else acc + vals
+        return _finish(acc, x.dtype).reshape((n, c) + tuple(out_sp))
+
+
+@register("AffineGrid", versions=[20])
+class AffineGrid(OpImpl):
+    def run(self, theta, size):
+        size = [int(s) for s in np.asarray(size).reshape(-1)]
+        n = theta.shape[0]
+        sp = size[2:]
+        r = len(sp)
+        if r not in (2, 3) or theta.shape[1:] != (r, r + 1):
+            raise self.fail(f"theta shape {theta.shape} does not match size {size}")
+        dt = theta.dtype
+
+        def lin(k):
+            if self.align_corners:
+                return np.linspace(-1, 1, k) if k > 1 else np.zeros(k)
+            return (np.arange(k, dtype=np.float64) * 2 + 1) / k - 1
+
+        axes = [lin(k) for k in sp]  # D, H, W order
+        mesh = np.meshgrid(*axes, indexing="ij")
+        coords = [m.astype(dt) for m in mesh[::-1]]  # x (W), y (H), z (D)
+        base = np.stack(coords + [np.ones(tuple(sp), dtype=dt)], axis=-1)  # (*sp, r+1)
+        base = base.reshape(-1, r + 1)
+        out = np.einsum("pk,njk->npj", base, theta)
+        return out.reshape((n,) + tuple(sp) + (r,)).astype(dt, copy=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# RoiAlign
+
+
+def _roi_axis_samples(start: float, bin_size: float, out_len: int, grid: int, limit: int):
+    """Bilinear taps for one axis: low/high indices and weights, shape (out_len, grid)."""
+    p = np.arange(out_len, dtype=np.float64)[:, None]
+    g = np.arange(grid, dtype=np.float64)[None, :]
+    y = start + p * bin_size + (g + 0.5) * bin_size / grid
+    invalid = (y < -1.0) | (y > limit)
+    y = np.maximum(y, 0.0)
+    low = np.floor(y).astype(np.int64)
+    at_end = low >= limit - 1
+    low = np.where(at_end, limit - 1, low)
+    high = np.where(at_end, limit - 1, low + 1)
+    y = np.where(at_end, low.astype(np.float64), y)
+    ly = y - low
+    hy = 1.0 - ly
+    hy = np.where(invalid, 0.0, hy)
+    ly = np.where(invalid, 0.0, ly)
+    return low, high, hy, ly
+
+
+@register("RoiAlign", versions=[10, 16, 22])
+class RoiAlign(OpImpl):
+    def setup(self):
+        self.avg = _to_str(self.mode) == "avg"
+        if _to_str(self.mode) not in ("avg", "max"):
+            raise self.fail(f"unsupported mode '{self.mode}'")
+        ct = _to_str(getattr(self, "coordinate_transformation_mode", None) or "output_half_pixel")
+        if ct not in ("half_pixel", "output_half_pixel"):
+            raise self.fail(f"unsupported coordinate_transformation_mode '{ct}'")
+        self.half_pixel = ct == "half_pixel"
+
+    def run(self, x, rois, batch_indices):
+        n, c, h, w = x.shape
+        oh, ow = int(self.output_height), int(self.output_width)
+        k = rois.shape[0]
+        dt = x.dtype
+        work_dt = _work_dtype(dt)
+        out = np.zeros((k, c, oh, ow), dtype=work_dt)
+        scale = float(self.spatial_scale)
+        off = 0.5 if self.half_pixel else 0.0
+        bidx = np.asarray(batch_indices).reshape(-1).astype(np.int64)
+        rv = np.asarray(rois, dtype=np.float64)
+        for i in range(k):
+            b = int(bidx[i])
+            if not 0 <= b < n:
+                raise self.fail(f"batch index {b} out of range")
+            x1, y1, x2, y2 = rv[i] * scale - off
+            rw, rh = x2 - x1, y2 - y1
+            if not self.half_pixel:
+                rw, rh = max(rw, 1.0), max(rh, 1.0)
+            bh, bw = rh / oh, rw / ow
+            sr = int(self.sampling_ratio)
+            gh = sr if sr > 0 else int(math.ceil(rh / oh))
+            gw = sr if sr > 0 else int(math.ceil(rw / ow))
+            count = max(gh * gw, 1)
+            yl, yh, why, wly = _roi_axis_samples(y1, bh, oh, gh, h)
+            xl, xh, whx, wlx = _roi_axis_samples(x1, bw, ow, gw, w)
+            img = x[b].astype(work_dt, copy=False)
+            if self.avg:
+                # Separable: out = Wy @ img @ Wx^T with the taps summed into dense matrices.
+                wy = np.zeros((oh, h))
+                rows = np.broadcast_to(np.arange(oh)[:, None], yl.shape)
+                np.add.at(wy, (rows, yl), why)
+                np.add.at(wy, (rows, yh), wly)
+                wx = np.zeros((ow, w))
+                cols = np.broadcast_to(np.arange(ow)[:, None], xl.shape)
+                np.add.at(wx, (cols, xl), whx)
+                np.add.at(wx, (cols, xh), wlx)
+                out[i] = np.einsum("ph,chw,qw->cpq", wy.astype(work_dt), img,
+                                   wx.astype(work_dt)) / count
+            else:
+                # max over samples of the largest weighted bilinear tap
+                best = None
+                for yi, wyv in ((yl, why), (yh, wly)):
+                    for xi, wxv in ((xl, whx), (xh, wlx)):
+                        v = img[:, yi[:, :, None, None], xi[None, None, :, :]]  # c,oh,gh,ow,gw
+                        v = v * (wyv[:, :, None, None] * wxv[None, None, :, :]).astype(work_dt)
+                        best = v if best is None else np.maximum(best, v)
+                out[i] = best.max(axis=(2, 4))
+        return _finish(out, dt)
+
+
+# ----------------------------------------------------------------------------------------------
+# NonMaxSuppression
+
+
+@register("NonMaxSuppression", versions=[10, 11])
+class NonMaxSuppression(OpImpl):
+    def run(self, boxes, scores, max_output_boxes_per_class=None, iou_threshold=None,
+            score_threshold=None):
+        max_out = 0 if max_output_boxes_per_class is None or max_output_boxes_per_class.size == 0 \
+            else int(np.asarray(max_output_boxes_per_class).reshape(-1)[0])
+        iou_t = 0.0 if iou_threshold is None or iou_threshold.size == 0 \
+            else float(np.asarray(iou_threshold).reshape(-1)[0])
+        score_t = None if score_threshold is None or score_threshold.size == 0 \
+            else float(np.asarray(score_threshold).reshape(-1)[0])
+        nb, nc, ns = scores.shape
+        if boxes.shape[0] != nb or boxes.shape[1] != ns or boxes.shape[2] != 4:
+            raise self.fail(f"boxes shape {boxes.shape} does not match scores {scores.shape}")
+        selected = []
+        if max_out > 0:
+            bx = boxes.astype(np.float64)
+            if self.center_point_box:
+                xc, yc, bw, bh = bx[..., 0], bx[..., 1], bx[..., 2], bx[..., 3]
+                y1, y2 = yc - bh / 2, yc + bh / 2
+                x1, x2 = xc - bw / 2, xc + bw / 2
+            else:
+                y1 = np.minimum(bx[..., 0], bx[..., 2])
+                y2 = np.maximum(bx[..., 0], bx[..., 2])
+                x1 = np.minimum(bx[..., 1], bx[..., 3])
+                x2 = np.maximum(bx[..., 1], bx[..., 3])
+            area = (y2 - y1) * (x2 - x1)
+            for b in range(nb):
+                for c in range(nc):
+                    sc = scores[b, c].astype(np.float64)
+                    cand = np.arange(ns)
+                    if score_t is not None:
+                        cand = cand[sc[cand] > score_t]
+                    order = cand[np.argsort(-sc[cand], kind="stable")]
+                    picked = 0
+                    while order.size and picked < max_out:
+                        i = order[0]
+                        selected.append((b, c, i))
+                        picked += 1
+                        rest = order[1:]
+                        ih = np.maximum(0.0, np.minimum(y2[b, i], y2[b, rest])
+                                        - np.maximum(y1[b, i], y1[b, rest]))
+                        iw = np.maximum(0.0, np.minimum(x2[b, i], x2[b, rest])
+                                        - np.maximum(x1[b, i], x1[b, rest]))
+                        inter = ih * iw
+                        union = area[b, i] + area[b, rest] - inter
+                        iou = np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
+                        order = rest[iou <= iou_t]
+        return np.array(selected, dtype=np.int64).reshape(-1, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# ImageDecoder: image codecs are Pillow's (the optional `image` extra); writing our own JPEG,
+# PNG, WebP and JPEG 2000 decoders would be more code, slower and less robust.
+
+
+@register("ImageDecoder", versions=[20])
+class ImageDecoder(OpImpl):
+    _PIL_MODES = {"RGB": "RGB", "BGR": "RGB", "Grayscale": "L"}
+
+    def setup(self):
+        self.fmt = _to_str(self.pixel_format)
+        if self.fmt not in self._PIL_MODES:
+            raise self.fail(f"unsupported pixel_format '{self.fmt}'")
+
+    def run(self, encoded):
+        import io
+
+        from ember.errors import BackendUnavailableError
+
+        try:
+            from PIL import Image, UnidentifiedImageError
+        except ImportError:
+            raise BackendUnavailableError(
+                "ImageDecoder needs Pillow: pip install 'ember[image]'") from None
+        data = np.ascontiguousarray(encoded, dtype=np.uint8).tobytes()
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                pixels = np.asarray(img.convert(self._PIL_MODES[self.fmt]))
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+            # The spec: a stream that cannot be decoded gives an empty matrix.
+            return np.zeros((0, 0, 1 if self.fmt == "Grayscale" else 3), dtype=np.uint8)
+        if self.fmt == "Grayscale":
+            return pixels[:, :, None]
+        return np.ascontiguousarray(pixels[:, :, ::-1] if self.fmt == "BGR" else pixels)

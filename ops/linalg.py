@@ -1,0 +1,198 @@
+"""Linear algebra: MatMul, Gemm, Einsum, Det, MatMulInteger, QLinearMatMul.
+
+Float products go through np.matmul / np.einsum so BLAS does the work; narrow floats (float16,
+bfloat16) are multiplied in float32 and cast back. Integer products of 8-bit operands run in
+float64 BLAS, which is exact for them (|a*b| < 2**16, so sums stay exact below 2**53), then are
+wrapped to int32 as the spec allows.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ember.ops._dtypes import is_narrow_float, widen
+from ember.ops.registry import OpImpl, register
+
+
+def _int_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Exact integer matmul of small-integer operands, as int64."""
+    k = a.shape[-1] if a.ndim else 1
+    bound = (np.abs(a).max(initial=0) if a.size else 0) * (np.abs(b).max(initial=0)
+                                                             if b.size else 0)
+    if float(bound) * max(k, 1) < 2.0 ** 52:
+        return np.rint(np.matmul(a.astype(np.float64), b.astype(np.float64))).astype(np.int64)
+    return np.matmul(a.astype(np.int64), b.astype(np.int64))
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """np.matmul keeping the operand dtype, with narrow floats computed in float32."""
+    dtype = a.dtype
+    if dtype.kind in "fc" and not is_narrow_float(dtype):
+        return np.matmul(a, b)
+    if dtype.kind in "iu":
+        if dtype.itemsize <= 2:
+            return _int_matmul(a, b).astype(dtype)
+        return np.matmul(a, b)
+    return np.matmul(widen(a), widen(b)).astype(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+
+@register("MatMul", versions=[1, 9, 13])
+class MatMul(OpImpl):
+    def run(self, a, b):
+        if a.ndim == 0 or b.ndim == 0:
+            raise self.fail("MatMul inputs must have rank >= 1")
+        if a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
+            raise self.fail(f"shapes {a.shape} and {b.shape} are not aligned")
+        return matmul(a, b)
+
+
+class _Gemm(OpImpl):
+    def setup(self):
+        self.alpha = float(self.alpha)
+        self.beta = float(self.beta)
+        self.transA = bool(self.transA)
+        self.transB = bool(self.transB)
+
+    def run(self, a, b, c=None):
+        if a.ndim != 2 or b.ndim != 2:
+            raise self.fail(f"Gemm needs 2-D A and B, got shapes {a.shape} and {b.shape}")
+        dtype = a.dtype
+        if self.transA:
+            a = a.T
+        if self.transB:
+            b = b.T
+        if a.shape[1] != b.shape[0]:
+            raise self.fail(f"inner dimensions differ: {a.shape} x {b.shape}")
+        if dtype.kind in "iu":
+            y = matmul(a, b)
+            if self.alpha == 1.0 and (c is None or self.beta == 1.0):
+                return y if c is None else (y + c).astype(dtype, copy=False)
+            yf = self.alpha * y.astype(np.float64)  # non-unit factors: scale in float64
+            if c is not None and self.beta != 0.0:
+                yf += self.beta * c.astype(np.float64)
+            return yf.astype(dtype)
+        narrow = is_narrow_float(dtype)
+        wa, wb = widen(a), widen(b)
+        y = np.matmul(wa, wb)
+        if self.alpha != 1.0:
+            y *= y.dtype.type(self.alpha)
+        if c is not None and self.beta != 0.0:
+            wc = widen(c)
+            if self.beta != 1.0:
+                wc = wc * wc.dtype.type(self.beta)
+            try:
+                if np.broadcast_shapes(y.shape, wc.shape) != y.shape:
+                    raise ValueError
+                y += wc
+            except ValueError:
+                raise self.fail(f"C of shape {c.shape} does not broadcast to {y.shape}")
+        return y.astype(dtype, copy=False) if narrow or y.dtype != dtype else y
+
+
+@register("Gemm", versions=[1, 6])
+class Gemm1(_Gemm):
+    """`broadcast` attribute: C either matches (M, N) exactly or is broadcast when set."""
+
+    def run(self, a, b, c=None):
+        if c is not None and not self.broadcast:
+            m = a.shape[1] if self.transA else a.shape[0]
+            n = b.shape[0] if self.transB else b.shape[1]
+            if c.shape != (m, n) and c.size != 1:
+                raise self.fail(f"C has shape {c.shape}, expected ({m}, {n}) without broadcast")
+        return super().run(a, b, c)
+
+
+@register("Gemm", versions=[7, 9, 11, 13])
+class Gemm7(_Gemm):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+
+@register("Einsum", versions=[12, 28])
+class Einsum(OpImpl):
+    def setup(self):
+        eq = self.equation
+        if isinstance(eq, bytes):
+            eq = eq.decode()
+        self.eq = eq.replace(" ", "")
+        if not self.eq:
+            raise self.fail("empty equation")
+
+    def run(self, *inputs):
+        if not inputs:
+            raise self.fail("Einsum needs at least one input")
+        dtype = inputs[0].dtype
+        work = [widen(x) for x in inputs]
+        if dtype.kind in "iu" and dtype.itemsize < 8:
+            work = [x.astype(np.int64) for x in work]
+        try:
+            out = np.einsum(self.eq, *work, optimize=len(work) > 1)
+        except ValueError as exc:
+            raise self.fail(f"equation '{self.eq}': {exc}")
+        return np.asarray(out).astype(dtype, copy=False)
+
+
+# --------------------------------------------------------------------------------------------
+
+@register("Det", versions=[11, 22])
+class Det(OpImpl):
+    def run(self, x):
+        if x.ndim < 2 or x.shape[-1] != x.shape[-2]:
+            raise self.fail(f"Det needs square matrices, got shape {x.shape}")
+        w = widen(x)
+        return np.asarray(np.linalg.det(w)).astype(x.dtype, copy=False)
+
+
+# --------------------------------------------------------------------------------------------
+
+def _per_row(zp: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """A 1-D per-row zero point/scale of a 2-D-or-more `a` as a column for broadcasting."""
+    if zp.ndim == 1 and zp.size > 1 and a.ndim >= 2:
+        return zp.reshape(-1, 1)
+    return zp
+
+
+@register("MatMulInteger", versions=[10])
+class MatMulInteger(OpImpl):
+    def run(self, a, b, a_zero_point=None, b_zero_point=None):
+        wa = a.astype(np.int32)
+        wb = b.astype(np.int32)
+        if a_zero_point is not None:
+            wa = wa - _per_row(a_zero_point.astype(np.int32), a)
+        if b_zero_point is not None:
+            wb = wb - b_zero_point.astype(np.int32)
+        return _int_matmul(wa, wb).astype(np.int32)
+
+
+def _saturate_cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return np.clip(np.rint(x), info.min, info.max).astype(dtype)
+    # float8 outputs: saturate to the finite range, round to nearest
+    import ml_dtypes
+
+    finfo = ml_dtypes.finfo(dtype)
+    return np.clip(x, float(finfo.min), float(finfo.max)).astype(dtype)
+
+
+@register("QLinearMatMul", versions=[10, 21])
+class QLinearMatMul(OpImpl):
+    def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point):
+        out_dtype = y_zero_point.dtype
+        if a.dtype.kind in "iu" and b.dtype.kind in "iu":
+            wa = a.astype(np.int32) - _per_row(a_zero_point.astype(np.int32), a)
+            wb = b.astype(np.int32) - b_zero_point.astype(np.int32)
+            acc = _int_matmul(wa, wb).astype(np.float64)
+        else:
+            wa = a.astype(np.float32) - _per_row(a_zero_point.astype(np.float32), a)
+            wb = b.astype(np.float32) - b_zero_point.astype(np.float32)
+            acc = np.matmul(wa.astype(np.float64), wb.astype(np.float64))
+        # the requantization multiplier a_scale * b_scale / y_scale, in the scales' precision
+        sdt = a_scale.dtype if a_scale.dtype in (np.float16, np.float32) else np.float32
+        sa = _per_row(a_scale.astype(sdt), a)
+        sy = _per_row(y_scale.astype(sdt), a)
+        mult = (sa * b_scale.astype(sdt) / sy).astype(np.float64)
+        y = acc * mult + _per_row(y_zero_point, a).astype(np.float64)
+        return _saturate_cast(y, out_dtype)

@@ -1,0 +1,746 @@
+"""Traditional ML ops of the ai.onnx.ml domain (feature extraction, encoders, linear models, trees)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ember.ops.registry import OpImpl, register
+
+ML = "ai.onnx.ml"
+
+
+# ---------------------------------------------------------------- shared post-transforms
+
+def _erfinv(y: np.ndarray) -> np.ndarray:
+    """Inverse error function: Giles' approximation refined by two Newton steps."""
+    y = np.clip(np.asarray(y, dtype=np.float64), -1 + 1e-15, 1 - 1e-15)
+    w = -np.log((1.0 - y) * (1.0 + y))
+    small = w < 5.0
+    ws, wl = w - 2.5, np.sqrt(np.maximum(w, 5.0)) - 3.0
+    ps = np.full_like(w, 2.81022636e-08)
+    for c in (3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087, -0.00125372503,
+              -0.00417768164, 0.246640727, 1.50140941):
+        ps = c + ps * ws
+    pl = np.full_like(w, -0.000200214257)
+    for c in (0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773, -0.0076224613,
+              0.00943887047, 1.00167406, 2.83297682):
+        pl = c + pl * wl
+    x = np.where(small, ps, pl) * y
+    erf = np.vectorize(math.erf, otypes=[np.float64])
+    for _ in range(2):
+        x = x - (erf(x) - y) / (2.0 / math.sqrt(math.pi) * np.exp(-x * x))
+    return x
+
+
+def post_transform(scores: np.ndarray, how: str) -> np.ndarray:
+    """NONE / SOFTMAX / LOGISTIC / SOFTMAX_ZERO / PROBIT over the last axis."""
+    if how in ("NONE", None):
+        return scores
+    s = scores.astype(np.float64)
+    if how == "LOGISTIC":
+        out = 1.0 / (1.0 + np.exp(-s))
+    elif how == "SOFTMAX":
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        out = e / e.sum(axis=-1, keepdims=True)
+    elif how == "SOFTMAX_ZERO":
+        nz = s != 0
+        m = np.where(nz, s, -np.inf).max(axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        e = np.where(nz, np.exp(s - m), 0.0)
+        tot = e.sum(axis=-1, keepdims=True)
+        out = np.where(tot > 0, e / np.where(tot > 0, tot, 1.0), 0.0)
+    elif how == "PROBIT":
+        out = math.sqrt(2.0) * _erfinv(2.0 * s - 1.0)
+    else:
+        raise ValueError(f"unknown post_transform {how!r}")
+    return out.astype(scores.dtype)
+
+
+_POST_CODES = {0: "NONE", 1: "SOFTMAX", 2: "LOGISTIC", 3: "SOFTMAX_ZERO", 4: "PROBIT"}
+
+
+def _as_2d(x: np.ndarray) -> np.ndarray:
+    return x.reshape(1, -1) if x.ndim == 1 else x.reshape(x.shape[0], -1)
+
+
+def _float_out(x: np.ndarray) -> np.dtype:
+    return x.dtype if x.dtype in (np.float32, np.float64) else np.dtype(np.float32)
+
+
+# ---------------------------------------------------------------- simple transforms
+
+@register("ArrayFeatureExtractor", versions=[1], domain=ML)
+class ArrayFeatureExtractor(OpImpl):
+    def run(self, x, indices):
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = x.shape[-1]
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            raise self.fail(f"index out of range for last dimension {n}")
+        out = np.take(x, idx, axis=-1)
+        return out.reshape(1, -1) if x.ndim == 1 else out
+
+
+@register("Binarizer", versions=[1], domain=ML)
+class Binarizer(OpImpl):
+    def run(self, x):
+        return (x > self.threshold).astype(x.dtype)
+
+
+@register("Scaler", versions=[1], domain=ML)
+class Scaler(OpImpl):
+    def run(self, x):
+        offset = np.asarray(self.offset if self.offset is not None else [0.0], dtype=np.float32)
+        scale = np.asarray(self.scale if self.scale is not None else [1.0], dtype=np.float32)
+        return ((x.astype(np.float32) - offset) * scale).astype(np.float32)
+
+
+@register("Normalizer", versions=[1], domain=ML)
+class Normalizer(OpImpl):
+    def setup(self):
+        if self.norm not in ("MAX", "L1", "L2"):
+            raise self.fail(f"unknown norm {self.norm!r}")
+
+    def run(self, x):
+        x2 = _as_2d(x).astype(np.float32)
+        if self.norm == "MAX":
+            d = x2.max(axis=1, keepdims=True)
+        elif self.norm == "L1":
+            d = np.abs(x2).sum(axis=1, keepdims=True)
+        else:
+            d = np.sqrt((x2 * x2).sum(axis=1, keepdims=True))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out = np.where(d != 0, x2 / np.where(d != 0, d, 1), x2)
+        return out.astype(np.float32).reshape(x.shape if x.ndim > 1 else (1, -1))
+
+
+@register("Imputer", versions=[1], domain=ML)
+class Imputer(OpImpl):
+    def run(self, x):
+        if x.dtype.kind == "f":
+            values = np.asarray(self.imputed_value_floats or [], dtype=x.dtype)
+            target = self.replaced_value_float
+            mask = np.isnan(x) if np.isnan(target) else (x == target)
+        else:
+            values = np.asarray(self.imputed_value_int64s or [], dtype=x.dtype)
+            mask = x == self.replaced_value_int64
+        if values.size == 0:
+            raise self.fail("no imputed values given")
+        x2 = _as_2d(x)
+        vals = np.broadcast_to(values if values.size > 1 else values[:1], x2.shape[1:])
+        out = np.where(mask.reshape(x2.shape), vals, x2)
+        return out.reshape(x.shape)
+
+
+@register("OneHotEncoder", versions=[1], domain=ML)
+class OneHotEncoder(OpImpl):
+    def setup(self):
+        cats = self.cats_strings if self.cats_strings is not None else self.cats_int64s
+        if cats is None:
+            raise self.fail("one of cats_strings, cats_int64s is required")
+        self.index = {c: i for i, c in enumerate(cats)}
+        self.strings = self.cats_strings is not None
+
+    def run(self, x):
+        flat = x.reshape(-1)
+        keys = [str(v) for v in flat] if self.strings else [int(v) for v in flat]
+        pos = np.array([self.index.get(k, -1) for k in keys], dtype=np.int64)
+        if not self.zeros and (pos < 0).any():
+            raise self.fail("input holds a category that is not in the list")
+        out = np.zeros((flat.size, len(self.index)), dtype=np.float32)
+        hit = pos >= 0
+        out[np.nonzero(hit)[0], pos[hit]] = 1.0
+        return out.reshape(x.shape + (len(self.index),))
+
+
+# ---------------------------------------------------------------- LabelEncoder
+
+class _LabelEncoderBase(OpImpl):
+    def _build(self, keys, values, default, out_dtype):
+        if keys is None or values is None:
+            raise self.fail("keys and values must both be given")
+        if len(keys) != len(values):
+            raise self.fail(f"{len(keys)} keys but {len(values)} values")
+        self.out_dtype = np.dtype(out_dtype)
+        self.default = default
+        self.nan_value = None
+        self.table = {}
+        for k, v in zip(keys, values):
+            if isinstance(k, float) and math.isnan(k):
+                self.nan_value = v
+            else:
+                self.table[k] = v
+
+    def run(self, x):
+        flat = x.reshape(-1)
+        if flat.dtype == object:
+            keys = [str(v) for v in flat]
+        elif flat.dtype.kind == "f":
+            keys = flat.tolist()
+        else:
+            keys = [int(v) for v in flat]
+        get, default, nan_value = self.table.get, self.default, self.nan_value
+        out = []
+        for k in keys:
+            if nan_value is not None and isinstance(k, float) and k != k:
+                out.append(nan_value)
+            else:
+                out.append(get(k, default))
+        if self.out_dtype == object:
+            arr = np.empty(len(out), dtype=object)
+            arr[:] = out
+        else:
+            arr = np.array(out, dtype=self.out_dtype)
+        return arr.reshape(x.shape)
+
+
+@register("LabelEncoder", versions=[1], domain=ML)
+class LabelEncoder1(_LabelEncoderBase):
+    """v1: string <-> int64 by position in classes_strings."""
+
+    def setup(self):
+        classes = list(self.classes_strings or [])
+        self.s2i = {c: i for i, c in enumerate(classes)}
+        self.classes = classes
+
+    def run(self, x):
+        flat = x.reshape(-1)
+        if x.dtype == object:
+            return np.array([self.s2i.get(str(s), self.default_int64) for s in flat],
+                            dtype=np.int64).reshape(x.shape)
+        n = len(self.classes)
+        out = np.empty(flat.size, dtype=object)
+        out[:] = [self.classes[i] if 0 <= i < n else self.default_string for i in flat.tolist()]
+        return out.reshape(x.shape)
+
+
+def _tensor_list(t):
+    arr = np.asarray(t).reshape(-1)
+    return [str(v) for v in arr] if arr.dtype == object else arr.tolist()
+
+
+@register("LabelEncoder", versions=[2, 4], domain=ML)
+class LabelEncoder2(_LabelEncoderBase):
+    def setup(self):
+        keys = None
+        for name in ("keys_strings", "keys_int64s", "keys_floats", "keys_tensor"):
+            v = getattr(self, name, None)
+            if v is not None:
+                if keys is not None:
+                    raise self.fail("only one keys_* attribute may be set")
+                keys = _tensor_list(v) if name == "keys_tensor" else list(v)
+        values, dtype, default = None, None, None
+        for name, dt, dname in (("values_strings", object, "default_string"),
+                                ("values_int64s", np.int64, "default_int64"),
+                                ("values_floats", np.float32, "default_float")):
+            v = getattr(self, name, None)
+            if v is not None:
+                if values is not None:
+                    raise self.fail("only one values_* attribute may be set")
+                values, dtype, default = list(v), dt, getattr(self, dname)
+        vt = getattr(self, "values_tensor", None)
+        if vt is not None:
+            if values is not None:
+                raise self.fail("only one values_* attribute may be set")
+            vt = np.asarray(vt)
+            values, dtype = _tensor_list(vt), vt.dtype
+            dt_default = getattr(self, "default_tensor", None)
+            if dt_default is not None:
+                default = _tensor_list(dt_default)[0]
+            elif vt.dtype == object:
+                default = "_Unused"
+            elif vt.dtype.kind in "iu":
+                default = -1
+            else:
+                default = -0.0
+        self._build(keys, values, default, dtype)
+
+
+# ---------------------------------------------------------------- linear models
+
+@register("LinearRegressor", versions=[1], domain=ML)
+class LinearRegressor(OpImpl):
+    def setup(self):
+        self.coef = np.asarray(self.coefficients or [], dtype=np.float32)
+        self.icpt = np.asarray(self.intercepts or [0.0] * self.targets, dtype=np.float32)
+
+    def run(self, x):
+        x2 = _as_2d(x).astype(np.float32)
+        w = self.coef.reshape(self.targets, -1)
+        y = x2 @ w.T + self.icpt
+        return post_transform(y, self.post_transform).astype(np.float32)
+
+
+@register("LinearClassifier", versions=[1], domain=ML)
+class LinearClassifier(OpImpl):
+    def setup(self):
+        self.labels = self.classlabels_strings if self.classlabels_strings is not None \
+            else self.classlabels_ints
+        if self.labels is None:
+            raise self.fail("class labels are required")
+        coef = np.asarray(self.coefficients, dtype=np.float32)
+        self.n_cls = len(self.intercepts) if self.intercepts else len(self.labels)
+        self.w = coef.reshape(self.n_cls, -1)
+        self.b = np.asarray(self.intercepts or [0.0] * self.n_cls, dtype=np.float32)
+
+    def run(self, x):
+        x2 = _as_2d(x).astype(np.float32)
+        scores = x2 @ self.w.T + self.b
+        labels = self.labels
+        if self.n_cls == 1 and len(labels) == 2:  # binary: one score for the positive class
+            # (onnxruntime's layout: [1 - p, p], p the transformed score for LOGISTIC/PROBIT
+            # and the raw score otherwise; the positive class wins when the raw score is > 0)
+            s = scores[:, 0]
+            p = post_transform(s, self.post_transform) \
+                if self.post_transform in ("LOGISTIC", "PROBIT") else s
+            scores = np.stack([1 - p, p], axis=1)
+            idx = (s > 0).astype(np.int64)
+        else:
+            scores = post_transform(scores, self.post_transform)
+            idx = np.argmax(scores, axis=1)
+        return _labels(labels, idx), scores.astype(np.float32)
+
+
+def _labels(labels, idx: np.ndarray) -> np.ndarray:
+    if labels and isinstance(labels[0], str):
+        out = np.empty(idx.size, dtype=object)
+        out[:] = [labels[i] for i in idx]
+        return out
+    return np.asarray(labels, dtype=np.int64)[idx]
+
+
+# ---------------------------------------------------------------- tree ensembles
+
+_LEQ, _LT, _GTE, _GT, _EQ, _NEQ, _MEMBER, _LEAF = range(8)
+_COMPARE = {_LEQ: np.less_equal, _LT: np.less, _GTE: np.greater_equal, _GT: np.greater,
+            _EQ: np.equal, _NEQ: np.not_equal}
+_MODE_NAMES = {"BRANCH_LEQ": _LEQ, "BRANCH_LT": _LT, "BRANCH_GTE": _GTE, "BRANCH_GT": _GT,
+               "BRANCH_EQ": _EQ, "BRANCH_NEQ": _NEQ, "BRANCH_MEMBER": _MEMBER, "LEAF": _LEAF}
+
+
+class _Forest:
+    """Trees as flat arrays over global node ids (leaves are nodes with mode LEAF), evaluated
+    for a whole batch at once, one tree level per step."""
+
+    def __init__(self, feature, threshold, mode, true_next, false_next, missing_true, roots,
+                 members, contrib_node, contrib_target, contrib_weight, n_targets):
+        self.feature = np.asarray(feature, dtype=np.int64)
+        self.threshold = np.asarray(threshold, dtype=np.float64)
+        self.mode = np.asarray(mode, dtype=np.int64)
+        self.true_next = np.asarray(true_next, dtype=np.int64)
+        self.false_next = np.asarray(false_next, dtype=np.int64)
+        self.missing_true = np.asarray(missing_true, dtype=bool)
+        self.roots = np.asarray(roots, dtype=np.int64)
+        self.members = members  # node id -> array of member values
+        self.n_targets = n_targets
+        self.is_leaf = self.mode == _LEAF
+        # int32 node ids halve the memory traffic of the per-level gathers
+        idx = np.int32 if len(self.mode) < 2 ** 31 else np.int64
+        here = np.arange(len(self.mode), dtype=idx)
+        self.true_step = np.where(self.is_leaf, here, self.true_next).astype(idx)
+        self.false_step = np.where(self.is_leaf, here, self.false_next).astype(idx)
+        self.roots = self.roots.astype(idx)
+        self.feature = np.where(self.is_leaf, 0, self.feature).astype(idx)
+        self.max_feature = int(self.feature.max(initial=-1))
+        interior = set(np.unique(self.mode[~self.is_leaf]).tolist())
+        self.uniform_mode = interior.pop() if len(interior) == 1 and _MEMBER not in interior \
+            else None
+        # leaf contributions grouped by node: node k owns entries start[k] : start[k] + count[k]
+        node = np.asarray(contrib_node, dtype=np.int64).reshape(-1)
+        order = np.argsort(node, kind="stable")
+        self.c_target = np.asarray(contrib_target, dtype=np.int64).reshape(-1)[order]
+        self.c_weight = np.asarray(contrib_weight, dtype=np.float64).reshape(-1)[order]
+        if self.c_target.size and (self.c_target.min() < 0 or self.c_target.max() >= n_targets):
+            raise ValueError(f"a leaf names a target outside [0, {n_targets})")
+        self.c_count = np.bincount(node, minlength=len(self.mode)).astype(np.int64)
+        self.c_start = np.concatenate([[0], np.cumsum(self.c_count)[:-1]]).astype(np.int64)
+
+    def leaves(self, x: np.ndarray) -> np.ndarray:
+        """[N, n_trees] leaf node ids reached by each row in each tree. Every row walks every
+        tree one level per step; rows already at a leaf stay there (leaves loop to themselves)."""
+        n, n_feat = x.shape
+        if self.max_feature >= n_feat:
+            raise ValueError(f"trees read feature {self.max_feature}, input has {n_feat}")
+        flat_x = np.ascontiguousarray(x).reshape(-1)
+        thr = self.threshold.astype(x.dtype) if x.dtype.kind == "f" else self.threshold
+        has_nan = x.dtype.kind == "f" and bool(np.isnan(x).any())
+        offset = (np.arange(n, dtype=np.int64 if n * n_feat >= 2 ** 31 else np.int32)
+                  * n_feat)[:, None]
+        cur = np.broadcast_to(self.roots, (n, len(self.roots))).copy()
+        for _ in range(len(self.mode) + 1):
+            if self.is_leaf[cur].all():
+                return cur
+            v = flat_x[offset + self.feature[cur]]
+            t = thr[cur]
+            if self.uniform_mode is not None:
+                cond = _COMPARE[self.uniform_mode](v, t)
+            else:
+                m = self.mode[cur]
+                cond = np.select([m == k for k in _COMPARE], [f(v, t) for f in _COMPARE.values()],
+                                 False)
+                for node, values in self.members.items():
+                    sel = cur == node
+                    if sel.any():
+                        cond[sel] = np.isin(v[sel], values)
+            if has_nan:  # NaN takes the true branch where the node says so (NEQ: always)
+                cond |= np.isnan(v) & self.missing_true[cur]
+            cur = np.where(cond, self.true_step[cur], self.false_step[cur])
+        raise ValueError("tree traversal did not terminate (cyclic tree)")
+
+    def scores(self, x: np.ndarray, aggregate: str) -> np.ndarray:
+        """[N, n_targets] aggregated leaf weights (float64)."""
+        leaves = self.leaves(x)
+        n, n_trees = leaves.shape
+        flat_leaves = leaves.reshape(-1)
+        cnt = self.c_count[flat_leaves]
+        ends = np.cumsum(cnt)
+        pos = np.arange(int(ends[-1]) if ends.size else 0) - np.repeat(ends - cnt, cnt) \
+            + np.repeat(self.c_start[flat_leaves], cnt)
+        rows = np.repeat(np.arange(n).repeat(n_trees), cnt)
+        cell = rows * self.n_targets + self.c_target[pos]
+        size = n * self.n_targets
+        weights = self.c_weight[pos]
+        if aggregate in ("SUM", "AVERAGE"):
+            out = np.bincount(cell, weights=weights, minlength=size)
+            if aggregate == "AVERAGE" and n_trees:
+                out = out / n_trees
+        elif aggregate in ("MIN", "MAX"):
+            out = np.full(size, np.inf if aggregate == "MIN" else -np.inf)
+            (np.minimum if aggregate == "MIN" else np.maximum).at(out, cell, weights)
+            out[np.bincount(cell, minlength=size) == 0] = 0.0
+        else:
+            raise ValueError(f"unknown aggregate_function {aggregate!r}")
+        return out.reshape(n, self.n_targets)
+
+
+@register("TreeEnsemble", versions=[5], domain=ML)
+class TreeEnsemble(OpImpl):
+    def setup(self):
+        modes = np.asarray(self.nodes_modes).astype(np.int64).reshape(-1)
+        n = len(modes)
+        feats = list(self.nodes_featureids or [])
+        splits = np.asarray(self.nodes_splits, dtype=np.float64).reshape(-1)
+        tids, fids = list(self.nodes_truenodeids), list(self.nodes_falsenodeids)
+        tleaf = list(self.nodes_trueleafs or [0] * n)
+        fleaf = list(self.nodes_falseleafs or [0] * n)
+        if not all(len(a) == n for a in (feats, splits, tids, fids, tleaf, fleaf)):
+            raise self.fail("nodes_* attributes differ in length")
+        miss = self.nodes_missing_value_tracks_true
+        miss = [0] * n if miss is None else list(miss)
+        leaf_w = np.asarray(self.leaf_weights, dtype=np.float64).reshape(-1)
+        leaf_t = list(self.leaf_targetids)
+        n_leaves = len(leaf_w)
+        if len(leaf_t) != n_leaves:
+            raise self.fail("leaf_targetids and leaf_weights differ in length")
+        true_next = [n + t if tl else t for t, tl in zip(tids, tleaf)]
+        false_next = [n + f if fl else f for f, fl in zip(fids, fleaf)]
+        members = {}
+        if (modes == _MEMBER).any():
+            vals = np.asarray(self.membership_values, dtype=np.float64).reshape(-1)
+            groups, cur = [], []
+            for v in vals:
+                if np.isnan(v):
+                    groups.append(np.asarray(cur))
+                    cur = []
+                else:
+                    cur.append(v)
+            if cur:
+                groups.append(np.asarray(cur))
+            member_nodes = np.nonzero(modes == _MEMBER)[0]
+            if len(groups) < len(member_nodes):
+                raise self.fail("membership_values has fewer sets than BRANCH_MEMBER nodes")
+            members = {int(i): g for i, g in zip(member_nodes, groups)}
+        try:
+            self.forest = _Forest(
+                feature=feats + [0] * n_leaves,
+                threshold=np.concatenate([splits, np.zeros(n_leaves)]),
+                mode=np.concatenate([modes, np.full(n_leaves, _LEAF)]),
+                true_next=true_next + [0] * n_leaves, false_next=false_next + [0] * n_leaves,
+                missing_true=miss + [0] * n_leaves, roots=list(self.tree_roots),
+                members=members, contrib_node=np.arange(n, n + n_leaves),
+                contrib_target=leaf_t, contrib_weight=leaf_w, n_targets=self.n_targets)
+        except (ValueError, IndexError) as exc:
+            raise self.fail(str(exc)) from exc
+        aggs = {0: "AVERAGE", 1: "SUM", 2: "MIN", 3: "MAX"}
+        if self.aggregate_function not in aggs or self.post_transform not in _POST_CODES:
+            raise self.fail("unknown aggregate_function or post_transform")
+        self.agg = aggs[self.aggregate_function]
+        self.post = _POST_CODES[self.post_transform]
+
+    def run(self, x):
+        x2 = _as_2d(x)
+        out = self.forest.scores(x2, self.agg).astype(x.dtype)
+        return post_transform(out, self.post)
+
+
+def _old_forest(op: OpImpl, prefix: str, n_targets: int) -> _Forest:
+    """The v1/v3 encoding (nodes keyed by tree id and node id, mode LEAF marks leaves)."""
+    tree_ids, node_ids = list(op.nodes_treeids), list(op.nodes_nodeids)
+    n = len(tree_ids)
+    gid = {(t, i): k for k, (t, i) in enumerate(zip(tree_ids, node_ids))}
+    values = getattr(op, "nodes_values_as_tensor", None)
+    values = np.asarray(values if values is not None else op.nodes_values or [0.0] * n,
+                        dtype=np.float64).reshape(-1)
+    modes = [_MODE_NAMES[m] for m in op.nodes_modes]
+    tnext = [gid.get((t, i), 0) if m != _LEAF else 0
+             for t, i, m in zip(tree_ids, op.nodes_truenodeids, modes)]
+    fnext = [gid.get((t, i), 0) if m != _LEAF else 0
+             for t, i, m in zip(tree_ids, op.nodes_falsenodeids, modes)]
+    miss = op.nodes_missing_value_tracks_true
+    miss = [0] * n if miss is None else list(miss)
+    roots, seen = [], set()
+    for k, t in enumerate(tree_ids):
+        if t not in seen:
+            seen.add(t)
+            roots.append(gid.get((t, 0), k))
+    weights = getattr(op, f"{prefix}_weights_as_tensor", None)
+    weights = weights if weights is not None else getattr(op, f"{prefix}_weights")
+    cnode = [gid[(t, i)] for t, i in zip(getattr(op, f"{prefix}_treeids"),
+                                         getattr(op, f"{prefix}_nodeids"))]
+    return _Forest(list(op.nodes_featureids), values, modes, tnext, fnext, miss, roots, {},
+                   cnode, list(getattr(op, f"{prefix}_ids")),
+                   np.asarray(weights, dtype=np.float64).reshape(-1), n_targets)
+
+
+def _base_values(op: OpImpl):
+    b = getattr(op, "base_values_as_tensor", None)
+    b = b if b is not None else op.base_values
+    return None if b is None else np.asarray(b, dtype=np.float64).reshape(-1)
+
+
+@register("TreeEnsembleRegressor", versions=[1, 3], domain=ML)
+class TreeEnsembleRegressor(OpImpl):
+    def setup(self):
+        try:
+            self.forest = _old_forest(self, "target", self.n_targets or 1)
+        except (KeyError, ValueError, IndexError) as exc:
+            raise self.fail(f"malformed tree attributes: {exc}") from exc
+        self.base = _base_values(self)
+
+    def run(self, x):
+        x2 = _as_2d(x).astype(np.float64 if x.dtype == np.float64 else np.float32)
+        out = self.forest.scores(x2, self.aggregate_function)
+        if self.base is not None:
+            out = out + self.base
+        return post_transform(out.astype(np.float32), self.post_transform)
+
+
+@register("TreeEnsembleClassifier", versions=[1, 3], domain=ML)
+class TreeEnsembleClassifier(OpImpl):
+    def setup(self):
+        self.labels = self.classlabels_strings if self.classlabels_strings is not None \
+            else self.classlabels_int64s
+        if self.labels is None:
+            raise self.fail("class labels are required")
+        self.n_cls = len(self.labels)
+        try:
+            self.forest = _old_forest(self, "class", max([self.n_cls] + [c + 1 for c in self.class_ids]))
+        except (KeyError, ValueError, IndexError) as exc:
+            raise self.fail(f"malformed tree attributes: {exc}") from exc
+        self.base = _base_values(self)
+        self.binary = self.n_cls == 2 and len(set(self.class_ids)) == 1
+
+    def run(self, x):
+        x2 = _as_2d(x).astype(np.float64 if x.dtype == np.float64 else np.float32)
+        out = self.forest.scores(x2, "SUM")
+        if self.binary:
+            return self._binary(out[:, self.class_ids[0]])
+        out = out[:, :self.n_cls]
+        if self.base is not None and len(self.base) == out.shape[1]:
+            out = out + self.base
+        scores = post_transform(out.astype(np.float32), self.post_transform)
+        return _labels(self.labels, np.argmax(out, axis=1)), scores
+
+    def _binary(self, s):
+        """Two labels, every leaf scoring one class: `s` is the positive class's score (the
+        onnxruntime convention). With all weights >= 0 it is read as a probability (positive
+        above 0.5, scores [1 - s, s]), otherwise as a margin (positive above 0, [-s, s])."""
+        if self.base is not None and len(self.base) == 1:
+            s = s + self.base[0]
+        all_positive = bool((self.forest.c_weight >= 0).all())
+        idx = (s > (0.5 if all_positive else 0.0)).astype(np.int64)
+        if self.post_transform in ("LOGISTIC", "PROBIT"):
+            p = post_transform(s, self.post_transform)
+            scores = np.stack([1 - p, p], axis=1)
+        else:
+            scores = np.stack([1 - s if all_positive else -s, s], axis=1)
+        return _labels(self.labels, idx), scores.astype(np.float32)
+
+
+# ---------------------------------------------------------------- more encoders
+
+@register("CategoryMapper", versions=[1], domain=ML)
+class CategoryMapper(OpImpl):
+    def setup(self):
+        ints, strs = list(self.cats_int64s or []), list(self.cats_strings or [])
+        if len(ints) != len(strs):
+            raise self.fail("cats_int64s and cats_strings differ in length")
+        self.s2i = dict(zip(strs, ints))
+        self.i2s = dict(zip(ints, strs))
+
+    def run(self, x):
+        flat = x.reshape(-1)
+        if x.dtype == object:  # strings -> int64
+            return np.array([self.s2i.get(str(s), self.default_int64) for s in flat],
+                            dtype=np.int64).reshape(x.shape)
+        out = np.empty(flat.size, dtype=object)
+        out[:] = [self.i2s.get(i, self.default_string) for i in flat.tolist()]
+        return out.reshape(x.shape)
+
+
+@register("FeatureVectorizer", versions=[1], domain=ML)
+class FeatureVectorizer(OpImpl):
+    def run(self, *inputs):
+        dims = list(self.inputdimensions or [])
+        if len(dims) != len(inputs):
+            raise self.fail(f"inputdimensions has {len(dims)} entries for {len(inputs)} inputs")
+        parts = []
+        for x, width in zip(inputs, dims):
+            x2 = x.reshape(1, -1) if x.ndim == 1 else x.reshape(x.shape[0], -1)
+            x2 = x2.astype(np.float32)
+            if x2.shape[1] >= width:
+                parts.append(x2[:, :width])
+            else:  # short input: zero padded to its declared width
+                pad = np.zeros((x2.shape[0], width - x2.shape[1]), dtype=np.float32)
+                parts.append(np.concatenate([x2, pad], axis=1))
+        return np.concatenate(parts, axis=1)
+
+
+# ---------------------------------------------------------------- support vector machines
+
+class _SVMBase(OpImpl):
+    def _kernel_setup(self):
+        params = list(self.kernel_params or [0.0, 0.0, 0.0]) + [0.0, 0.0, 0.0]
+        self.gamma, self.coef0, self.degree = float(params[0]), float(params[1]), params[2]
+        if self.kernel_type not in ("LINEAR", "POLY", "RBF", "SIGMOID"):
+            raise self.fail(f"unknown kernel_type {self.kernel_type!r}")
+
+    def _kernel(self, x: np.ndarray, sv: np.ndarray, kind: str) -> np.ndarray:
+        """[N, V] kernel values between rows of x and support vectors sv (in float64)."""
+        if kind == "RBF":
+            d2 = (x * x).sum(axis=1)[:, None] - 2 * x @ sv.T + (sv * sv).sum(axis=1)[None, :]
+            return np.exp(-self.gamma * np.maximum(d2, 0.0))
+        dot = x @ sv.T
+        if kind == "POLY":
+            return (self.gamma * dot + self.coef0) ** self.degree
+        if kind == "SIGMOID":
+            return np.tanh(self.gamma * dot + self.coef0)
+        return dot
+
+
+@register("SVMRegressor", versions=[1], domain=ML)
+class SVMRegressor(_SVMBase):
+    def setup(self):
+        self._kernel_setup()
+        self.coef = np.asarray(self.coefficients or [], dtype=np.float64)
+        self.rho0 = float((self.rho or [0.0])[0])
+        if self.n_supports > 0:
+            self.sv = np.asarray(self.support_vectors, dtype=np.float64).reshape(
+                self.n_supports, -1)
+
+    def run(self, x):
+        x2 = _as_2d(x).astype(np.float64)
+        if self.n_supports > 0:
+            y = self._kernel(x2, self.sv, self.kernel_type) @ self.coef + self.rho0
+        else:
+            y = x2 @ self.coef + self.rho0
+        if self.one_class:
+            y = np.where(y > 0, 1.0, -1.0)
+        y = y.reshape(-1, 1).astype(np.float32)
+        return post_transform(y, self.post_transform) if self.post_transform == "PROBIT" else y
+
+
+def _couple_pairwise(r: np.ndarray) -> np.ndarray:
+    """Class probabilities from pairwise ones r[i, j] = P(i | i or j) (Wu, Lin & Weng, method 2,
+    as libsvm solves it)."""
+    k = r.shape[0]
+    q = -(r.T * r)
+    np.fill_diagonal(q, 0.0)
+    np.fill_diagonal(q, (r.T ** 2).sum(axis=1) - np.diag(r) ** 2)
+    p = np.full(k, 1.0 / k)
+    eps = 0.005 / k
+    for _ in range(max(100, k)):
+        qp = q @ p
+        pqp = p @ qp
+        if np.abs(qp - pqp).max() < eps:
+            break
+        for t in range(k):
+            diff = (pqp - qp[t]) / q[t, t]
+            p[t] += diff
+            pqp = (pqp + diff * (diff * q[t, t] + 2 * qp[t])) / (1 + diff) ** 2
+            p /= 1 + diff
+            qp = (qp + diff * q[t]) / (1 + diff)
+    return p
+
+
+@register("SVMClassifier", versions=[1], domain=ML)
+class SVMClassifier(_SVMBase):
+    """Linear (one score per class) or libsvm-style one-vs-one SVC with voting and optional
+    Platt-scaled probabilities; binary outputs follow onnxruntime's conventions."""
+
+    def setup(self):
+        self._kernel_setup()
+        self.labels = self.classlabels_strings if self.classlabels_strings is not None \
+            else self.classlabels_ints
+        if self.labels is None:
+            raise self.fail("class labels are required")
+        self.n_cls = max(len(self.labels), 1)
+        coef = np.asarray(self.coefficients or [], dtype=np.float64)
+        self.rho_ = np.asarray(self.rho or [0.0], dtype=np.float64)
+        per_class = list(self.vectors_per_class or [])
+        self.n_sv = int(sum(per_class))
+        if self.n_sv > 0:
+            self.sv = np.asarray(self.support_vectors, dtype=np.float64).reshape(self.n_sv, -1)
+            self.coef = coef.reshape(-1, self.n_sv)
+            starts = np.concatenate([[0], np.cumsum(per_class)[:-1]]).astype(int)
+            self.ranges = [(int(s), int(s + c)) for s, c in zip(starts, per_class)]
+            self.pairs = [(i, j) for i in range(self.n_cls) for j in range(i + 1, self.n_cls)]
+            if len(self.rho_) < len(self.pairs):
+                raise self.fail(f"rho has {len(self.rho_)} entries for {len(self.pairs)} pairs")
+        else:
+            self.coef = coef.reshape(self.n_cls, -1)
+        self.prob_a_ = np.asarray(self.prob_a or [], dtype=np.float64)
+        self.prob_b_ = np.asarray(self.prob_b or [], dtype=np.float64)
+
+    def run(self, x):
+        x2 = _as_2d(x).astype(np.float64)
+        n = x2.shape[0]
+        votes = None
+        if self.n_sv > 0:
+            kern = self._kernel(x2, self.sv, self.kernel_type)
+            scores = np.empty((n, len(self.pairs)))
+            votes = np.zeros((n, self.n_cls))
+            for p, (i, j) in enumerate(self.pairs):
+                (a0, a1), (b0, b1) = self.ranges[i], self.ranges[j]
+                s = (self.rho_[p] + kern[:, a0:a1] @ self.coef[j - 1, a0:a1]
+                     + kern[:, b0:b1] @ self.coef[i, b0:b1])
+                scores[:, p] = s
+                votes[np.arange(n), np.where(s > 0, i, j)] += 1
+        else:
+            scores = x2 @ self.coef.T + self.rho_[0]
+        has_proba = self.n_sv > 0 and self.prob_a_.size > 0
+        if has_proba:
+            probs = np.empty((n, self.n_cls))
+            for row in range(n):
+                r = np.zeros((self.n_cls, self.n_cls))
+                for p, (i, j) in enumerate(self.pairs):
+                    v = 1.0 / (1.0 + np.exp(scores[row, p] * self.prob_a_[p] + self.prob_b_[p]))
+                    v = min(max(v, 1e-7), 1 - 1e-7)
+                    r[i, j], r[j, i] = v, 1 - v
+                probs[row] = _couple_pairwise(r)
+            scores = probs
+        ref = votes if votes is not None else scores
+        labels = _labels(self.labels, np.argmax(ref, axis=1))
+        if scores.shape[1] == 1 and len(self.labels) == 2:
+            # one pairwise score: onnxruntime's layouts for the two-column output
+            s = scores[:, 0]
+            if self.post_transform == "LOGISTIC":
+                p = 1.0 / (1.0 + np.exp(-s))
+                out = np.stack([1 - p, p], axis=1)
+            elif self.post_transform in ("SOFTMAX", "SOFTMAX_ZERO"):
+                out = np.stack([1 - s, s], axis=1)
+            else:
+                out = np.stack([-s, s], axis=1)
+        else:
+            out = post_transform(scores, self.post_transform)
+        return labels, out.astype(np.float32)

@@ -1,0 +1,296 @@
+"""Normalisation ops: BatchNormalization, InstanceNormalization, LayerNormalization,
+GroupNormalization, RMSNormalization, LpNormalization, MeanVarianceNormalization, LRN, Dropout.
+
+Statistics are computed with keepdims reductions in the precision the spec asks for (stash_type,
+float32 by default for the transformer norms), never with Python loops over elements.
+"""
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper
+
+from ember.ops.registry import OpImpl, register
+
+
+def _stash_dtype(impl: OpImpl, x: np.ndarray) -> np.dtype:
+    """The precision of stage one: stash_type (a TensorProto dtype), else float32 for low floats."""
+    stash = getattr(impl, "stash_type", None)
+    if stash is None:
+        return np.dtype(np.float32) if x.dtype.itemsize < 4 else x.dtype
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(int(stash)))
+    except Exception:
+        raise impl.fail(f"unsupported stash_type {stash}") from None
+
+
+def _norm_axis(impl: OpImpl, axis: int, rank: int) -> int:
+    a = axis + rank if axis < 0 else axis
+    if not 0 <= a < rank:
+        raise impl.fail(f"axis {axis} out of range for rank {rank}")
+    return a
+
+
+def _mean_var(x: np.ndarray, axes: tuple[int, ...]):
+    mean = np.mean(x, axis=axes, keepdims=True)
+    d = x - mean
+    var = np.mean(d * d, axis=axes, keepdims=True)
+    return mean, d, var
+
+
+def _channel_shape(param: np.ndarray, rank: int) -> np.ndarray:
+    """A per-channel vector (C,) shaped to broadcast against (N, C, D1, ...)."""
+    return param.reshape((1, -1) + (1,) * (rank - 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# BatchNormalization
+
+
+@register("BatchNormalization", versions=[1, 6, 7, 9])
+class BatchNormalization1(OpImpl):
+    """Inference form (spatial=1 per-channel, spatial=0 per-activation); the optional training
+    outputs (mean, var, saved_mean, saved_var) are produced from the batch statistics."""
+
+    def setup(self):
+        self.spatial = getattr(self, "spatial", 1)
+        if self.spatial is None:
+            self.spatial = 1
+
+    def _shape(self, p, x):
+        if self.spatial:
+            return _channel_shape(p, x.ndim)
+        return p.reshape((1,) + p.shape)
+
+    def run(self, x, scale, b, mean, var):
+        dt = x.dtype
+        eps = np.asarray(self.epsilon, dtype=dt)
+        s, bb = self._shape(scale, x), self._shape(b, x)
+        m, v = self._shape(mean, x), self._shape(var, x)
+        y = ((x - m) * (s / np.sqrt(v + eps)) + bb).astype(dt, copy=False)
+        if self.n_outputs <= 1:
+            return y
+        axes = tuple(i for i in range(x.ndim) if i != 1) if self.spatial else (0,)
+        bm = np.mean(x, axis=axes)
+        bv = np.var(x, axis=axes)
+        mom = self.momentum
+        run_mean = (mean * mom + bm.reshape(mean.shape) * (1 - mom)).astype(mean.dtype)
+        run_var = (var * mom + bv.reshape(var.shape) * (1 - mom)).astype(var.dtype)
+        return (y, run_mean, run_var, bm.astype(dt).reshape(mean.shape),
+                bv.astype(dt).reshape(var.shape))
+
+
+@register("BatchNormalization", versions=[14, 15])
+class BatchNormalization14(OpImpl):
+    def run(self, x, scale, b, mean, var):
+        dt = x.dtype
+        rank = x.ndim
+        s, bb = _channel_shape(scale, rank), _channel_shape(b, rank)
+        if not self.training_mode:
+            m, v = _channel_shape(mean, rank), _channel_shape(var, rank)
+            inv = (s / np.sqrt(v + np.asarray(self.epsilon, dtype=v.dtype))).astype(dt, copy=False)
+            y = ((x - m.astype(dt, copy=False)) * inv + bb.astype(dt, copy=False))
+            y = y.astype(dt, copy=False)
+            if self.n_outputs > 1:
+                return y, mean, var
+            return y
+        axes = (0,) + tuple(range(2, rank))
+        bm = np.mean(x, axis=axes, keepdims=True)
+        d = x - bm
+        bv = np.mean(d * d, axis=axes, keepdims=True)
+        y = d * (s.astype(dt, copy=False) / np.sqrt(bv + np.asarray(self.epsilon, dtype=dt))) \
+            + bb.astype(dt, copy=False)
+        y = y.astype(dt, copy=False)
+        mom = np.asarray(self.momentum, dtype=mean.dtype)
+        one = np.asarray(1, dtype=mean.dtype)
+        run_mean = (mean * mom + bm.reshape(-1).astype(mean.dtype) * (one - mom)).astype(mean.dtype)
+        run_var = (var * mom + bv.reshape(-1).astype(var.dtype) * (one - mom)).astype(var.dtype)
+        return y, run_mean, run_var
+
+
+# ----------------------------------------------------------------------------------------------
+# InstanceNormalization, LayerNormalization, GroupNormalization, RMSNormalization
+
+
+@register("InstanceNormalization", versions=[1, 6, 22])
+class InstanceNormalization(OpImpl):
+    def run(self, x, scale, b):
+        dt = x.dtype
+        work = x.astype(np.float32) if dt.itemsize < 4 else x
+        axes = tuple(range(2, x.ndim))
+        mean, d, var = _mean_var(work, axes)
+        inv = 1.0 / np.sqrt(var + np.asarray(self.epsilon, dtype=work.dtype))
+        y = d * inv
+        y = y * _channel_shape(scale, x.ndim).astype(work.dtype) \
+            + _channel_shape(b, x.ndim).astype(work.dtype)
+        return y.astype(dt, copy=False)
+
+
+@register("LayerNormalization", versions=[17])
+class LayerNormalization17(OpImpl):
+    def run(self, x, scale, b=None):
+        dt = x.dtype
+        axis = _norm_axis(self, self.axis, x.ndim)
+        sd = _stash_dtype(self, x)
+        work = x.astype(sd, copy=False)
+        axes = tuple(range(axis, x.ndim))
+        mean, d, var = _mean_var(work, axes)
+        inv = np.reciprocal(np.sqrt(var + np.asarray(self.epsilon, dtype=sd)))
+        y = (d * inv).astype(dt, copy=False) * scale
+        if b is not None:
+            y = y + b
+        y = y.astype(dt, copy=False)
+        if self.n_outputs == 1:
+            return y
+        return y, mean, inv
+
+
+class _GroupNorm(OpImpl):
+    per_channel_params = True
+
+    def run(self, x, scale, b):
+        dt = x.dtype
+        n, c = x.shape[0], x.shape[1]
+        g = int(self.num_groups)
+        if g <= 0 or c % g:
+            raise self.fail(f"num_groups {g} does not divide the {c} channels")
+        sd = _stash_dtype(self, x)
+        work = x.astype(sd, copy=False).reshape(n, g, -1)
+        mean, d, var = _mean_var(work, (2,))
+        norm = (d / np.sqrt(var + np.asarray(self.epsilon, dtype=sd))).reshape(x.shape)
+        norm = norm.astype(dt, copy=False)
+        if not self.per_channel_params:
+            scale = np.repeat(scale, c // g)
+            b = np.repeat(b, c // g)
+        y = norm * _channel_shape(scale, x.ndim) + _channel_shape(b, x.ndim)
+        return y.astype(dt, copy=False)
+
+
+@register("GroupNormalization", versions=[18])
+class GroupNormalization18(_GroupNorm):
+    per_channel_params = False  # scale and bias have one entry per group
+
+
+@register("GroupNormalization", versions=[21])
+class GroupNormalization21(_GroupNorm):
+    per_channel_params = True
+
+
+@register("RMSNormalization", versions=[23])
+class RMSNormalization23(OpImpl):
+    def run(self, x, scale):
+        axis = _norm_axis(self, self.axis, x.ndim)
+        sd = _stash_dtype(self, x)
+        work = x.astype(sd, copy=False)
+        axes = tuple(range(axis, x.ndim))
+        ms = np.mean(work * work, axis=axes, keepdims=True)
+        norm = work / np.sqrt(ms + np.asarray(self.epsilon, dtype=sd))
+        y = norm.astype(x.dtype, copy=False).astype(scale.dtype, copy=False) * scale
+        return y.astype(scale.dtype, copy=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# LpNormalization, MeanVarianceNormalization, LRN
+
+
+@register("LpNormalization", versions=[1, 22])
+class LpNormalization(OpImpl):
+    def setup(self):
+        if self.p not in (1, 2):
+            raise self.fail(f"p must be 1 or 2, got {self.p}")
+
+    def run(self, x):
+        axis = _norm_axis(self, self.axis, x.ndim)
+        w = x.astype(np.float32) if x.dtype.itemsize < 4 else x
+        if self.p == 1:
+            norm = np.sum(np.abs(w), axis=axis, keepdims=True)
+        else:
+            norm = np.sqrt(np.sum(w * w, axis=axis, keepdims=True))
+        zero = norm == 0
+        y = w / np.where(zero, np.ones_like(norm), norm)
+        y = np.where(zero, np.zeros_like(y), y)
+        return y.astype(x.dtype, copy=False)
+
+
+@register("MeanVarianceNormalization", versions=[9, 13])
+class MeanVarianceNormalization(OpImpl):
+    def run(self, x):
+        rank = x.ndim
+        axes = tuple(sorted({a + rank if a < 0 else a for a in self.axes}))
+        work = x.astype(np.float32) if x.dtype.itemsize < 4 else x
+        mean, d, var = _mean_var(work, axes)
+        y = d / (np.sqrt(var) + np.asarray(1e-9, dtype=work.dtype))
+        return y.astype(x.dtype, copy=False)
+
+
+@register("LRN", versions=[1, 13])
+class LRN(OpImpl):
+    def run(self, x):
+        size = int(self.size)
+        c = x.shape[1]
+        lo = (size - 1) // 2
+        hi = size - 1 - lo  # ceil((size-1)/2)
+        sq = (x * x).astype(np.float64 if x.dtype == np.float64 else np.float32)
+        # Sum over the channel window [c-lo, c+hi] with a zero-padded cumulative sum.
+        pad = [(0, 0)] * x.ndim
+        pad[1] = (lo + 1, hi)
+        cs = np.cumsum(np.pad(sq, pad), axis=1)
+        upper = np.take(cs, np.arange(c) + lo + 1 + hi, axis=1)
+        lower = np.take(cs, np.arange(c), axis=1)
+        square_sum = upper - lower
+        base = self.bias + (self.alpha / size) * square_sum
+        y = x / base ** self.beta
+        return y.astype(x.dtype, copy=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dropout
+
+
+def _dropout_train(impl: OpImpl, x: np.ndarray, ratio: float, mask_dtype):
+    rng = np.random.RandomState(impl.seed) if getattr(impl, "seed", None) is not None \
+        else np.random.RandomState()
+    mask = rng.uniform(0, 1.0, x.shape) >= ratio
+    scale = 1.0 / (1.0 - ratio)
+    y = (mask * x * scale).astype(x.dtype, copy=False)
+    return y, mask.astype(mask_dtype)
+
+
+@register("Dropout", versions=[1, 6])
+class Dropout1(OpImpl):
+    """Old form; mask has the input's type. Its is_test attribute defaults to training, which
+    exporters left unset on inference graphs, so like other runtimes we run it as identity."""
+
+    def run(self, x):
+        if self.n_outputs > 1:
+            return x, np.ones(x.shape, dtype=x.dtype)
+        return x
+
+
+@register("Dropout", versions=[7])
+class Dropout7(OpImpl):
+    mask_dtype = None  # the input's type
+
+    def run(self, x):
+        if self.n_outputs > 1:
+            return x, np.ones(x.shape, dtype=self.mask_dtype or x.dtype)
+        return x
+
+
+@register("Dropout", versions=[10])
+class Dropout10(Dropout7):
+    mask_dtype = np.bool_
+
+
+@register("Dropout", versions=[12, 13, 22])
+class Dropout12(OpImpl):
+    def run(self, x, ratio=None, training_mode=None):
+        r = 0.5 if ratio is None else float(np.asarray(ratio).reshape(()))
+        training = training_mode is not None and bool(np.asarray(training_mode).reshape(()))
+        if not training or r == 0:
+            if self.n_outputs > 1:
+                return x, np.ones(x.shape, dtype=np.bool_)
+            return x
+        if not 0 <= r < 1:
+            raise self.fail(f"ratio must be in [0, 1), got {r}")
+        y, mask = _dropout_train(self, x, r, np.bool_)
+        return (y, mask) if self.n_outputs > 1 else y

@@ -1,0 +1,217 @@
+"""Linear quantisation: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear.
+
+Scales and zero points are per-tensor (a scalar or one-element tensor), per-axis (1-D, one per
+index of `axis`) or blocked (same rank as the input, `block_size` consecutive elements along
+`axis` sharing one entry).
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from ember.ops.registry import OpImpl, register
+from ember.ops.tensor import (SUBBYTE_INTS, cast_array, is_floatlike, is_intlike, onnx_dtype)
+
+
+def _int_range(dtype: np.dtype) -> tuple[int, int]:
+    info = ml_dtypes.iinfo(dtype) if dtype in SUBBYTE_INTS else np.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+class _LinearQuantBase(OpImpl):
+    """Shared attribute handling and scale/zero-point broadcasting."""
+
+    def setup(self):
+        # attributes a version's schema lacks (axis before 13, ...) are absent: use their defaults
+        axis = getattr(self, "axis", None)
+        self.q_axis = 1 if axis is None else int(axis)
+        self.q_block = int(getattr(self, "block_size", 0) or 0)
+        if self.q_block < 0:
+            raise self.fail(f"block_size must be >= 0, got {self.q_block}")
+        code = getattr(self, "output_dtype", 0) or 0
+        try:
+            self.q_output_dtype = onnx_dtype(code) if code else None
+        except ValueError as exc:
+            raise self.fail(f"attribute 'output_dtype': {exc}") from None
+
+    def _broadcast(self, p: np.ndarray, x_shape: tuple[int, ...], what: str) -> np.ndarray:
+        """`p` (a scale or zero point) reshaped/repeated to broadcast against the input."""
+        p = np.asarray(p)
+        rank = len(x_shape)
+        if p.ndim == 0 or (p.ndim == 1 and p.size == 1 and self.q_block == 0):
+            return p.reshape(())
+        axis = self.q_axis + rank if self.q_axis < 0 else self.q_axis
+        if not 0 <= axis < rank:
+            raise self.fail(f"axis {self.q_axis} is out of range for input of rank {rank}")
+        if self.q_block == 0:
+            if p.ndim != 1 or p.shape[0] != x_shape[axis]:
+                raise self.fail(f"{what} of shape {p.shape} does not match input dimension "
+                                f"{x_shape[axis]} on axis {axis} (per-axis quantisation needs a "
+                                "1-D tensor of that length)")
+            shape = [1] * rank
+            shape[axis] = p.shape[0]
+            return p.reshape(shape)
+        # blocked
+        if p.ndim != rank:
+            raise self.fail(f"blocked quantisation needs {what} of rank {rank}, "
+                            f"got shape {p.shape}")
+        for i in range(rank):
+            if i != axis and p.shape[i] != x_shape[i]:
+                raise self.fail(f"{what} of shape {p.shape} does not match input shape {x_shape} "
+                                f"outside axis {axis}")
+        blocks = -(-x_shape[axis] // self.q_block)
+        if p.shape[axis] != blocks:
+            raise self.fail(f"{what} has {p.shape[axis]} entries on axis {axis}; input dimension "
+                            f"{x_shape[axis]} with block_size {self.q_block} needs {blocks}")
+        full = np.repeat(p, self.q_block, axis=axis)
+        if full.shape[axis] != x_shape[axis]:
+            full = np.take(full, np.arange(x_shape[axis]), axis=axis)
+        return full
+
+
+# --------------------------------------------------------------------------------------------
+# QuantizeLinear
+
+
+class QuantizeLinear(_LinearQuantBase):
+    def setup(self):
+        super().setup()
+        saturate = getattr(self, "saturate", None)
+        self.q_saturate = True if saturate is None else bool(saturate)
+        code = getattr(self, "precision", 0) or 0
+        try:
+            self.q_precision = onnx_dtype(code) if code else None
+        except ValueError as exc:
+            raise self.fail(f"attribute 'precision': {exc}") from None
+
+    def run(self, x, y_scale, y_zero_point=None):
+        if y_zero_point is not None:
+            out_dtype = y_zero_point.dtype
+            if self.q_output_dtype is not None and self.q_output_dtype != out_dtype:
+                raise self.fail(f"output_dtype {self.q_output_dtype} differs from the zero "
+                                f"point's type {out_dtype}")
+        else:
+            out_dtype = self.q_output_dtype if self.q_output_dtype is not None \
+                else np.dtype(np.uint8)
+
+        prec = self.q_precision if self.q_precision is not None else y_scale.dtype
+        if not is_floatlike(prec) or prec == ml_dtypes.float8_e8m0fnu:
+            prec = np.dtype(np.float32)  # integer (or exponent-only) scales divide in float
+        work = np.float64 if prec == np.float64 else np.float32
+
+        scale = self._broadcast(cast_array(y_scale, prec), x.shape, "y_scale")
+        with np.errstate(all="ignore"):
+            q = cast_array(x, prec) / scale
+            q = q.astype(work, copy=False)
+            if y_zero_point is not None:
+                zp = self._broadcast(cast_array(y_zero_point, work), x.shape, "y_zero_point")
+            else:
+                zp = None
+
+            if is_intlike(out_dtype):
+                lo, hi = _int_range(out_dtype)
+                q = np.rint(q)
+                if zp is not None:
+                    q = q + zp
+                q = np.clip(q, lo, hi)
+                q = np.where(np.isnan(q), 0, q)
+                if out_dtype in SUBBYTE_INTS:
+                    return q.astype(np.int8).astype(out_dtype)
+                return q.astype(out_dtype)
+            # float8 / float4 / float6 targets: round-to-nearest-even in the cast
+            if zp is not None:
+                q = q + zp
+            return cast_array(q, out_dtype, saturate=self.q_saturate)
+
+
+@register("QuantizeLinear", versions=[10, 13])
+class QuantizeLinear10(QuantizeLinear):
+    """uint8/int8 only, float32 scale (13 adds per-axis via `axis`)."""
+
+
+@register("QuantizeLinear", versions=[19])
+class QuantizeLinear19(QuantizeLinear):
+    """Adds float8 outputs with `saturate`; the scale has the input's type."""
+
+
+@register("QuantizeLinear", versions=[21, 23, 24, 25, 28])
+class QuantizeLinear21(QuantizeLinear):
+    """Adds blocked quantisation, output_dtype, 16/4/2-bit outputs (23: precision, float4;
+    24: float8e8m0 scales; 25: 2-bit; 28: float6)."""
+
+
+# --------------------------------------------------------------------------------------------
+# DequantizeLinear
+
+
+class DequantizeLinear(_LinearQuantBase):
+    def run(self, x, x_scale, x_zero_point=None):
+        if self.q_output_dtype is not None:
+            out_dtype = self.q_output_dtype
+        elif x_scale.dtype in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16):
+            out_dtype = x_scale.dtype
+        else:
+            out_dtype = np.dtype(np.float32)
+        if x_zero_point is not None and x_zero_point.dtype != x.dtype:
+            raise self.fail(f"x_zero_point has type {x_zero_point.dtype}, x has {x.dtype}")
+        work = np.float64 if out_dtype == np.float64 else np.float32
+        scale = self._broadcast(cast_array(x_scale, work), x.shape, "x_scale")
+        if is_intlike(x.dtype) and x.dtype.itemsize >= 4:
+            # 32-bit: subtract exactly before rounding to float
+            diff = cast_array(x, np.int64)
+            if x_zero_point is not None:
+                diff = diff - self._broadcast(cast_array(x_zero_point, np.int64), x.shape,
+                                              "x_zero_point")
+            diff = diff.astype(work)
+        else:
+            diff = cast_array(x, work)
+            if x_zero_point is not None:
+                diff = diff - self._broadcast(cast_array(x_zero_point, work), x.shape,
+                                              "x_zero_point")
+        with np.errstate(all="ignore"):
+            y = diff * scale
+        return cast_array(y, out_dtype)
+
+
+@register("DequantizeLinear", versions=[10, 13])
+class DequantizeLinear10(DequantizeLinear):
+    """int8/uint8/int32 inputs, float32 output."""
+
+
+@register("DequantizeLinear", versions=[19])
+class DequantizeLinear19(DequantizeLinear):
+    """Adds float8 inputs; the output has the scale's type."""
+
+
+@register("DequantizeLinear", versions=[21, 23, 24, 25, 28])
+class DequantizeLinear21(DequantizeLinear):
+    """Adds blocked dequantisation and 16/4-bit inputs (23: output_dtype, float4; 24: float8e8m0
+    scales; 25: 2-bit; 28: float6)."""
+
+
+# --------------------------------------------------------------------------------------------
+# DynamicQuantizeLinear
+
+
+@register("DynamicQuantizeLinear", versions=[11])
+class DynamicQuantizeLinear(OpImpl):
+    """uint8 quantisation with scale and zero point computed from the data range (0 included)."""
+
+    def run(self, x):
+        x = cast_array(x, np.float32)
+        if x.size:
+            x_min = np.minimum(np.float32(0), np.min(x))
+            x_max = np.maximum(np.float32(0), np.max(x))
+        else:
+            x_min = x_max = np.float32(0)
+        # an all-zero input gives scale 1 (as onnxruntime does) rather than a zero scale
+        scale = np.float32((x_max - x_min) / np.float32(255)) if x_max != x_min else np.float32(1)
+        with np.errstate(all="ignore"):
+            if not np.isfinite(scale):
+                zero_point = np.float32(0)
+                q = np.zeros(x.shape, dtype=np.float32)
+            else:
+                zero_point = np.clip(np.rint((np.float32(0) - x_min) / scale), 0, 255)
+                q = np.rint(x / scale) + zero_point
+        y = np.clip(q, 0, 255).astype(np.uint8)
+        return y, np.array(scale, dtype=np.float32), np.array(zero_point, dtype=np.uint8)

@@ -1,0 +1,415 @@
+"""Reductions (ReduceSum .. ReduceLogSumExp, ArgMax/ArgMin) and Softmax/LogSoftmax/Hardmax.
+
+Reductions keep the input dtype; narrow floats (float16, bfloat16, ...) are accumulated in
+float32 and cast back. A reduction over an empty set gives the identity of the reduction
+(0 for sums, 1 for products, -inf/+inf or the dtype's extreme for max/min, -inf for log sums).
+
+Axes come from the `axes` attribute up to opset 13 (18 for most ops; ReduceSum moved at 13),
+and from the optional `axes` input afterwards, where `noop_with_empty_axes` decides whether an
+empty/absent axes list means "all axes" or "identity".
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ember.ops._dtypes import is_narrow_float, widen
+from ember.ops.registry import OpImpl, register
+
+
+def _normalize_axes(axes, rank: int, fail) -> tuple[int, ...]:
+    out = []
+    for a in axes:
+        a = int(a)
+        if not -rank <= a < max(rank, 1):
+            raise fail(f"axis {a} is out of range for a tensor of rank {rank}")
+        out.append(a % rank if rank else 0)
+    return tuple(sorted(set(out)))
+
+
+# --------------------------------------------------------------------------------------------
+# Reductions
+
+class _Reduce(OpImpl):
+    """Base: subclasses implement `reduce(x, axes, keepdims)` on the original-dtype array,
+    `axes` a sorted tuple of non-negative ints; () reduces nothing (a scalar input, or
+    noop_with_empty_axes) but still applies the op's elementwise steps."""
+
+    axes_from_input = False
+
+    def setup(self):
+        self.keepdims = bool(self.keepdims)
+        if not self.axes_from_input:
+            self.noop = False
+        else:
+            self.noop = bool(getattr(self, "noop_with_empty_axes", 0) or 0)
+
+    def run(self, data, axes=None):
+        rank = data.ndim
+        if self.axes_from_input:
+            if axes is None or np.size(axes) == 0:
+                # empty axes: all axes, or (noop) a reduction over the empty set of axes,
+                # which still applies the non-reducing steps (square, log, abs ...)
+                axes = () if self.noop else tuple(range(rank))
+            else:
+                axes = _normalize_axes(np.asarray(axes).reshape(-1).tolist(), rank, self.fail)
+        else:
+            axes = self.axes
+            if not axes:
+                axes = tuple(range(rank))
+            else:
+                axes = _normalize_axes(axes, rank, self.fail)
+        if rank == 0:
+            out = np.asarray(self.reduce(data, (), True)).reshape(())
+        else:
+            out = self.reduce(data, axes, self.keepdims)
+        return np.asarray(out).astype(data.dtype, copy=False)
+
+    def reduce(self, x, axes, keepdims):  # pragma: no cover
+        raise NotImplementedError
+
+
+def _sum(x, axes, keepdims):
+    if x.dtype.kind in "iub":
+        return np.sum(x, axis=axes, keepdims=keepdims, dtype=x.dtype if x.dtype != bool
+                      else np.int64)
+    return np.sum(x, axis=axes, keepdims=keepdims)
+
+
+class _ReduceSum(_Reduce):
+    def reduce(self, x, axes, keepdims):
+        return _sum(widen(x), axes, keepdims)
+
+
+@register("ReduceSum", versions=[1, 11])
+class ReduceSum1(_ReduceSum):
+    pass
+
+
+@register("ReduceSum", versions=[13])
+class ReduceSum13(_ReduceSum):
+    axes_from_input = True
+
+
+class _ReduceSumSquare(_Reduce):
+    def reduce(self, x, axes, keepdims):
+        x = widen(x)
+        return _sum(x * x, axes, keepdims)
+
+
+@register("ReduceSumSquare", versions=[1, 11, 13])
+class ReduceSumSquare1(_ReduceSumSquare):
+    pass
+
+
+@register("ReduceSumSquare", versions=[18])
+class ReduceSumSquare18(_ReduceSumSquare):
+    axes_from_input = True
+
+
+class _ReduceMean(_Reduce):
+    def reduce(self, x, axes, keepdims):
+        x = widen(x)
+        count = int(np.prod([x.shape[a] for a in axes])) if axes else 1
+        if x.dtype.kind in "iu":
+            total = np.sum(x, axis=axes, keepdims=keepdims, dtype=np.int64 if x.dtype.kind == "i"
+                           else np.uint64)
+            if count == 0:
+                return np.zeros(total.shape, x.dtype)
+            # integer mean rounds toward zero, like C integer division
+            q = np.abs(total) // count
+            return np.where(total < 0, -q, q) if x.dtype.kind == "i" else q
+        total = np.sum(x, axis=axes, keepdims=keepdims)
+        if count == 0:
+            return np.full(total.shape, np.nan, x.dtype)
+        return total / x.dtype.type(count)
+
+
+@register("ReduceMean", versions=[1, 11, 13])
+class ReduceMean1(_ReduceMean):
+    pass
+
+
+@register("ReduceMean", versions=[18])
+class ReduceMean18(_ReduceMean):
+    axes_from_input = True
+
+
+class _ReduceProd(_Reduce):
+    def reduce(self, x, axes, keepdims):
+        x = widen(x)
+        if x.dtype.kind in "iu":
+            return np.prod(x, axis=axes, keepdims=keepdims, dtype=x.dtype)
+        return np.prod(x, axis=axes, keepdims=keepdims)
+
+
+@register("ReduceProd", versions=[1, 11, 13])
+class ReduceProd1(_ReduceProd):
+    pass
+
+
+@register("ReduceProd", versions=[18])
+class ReduceProd18(_ReduceProd):
+    axes_from_input = True
+
+
+def _extreme(dtype: np.dtype, largest: bool):
+    """+inf/-inf for floats, the dtype's max/min for integers, True/False for bool."""
+    if dtype == bool:
+        return bool(largest)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return info.max if largest else info.min
+    return np.inf if largest else -np.inf
+
+
+class _ReduceMax(_Reduce):
+    def reduce(self, x, axes, keepdims):
+        x = widen(x)
+        return np.max(x, axis=axes, keepdims=keepdims, initial=_extreme(x.dtype, False))
+
+
+class _ReduceMin(_Reduce):
+    def reduce(self, x, axes, keepdims):
+        x = widen(x)
+        return np.min(x, axis=axes, keepdims=keepdims, initial=_extreme(x.dtype, True))
+
+
+@register("ReduceMax", versions=[1, 11, 12, 13])
+class ReduceMax1(_ReduceMax):
+    pass
+
+
+@register("ReduceMax", versions=[18, 20])
+class ReduceMax18(_ReduceMax):
+    axes_from_input = True
+
+
+@register("ReduceMin", versions=[1, 11, 12, 13])
+class ReduceMin1(_ReduceMin):
+    pass
+
+
+@register("ReduceMin", versions=[18, 20])
+class ReduceMin18(_ReduceMin):
+    axes_from_input = True
+
+
+class _ReduceL1(_Reduce):
+    def reduce(self, x, axes, keepdims):
+        return _sum(np.abs(widen(x)), axes, keepdims)
+
+
+@register("ReduceL1", versions=[1, 11, 13])
+class ReduceL1_1(_ReduceL1):
+    pass
+
+
+@register("ReduceL1", versions=[18])
+class ReduceL1_18(_ReduceL1):
+    axes_from_input = True
+
+
+class _ReduceL2(_Reduce):
+    def reduce(self, x, axes, keepdims):
+        x = widen(x)
+        if x.dtype.kind in "iu":
+            s = np.sum(x.astype(np.float64) ** 2, axis=axes, keepdims=keepdims)
+            return np.trunc(np.sqrt(s))
+        return np.sqrt(np.sum(x * x, axis=axes, keepdims=keepdims))
+
+
+@register("ReduceL2", versions=[1, 11, 13])
+class ReduceL2_1(_ReduceL2):
+    pass
+
+
+@register("ReduceL2", versions=[18])
+class ReduceL2_18(_ReduceL2):
+    axes_from_input = True
+
+
+class _ReduceLogSum(_Reduce):
+    def reduce(self, x, axes, keepdims):
+        x = widen(x)
+        if x.dtype.kind in "iu":
+            x = x.astype(np.float64)
+        s = np.sum(x, axis=axes, keepdims=keepdims)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.log(s)
+
+
+@register("ReduceLogSum", versions=[1, 11, 13])
+class ReduceLogSum1(_ReduceLogSum):
+    pass
+
+
+@register("ReduceLogSum", versions=[18, 28])
+class ReduceLogSum18(_ReduceLogSum):
+    axes_from_input = True
+
+
+class _ReduceLogSumExp(_Reduce):
+    def reduce(self, x, axes, keepdims):
+        x = widen(x)
+        if x.dtype.kind in "iu":
+            x = x.astype(np.float64)
+        m = np.max(x, axis=axes, keepdims=True, initial=-np.inf)
+        m = np.where(np.isfinite(m), m, np.zeros((), x.dtype))
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            s = np.sum(np.exp(x - m), axis=axes, keepdims=True)
+            out = np.log(s) + m
+        if not keepdims:
+            out = np.squeeze(out, axis=axes)
+        return out
+
+
+@register("ReduceLogSumExp", versions=[1, 11, 13])
+class ReduceLogSumExp1(_ReduceLogSumExp):
+    pass
+
+
+@register("ReduceLogSumExp", versions=[18, 28])
+class ReduceLogSumExp18(_ReduceLogSumExp):
+    axes_from_input = True
+
+
+# --------------------------------------------------------------------------------------------
+# ArgMax / ArgMin
+
+class _ArgReduce(OpImpl):
+    largest = True
+
+    def setup(self):
+        self.keepdims = bool(self.keepdims)
+        self.last = bool(getattr(self, "select_last_index", 0) or 0)
+
+    def run(self, data):
+        rank = data.ndim
+        if rank == 0:
+            return np.zeros((), np.int64)
+        axis = int(self.axis)
+        if not -rank <= axis < rank:
+            raise self.fail(f"axis {axis} is out of range for a tensor of rank {rank}")
+        axis %= rank
+        x = widen(data)
+        fn = np.argmax if self.largest else np.argmin
+        if data.shape[axis] == 0:
+            raise self.fail("cannot take ArgMax/ArgMin over an empty axis")
+        if self.last:
+            n = x.shape[axis]
+            idx = (n - 1) - fn(np.flip(x, axis=axis), axis=axis, keepdims=self.keepdims)
+        else:
+            idx = fn(x, axis=axis, keepdims=self.keepdims)
+        return np.asarray(idx, dtype=np.int64)
+
+
+@register("ArgMax", versions=[1, 11, 12, 13])
+class ArgMax(_ArgReduce):
+    largest = True
+
+
+@register("ArgMin", versions=[1, 11, 12, 13])
+class ArgMin(_ArgReduce):
+    largest = False
+
+
+# --------------------------------------------------------------------------------------------
+# Softmax family
+
+def softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    """Numerically stable softmax along `axis`, computed in `x`'s (widened) dtype."""
+    m = np.max(x, axis=axis, keepdims=True)
+    m[~np.isfinite(m)] = 0
+    with np.errstate(invalid="ignore"):  # an all -inf (or NaN) row gives NaN, like the spec
+        e = np.subtract(x, m)  # a fresh array: the in-place steps below never touch `x`
+        np.exp(e, out=e)
+        e /= np.sum(e, axis=axis, keepdims=True)
+        return e
+
+
+def log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    m[~np.isfinite(m)] = 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        shifted = np.subtract(x, m)
+        lse = np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+        shifted -= lse
+        return shifted
+
+
+def hardmax(x: np.ndarray, axis: int) -> np.ndarray:
+    if x.size == 0:
+        return np.zeros(x.shape, x.dtype)
+    idx = np.argmax(x, axis=axis, keepdims=True)
+    out = np.zeros(x.shape, x.dtype)
+    np.put_along_axis(out, idx, x.dtype.type(1), axis=axis)
+    return out
+
+
+class _SoftmaxBase(OpImpl):
+    coerce_2d = False
+
+    def fn(self, x, axis):  # pragma: no cover
+        raise NotImplementedError
+
+    def run(self, x):
+        rank = x.ndim
+        axis = int(self.axis)
+        if rank == 0:
+            if axis not in (0, -1):
+                raise self.fail(f"axis {axis} is out of range for a scalar")
+            return self.fn(widen(x).reshape(1), 0).reshape(()).astype(x.dtype, copy=False)
+        lo = -rank
+        hi = rank if self.coerce_2d else rank - 1
+        if not lo <= axis <= hi:
+            raise self.fail(f"axis {axis} is out of range for a tensor of rank {rank}")
+        if axis < 0:
+            axis += rank
+        if x.size == 0:
+            return np.zeros(x.shape, x.dtype)
+        w = widen(x)
+        if self.coerce_2d:
+            rows = int(np.prod(x.shape[:axis], dtype=np.int64))
+            out = self.fn(w.reshape(rows, -1), 1).reshape(x.shape)
+        else:
+            out = self.fn(w, axis)
+        return out.astype(x.dtype, copy=False)
+
+
+@register("Softmax", versions=[1, 11])
+class Softmax1(_SoftmaxBase):
+    coerce_2d = True
+
+    def fn(self, x, axis):
+        return softmax(x, axis)
+
+
+@register("Softmax", versions=[13])
+class Softmax13(Softmax1):
+    coerce_2d = False
+
+
+@register("LogSoftmax", versions=[1, 11])
+class LogSoftmax1(_SoftmaxBase):
+    coerce_2d = True
+
+    def fn(self, x, axis):
+        return log_softmax(x, axis)
+
+
+@register("LogSoftmax", versions=[13])
+class LogSoftmax13(LogSoftmax1):
+    coerce_2d = False
+
+
+@register("Hardmax", versions=[1, 11])
+class Hardmax1(_SoftmaxBase):
+    coerce_2d = True
+
+    def fn(self, x, axis):
+        return hardmax(x, axis)
+
+
+@register("Hardmax", versions=[13])
+class Hardmax13(Hardmax1):
+    coerce_2d = False

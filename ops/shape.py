@@ -1,0 +1,471 @@
+"""Data movement and shape ops: Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Expand, Tile,
+Concat, Split, Slice, Pad, DepthToSpace, SpaceToDepth, CenterCropPad.
+
+Ops that only reinterpret the layout (Reshape, Flatten, Squeeze, Unsqueeze, Slice) return numpy
+views of their input; kernels never write into their inputs, so sharing memory is safe.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ember.ops.registry import OpImpl, register
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _ints(value) -> list[int]:
+    """A shape/axes/pads tensor (or attribute list) as a list of Python ints."""
+    if value is None:
+        return []
+    return [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+def _scalar_int(value) -> int:
+    return int(np.asarray(value).reshape(-1)[0])
+
+
+def _norm_axis(op: OpImpl, axis: int, rank: int) -> int:
+    if not -rank <= axis < rank:
+        raise op.fail(f"axis {axis} is out of range for a tensor of rank {rank}")
+    return axis + rank if axis < 0 else axis
+
+
+def _norm_axes(op: OpImpl, axes, rank: int) -> list[int]:
+    out = [_norm_axis(op, int(a), rank) for a in axes]
+    if len(set(out)) != len(out):
+        raise op.fail(f"repeated axes {list(axes)}")
+    return out
+
+
+# ----------------------------------------------------------------------------- Reshape
+
+def _reshape(op: OpImpl, x: np.ndarray, shape: list[int], allowzero: int) -> np.ndarray:
+    new = list(shape)
+    if not allowzero:
+        for i, d in enumerate(new):
+            if d == 0:
+                if i >= x.ndim:
+                    raise op.fail(f"shape {shape}: a 0 at position {i} copies a dimension the "
+                                  f"input (rank {x.ndim}) does not have")
+                new[i] = x.shape[i]
+    if new.count(-1) > 1:
+        raise op.fail(f"shape {shape} has more than one -1")
+    if any(d < -1 for d in new):
+        raise op.fail(f"shape {shape} has a negative dimension")
+    if -1 in new:
+        known = int(np.prod([d for d in new if d != -1], dtype=np.int64))
+        if known == 0 or x.size % known:
+            raise op.fail(f"cannot reshape a tensor of shape {x.shape} to {shape}")
+        new[new.index(-1)] = x.size // known
+    if int(np.prod(new, dtype=np.int64)) != x.size:
+        raise op.fail(f"cannot reshape a tensor of shape {x.shape} to {shape}")
+    return x.reshape(new)
+
+
+@register("Reshape", versions=[1])
+class Reshape1(OpImpl):
+    def setup(self):
+        if self.shape is None:
+            raise self.fail("Reshape-1 needs the 'shape' attribute")
+
+    def run(self, x):
+        return _reshape(self, x, list(self.shape), 0)
+
+
+@register("Reshape", versions=[5, 13, 14, 19, 21, 23, 24, 25])
+class Reshape5(OpImpl):
+    def setup(self):
+        self._allowzero = int(getattr(self, "allowzero", 0) or 0)
+
+    def run(self, x, shape):
+        return _reshape(self, x, _ints(shape), self._allowzero)
+
+
+# ----------------------------------------------------------------------------- Flatten
+
+@register("Flatten", versions=[1, 9, 11, 13, 21, 23, 24, 25])
+class Flatten(OpImpl):
+    def run(self, x):
+        axis = self.axis
+        if not -x.ndim <= axis <= x.ndim:
+            raise self.fail(f"axis {axis} is out of range for a tensor of rank {x.ndim}")
+        if axis < 0:
+            axis += x.ndim
+        outer = int(np.prod(x.shape[:axis], dtype=np.int64))
+        inner = int(np.prod(x.shape[axis:], dtype=np.int64))
+        return x.reshape(outer, inner)
+
+
+# ----------------------------------------------------------------------------- Squeeze / Unsqueeze
+
+def _squeeze(op: OpImpl, x: np.ndarray, axes) -> np.ndarray:
+    if axes is None or len(axes) == 0:  # no axes (or an empty list): drop every 1-sized dim
+        return x.reshape([d for d in x.shape if d != 1])
+    axes = _norm_axes(op, axes, x.ndim)
+    for a in axes:
+        if x.shape[a] != 1:
+            raise op.fail(f"cannot squeeze axis {a} of size {x.shape[a]}")
+    return x.reshape([d for i, d in enumerate(x.shape) if i not in axes])
+
+
+def _unsqueeze(op: OpImpl, x: np.ndarray, axes) -> np.ndarray:
+    out_rank = x.ndim + len(axes)
+    axes = set(_norm_axes(op, axes, out_rank))
+    dims = iter(x.shape)
+    return x.reshape([1 if i in axes else next(dims) for i in range(out_rank)])
+
+
+@register("Squeeze", versions=[1, 11])
+class Squeeze1(OpImpl):
+    def run(self, x):
+        return _squeeze(self, x, self.axes)
+
+
+@register("Squeeze", versions=[13, 21, 23, 24, 25])
+class Squeeze13(OpImpl):
+    def run(self, x, axes=None):
+        return _squeeze(self, x, None if axes is None else _ints(axes))
+
+
+@register("Unsqueeze", versions=[1, 11])
+class Unsqueeze1(OpImpl):
+    def run(self, x):
+        return _unsqueeze(self, x, self.axes or [])
+
+
+@register("Unsqueeze", versions=[13, 21, 23, 24, 25])
+class Unsqueeze13(OpImpl):
+    def run(self, x, axes):
+        return _unsqueeze(self, x, _ints(axes))
+
+
+# ----------------------------------------------------------------------------- Transpose
+
+@register("Transpose", versions=[1, 13, 21, 23, 24, 25])
+class Transpose(OpImpl):
+    def run(self, x):
+        if self.perm is None:
+            return np.ascontiguousarray(x.transpose())
+        perm = list(self.perm)
+        if sorted(_norm_axes(self, perm, x.ndim)) != list(range(x.ndim)):
+            raise self.fail(f"perm {perm} is not a permutation of the {x.ndim} axes")
+        return np.ascontiguousarray(x.transpose(perm))
+
+
+# ----------------------------------------------------------------------------- Expand / Tile
+
+@register("Expand", versions=[8, 13])
+class Expand(OpImpl):
+    def run(self, x, shape):
+        shape = _ints(shape)
+        try:
+            target = np.broadcast_shapes(x.shape, tuple(shape))
+        except ValueError:
+            raise self.fail(f"cannot broadcast shape {x.shape} to {shape}") from None
+        if target == x.shape:
+            return x.copy()
+        return np.broadcast_to(x, target).copy()
+
+
+@register("Tile", versions=[1])
+class Tile1(OpImpl):
+    def run(self, x, tiles, axis):
+        axis = _norm_axis(self, _scalar_int(axis), x.ndim)
+        reps = [1] * x.ndim
+        reps[axis] = _scalar_int(tiles)
+        return np.tile(x, reps)
+
+
+@register("Tile", versions=[6, 13])
+class Tile6(OpImpl):
+    def run(self, x, repeats):
+        reps = _ints(repeats)
+        if len(reps) != x.ndim:
+            raise self.fail(f"repeats has {len(reps)} entries for a tensor of rank {x.ndim}")
+        if any(r < 0 for r in reps):
+            raise self.fail(f"negative repeats {reps}")
+        return np.tile(x, reps)
+
+
+# ----------------------------------------------------------------------------- Concat
+
+@register("Concat", versions=[1, 4, 11, 13])
+class Concat(OpImpl):
+    def run(self, *xs):
+        xs = [x for x in xs if x is not None]
+        if not xs:
+            raise self.fail("no inputs")
+        axis = 1 if self.axis is None else self.axis
+        axis = _norm_axis(self, axis, xs[0].ndim)
+        try:
+            return np.concatenate(xs, axis=axis)
+        except ValueError as exc:
+            raise self.fail(f"inputs of shapes {[x.shape for x in xs]} cannot be "
+                            f"concatenated on axis {axis}: {exc}") from None
+
+
+# ----------------------------------------------------------------------------- Split
+
+def _split(op: OpImpl, x: np.ndarray, axis: int, sizes: list[int] | None, n: int):
+    axis = _norm_axis(op, axis, x.ndim)
+    dim = x.shape[axis]
+    if sizes is None:
+        if dim % n:
+            raise op.fail(f"axis of size {dim} cannot be split into {n} equal parts")
+        sizes = [dim // n] * n
+    else:
+        if len(sizes) != n:
+            raise op.fail(f"split {sizes} has {len(sizes)} entries for {n} outputs")
+        if sum(sizes) != dim or any(s < 0 for s in sizes):
+            raise op.fail(f"split {sizes} does not add up to the axis size {dim}")
+    bounds = np.cumsum([0] + list(sizes))
+    index = [slice(None)] * x.ndim
+    parts = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        index[axis] = slice(int(lo), int(hi))
+        parts.append(x[tuple(index)])
+    return tuple(parts)
+
+
+@register("Split", versions=[1])
+class Split1(OpImpl):
+    def run(self, x, split=None):
+        sizes = _ints(split) if split is not None else (list(self.split) if self.split else None)
+        return _split(self, x, self.axis or 0, sizes, self.n_outputs)
+
+
+@register("Split", versions=[2, 11])
+class Split2(OpImpl):
+    def run(self, x):
+        return _split(self, x, self.axis, list(self.split) if self.split else None,
+                      self.n_outputs)
+
+
+@register("Split", versions=[13])
+class Split13(OpImpl):
+    def run(self, x, split=None):
+        sizes = _ints(split) if split is not None and np.size(split) else None
+        return _split(self, x, self.axis, sizes, self.n_outputs)
+
+
+@register("Split", versions=[18])
+class Split18(OpImpl):
+    def setup(self):
+        if self.num_outputs is not None and self.num_outputs < 1:
+            raise self.fail(f"num_outputs must be positive, got {self.num_outputs}")
+
+    def run(self, x, split=None):
+        if split is not None and np.size(split):
+            if self.num_outputs is not None:
+                raise self.fail("both the 'split' input and 'num_outputs' are given")
+            return _split(self, x, self.axis, _ints(split), self.n_outputs)
+        n = self.num_outputs if self.num_outputs is not None else self.n_outputs
+        axis = _norm_axis(self, self.axis, x.ndim)
+        dim = x.shape[axis]
+        chunk = -(-dim // n)
+        sizes = [min(chunk, max(dim - i * chunk, 0)) for i in range(n)]
+        return _split(self, x, axis, sizes, n)
+
+
+# ----------------------------------------------------------------------------- Slice
+
+def _slice(op: OpImpl, x: np.ndarray, starts, ends, axes, steps) -> np.ndarray:
+    starts, ends = _ints(starts), _ints(ends)
+    if len(starts) != len(ends):
+        raise op.fail(f"starts {starts} and ends {ends} differ in length")
+    axes = list(range(len(starts))) if axes is None else _ints(axes)
+    steps = [1] * len(starts) if steps is None else _ints(steps)
+    if not len(axes) == len(steps) == len(starts):
+        raise op.fail("starts, ends, axes and steps differ in length")
+    axes = _norm_axes(op, axes, x.ndim)
+    index = [slice(None)] * x.ndim
+    for a, start, end, step in zip(axes, starts, ends, steps):
+        dim = x.shape[a]
+        if step == 0:
+            raise op.fail("a step of 0")
+        if start < 0:
+            start += dim
+        if end < 0:
+            end += dim
+        if step > 0:
+            start = min(max(start, 0), dim)
+            end = min(max(end, 0), dim)
+            index[a] = slice(start, end, step)
+        else:
+            start = min(max(start, 0), dim - 1)
+            end = min(max(end, -1), dim - 1)
+            index[a] = slice(start, end if end >= 0 else None, step)
+    return x[tuple(index)]
+
+
+@register("Slice", versions=[1])
+class Slice1(OpImpl):
+    def run(self, x):
+        return _slice(self, x, self.starts, self.ends, self.axes, None)
+
+
+@register("Slice", versions=[10, 11, 13])
+class Slice10(OpImpl):
+    def run(self, x, starts, ends, axes=None, steps=None):
+        return _slice(self, x, starts, ends, axes, steps)
+
+
+# ----------------------------------------------------------------------------- Pad
+
+def _pad(op: OpImpl, x: np.ndarray, pads: list[int], mode: str, value, axes=None):
+    rank = x.ndim
+    axes = list(range(rank)) if axes is None else _norm_axes(op, axes, rank)
+    if len(pads) != 2 * len(axes):
+        raise op.fail(f"pads {pads} should have {2 * len(axes)} entries")
+    n = len(axes)
+    before, after = [0] * rank, [0] * rank
+    for i, a in enumerate(axes):
+        before[a], after[a] = pads[i], pads[i + n]
+    # Negative pads crop.
+    if any(p < 0 for p in before + after):
+        index = tuple(slice(-min(b, 0), x.shape[i] + min(e, 0) if x.shape[i] + min(e, 0) > 0
+                            else 0) for i, (b, e) in enumerate(zip(before, after)))
+        x = x[index]
+        before = [max(b, 0) for b in before]
+        after = [max(e, 0) for e in after]
+    if not any(before) and not any(after):
+        return x.copy()
+    if mode == "constant":
+        shape = tuple(d + b + e for d, b, e in zip(x.shape, before, after))
+        if value is None:
+            fill = "" if x.dtype == object else 0
+        else:
+            fill = np.asarray(value).reshape(-1)
+            fill = fill[0] if fill.size else ("" if x.dtype == object else 0)
+        out = np.empty(shape, dtype=x.dtype)
+        out[...] = np.asarray(fill).astype(x.dtype) if x.dtype != object else fill
+        out[tuple(slice(b, b + d) for b, d in zip(before, x.shape))] = x
+        return out
+    if mode in ("reflect", "edge", "wrap"):
+        for a in range(rank):
+            if (before[a] or after[a]) and x.shape[a] == 0:
+                raise op.fail(f"cannot {mode}-pad an empty axis {a}")
+            if mode == "reflect" and (before[a] or after[a]) and x.shape[a] == 1:
+                mode_a = "edge"  # reflecting a single element repeats it
+                x = np.pad(x, [(before[a], after[a]) if i == a else (0, 0)
+                               for i in range(rank)], mode=mode_a)
+                before[a] = after[a] = 0
+        return np.pad(x, list(zip(before, after)), mode=mode)
+    raise op.fail(f"unknown mode '{mode}'")
+
+
+@register("Pad", versions=[1])
+class Pad1(OpImpl):
+    def run(self, x):
+        return _pad(self, x, list(self.paddings), self.mode, self.value)
+
+
+@register("Pad", versions=[2])
+class Pad2(OpImpl):
+    def run(self, x):
+        return _pad(self, x, list(self.pads), self.mode, self.value)
+
+
+@register("Pad", versions=[11, 13])
+class Pad11(OpImpl):
+    def setup(self):
+        if self.mode not in ("constant", "reflect", "edge"):
+            raise self.fail(f"unknown mode '{self.mode}'")
+
+    def run(self, x, pads, constant_value=None):
+        return _pad(self, x, _ints(pads), self.mode, constant_value)
+
+
+@register("Pad", versions=[18])
+class Pad18(Pad11):
+    def run(self, x, pads, constant_value=None, axes=None):
+        return _pad(self, x, _ints(pads), self.mode, constant_value,
+                    None if axes is None else _ints(axes))
+
+
+@register("Pad", versions=[19, 21, 23, 24, 25])
+class Pad19(Pad18):
+    def setup(self):
+        if self.mode not in ("constant", "reflect", "edge", "wrap"):
+            raise self.fail(f"unknown mode '{self.mode}'")
+
+
+# ----------------------------------------------------------------------------- DepthToSpace / SpaceToDepth
+
+def _depth_to_space(op: OpImpl, x: np.ndarray, bs: int, mode: str) -> np.ndarray:
+    if x.ndim != 4:
+        raise op.fail(f"input must be 4-D, got shape {x.shape}")
+    b, c, h, w = x.shape
+    if c % (bs * bs):
+        raise op.fail(f"channels {c} not divisible by blocksize^2 = {bs * bs}")
+    if mode == "DCR":
+        tmp = x.reshape(b, bs, bs, c // (bs * bs), h, w).transpose(0, 3, 4, 1, 5, 2)
+    elif mode == "CRD":
+        tmp = x.reshape(b, c // (bs * bs), bs, bs, h, w).transpose(0, 1, 4, 2, 5, 3)
+    else:
+        raise op.fail(f"unknown mode '{mode}'")
+    return tmp.reshape(b, c // (bs * bs), h * bs, w * bs)
+
+
+def _space_to_depth(op: OpImpl, x: np.ndarray, bs: int, mode: str) -> np.ndarray:
+    if x.ndim != 4:
+        raise op.fail(f"input must be 4-D, got shape {x.shape}")
+    b, c, h, w = x.shape
+    if h % bs or w % bs:
+        raise op.fail(f"spatial size {h}x{w} not divisible by blocksize {bs}")
+    tmp = x.reshape(b, c, h // bs, bs, w // bs, bs)
+    if mode == "DCR":
+        tmp = tmp.transpose(0, 3, 5, 1, 2, 4)
+    elif mode == "CRD":
+        tmp = tmp.transpose(0, 1, 3, 5, 2, 4)
+    else:
+        raise op.fail(f"unknown mode '{mode}'")
+    return tmp.reshape(b, c * bs * bs, h // bs, w // bs)
+
+
+class _BlockOp(OpImpl):
+    def setup(self):
+        if self.blocksize <= 0:
+            raise self.fail(f"blocksize must be positive, got {self.blocksize}")
+        mode = getattr(self, "mode", None) or "DCR"
+        if mode not in ("DCR", "CRD"):
+            raise self.fail(f"unknown mode '{mode}'")
+        self._mode = mode
+
+
+@register("DepthToSpace", versions=[1, 11, 13, 28])
+class DepthToSpace(_BlockOp):
+    def run(self, x):
+        return _depth_to_space(self, x, self.blocksize, self._mode)
+
+
+@register("SpaceToDepth", versions=[1, 13, 28])
+class SpaceToDepth(_BlockOp):
+    def run(self, x):
+        return _space_to_depth(self, x, self.blocksize, self._mode)
+
+
+# ----------------------------------------------------------------------------- CenterCropPad
+
+@register("CenterCropPad", versions=[18])
+class CenterCropPad(OpImpl):
+    def run(self, x, shape):
+        target = _ints(shape)
+        axes = list(range(x.ndim)) if self.axes is None else _norm_axes(self, self.axes, x.ndim)
+        if len(target) != len(axes):
+            raise self.fail(f"shape {target} has {len(target)} entries for {len(axes)} axes")
+        out_shape = list(x.shape)
+        src = [slice(None)] * x.ndim
+        dst = [slice(None)] * x.ndim
+        for a, t in zip(axes, target):
+            d = x.shape[a]
+            out_shape[a] = t
+            if t < d:
+                start = (d - t) // 2
+                src[a] = slice(start, start + t)
+            elif t > d:
+                start = (t - d) // 2
+                dst[a] = slice(start, start + d)
+        out = np.zeros(out_shape, dtype=x.dtype)
+        out[tuple(dst)] = x[tuple(src)]
+        return out

@@ -1,0 +1,273 @@
+"""Pooling: MaxPool (with Indices), AveragePool, LpPool, their Global forms, and MaxUnpool.
+
+Windowed pools are N-D and separable: the window reduction (max or sum) runs one spatial axis at
+a time, as a loop over that axis's kernel taps, each tap one strided slice combined into the
+running result with a vectorised max / add; padding is never materialised (taps touch only the
+outputs whose input lies inside the tensor). MaxPool's Indices output uses a tap loop over the
+padded input that remembers the winning tap. No loop ever runs over output pixels.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ember.ops.conv import auto_pads, compute_dtype, ints, out_size, pad_array, tap_slices
+from ember.ops.registry import OpImpl, register
+
+
+class _WindowPool(OpImpl):
+    """Geometry shared by the windowed pools."""
+
+    def geometry(self, x):
+        n = x.ndim - 2
+        if n < 1:
+            raise self.fail(f"input must have rank >= 3, got shape {x.shape}")
+        kernel = ints(self.kernel_shape, n, 1)
+        if len(kernel) != n:
+            raise self.fail(f"kernel_shape {kernel} does not match input rank {x.ndim}")
+        strides = ints(getattr(self, "strides", None), n, 1)
+        dilations = ints(getattr(self, "dilations", None), n, 1)
+        ceil_mode = bool(getattr(self, "ceil_mode", 0) or 0)
+        in_sp = list(x.shape[2:])
+        try:
+            begin, end = auto_pads(getattr(self, "auto_pad", "NOTSET"), in_sp, kernel, strides,
+                                   dilations, getattr(self, "pads", None))
+        except ValueError as exc:
+            raise self.fail(str(exc)) from None
+        auto = getattr(self, "auto_pad", "NOTSET")
+        auto = auto.decode() if isinstance(auto, bytes) else (auto or "NOTSET")
+        outs = out_size(in_sp, kernel, strides, dilations, begin, end,
+                        ceil_mode and auto in ("NOTSET", ""))
+        # pad far enough at the end for every window (ceil mode can reach past `end`)
+        end_eff = [max(0, (o - 1) * s + (k - 1) * d + 1 - i - b) if o > 0 else e
+                   for o, s, k, d, i, b, e in zip(outs, strides, kernel, dilations, in_sp, begin,
+                                                  end)]
+        return kernel, strides, dilations, begin, end, end_eff, outs
+
+    @staticmethod
+    def reduce_separable(x, kernel, strides, dilations, begin, outs, combine, fill):
+        """Window reduction (max or sum) of the unpadded input, one spatial axis at a time, so a
+        k1 x k2 window costs k1 + k2 slice operations instead of k1 * k2. Padding is never
+        materialised: each tap only touches the outputs whose input lies inside the tensor,
+        and outputs no tap reaches keep `fill` (the reduction's identity)."""
+        y, owned = x, False
+        lead = x.ndim - len(kernel)
+        for i, (k, s, d, o, b) in enumerate(zip(kernel, strides, dilations, outs, begin)):
+            ax = lead + i
+            n_in = y.shape[ax]
+            spans = []
+            for t in range(k):
+                off = t * d - b  # input index of output 0's tap t
+                lo = max(0, -(off // s) if off < 0 else 0)
+                hi = min(o, (n_in - 1 - off) // s + 1) if n_in - 1 - off >= 0 else 0
+                if hi > lo:
+                    spans.append((lo, hi, off))
+            shape = list(y.shape)
+            shape[ax] = o
+            full = next((sp for sp in spans if sp[0] == 0 and sp[1] == o), None)
+            if full is not None:
+                spans.remove(full)
+                acc = _take(y, ax, full, s)  # a view: only ours if y was
+                if spans:
+                    acc, owned = acc.copy(), True
+            else:
+                acc, owned = np.full(shape, fill, y.dtype), True
+            for lo, hi, off in spans:
+                dst = [slice(None)] * y.ndim
+                dst[ax] = slice(lo, hi)
+                view = acc[tuple(dst)]
+                combine(view, _take(y, ax, (lo, hi, off), s), out=view)
+            y = acc
+        return y if owned else y.copy()
+
+    @staticmethod
+    def taps(kernel, strides, dilations, outs):
+        for taps in np.ndindex(*kernel):
+            yield taps, (slice(None), slice(None)) + tap_slices(taps, strides, dilations, outs)
+
+
+def _take(y, ax, span, s):
+    """The inputs of outputs lo..hi-1 along axis `ax` for the tap whose offset is `off`."""
+    lo, hi, off = span
+    idx = [slice(None)] * y.ndim
+    idx[ax] = slice(lo * s + off, (hi - 1) * s + off + 1, s)
+    return y[tuple(idx)]
+
+
+def _lowest(dtype):
+    if dtype.kind == "f" or dtype.kind == "V" or dtype.name == "bfloat16":
+        return -np.inf
+    return np.iinfo(dtype).min
+
+
+@register("MaxPool", versions=[1, 8, 10, 11, 12, 22])
+class MaxPool(_WindowPool):
+    def run(self, x):
+        kernel, strides, dilations, begin, end, end_eff, outs = self.geometry(x)
+        N, C = x.shape[:2]
+        in_sp = x.shape[2:]
+        want_idx = self.n_outputs > 1
+        work = x if x.dtype.kind in "fiu" else x.astype(np.float32)
+        if not want_idx:
+            out = self.reduce_separable(work, kernel, strides, dilations, begin, outs,
+                                        np.maximum, _lowest(work.dtype))
+            return out.astype(x.dtype, copy=False)
+        xp = pad_array(work, begin, end_eff, _lowest(work.dtype))
+        # with Indices: a tap loop remembering which tap won (the first one on ties)
+        out = None
+        best = None
+        for t, (taps, sl) in enumerate(self.taps(kernel, strides, dilations, outs)):
+            v = xp[sl]
+            if out is None:
+                out = v.copy()
+                best = np.zeros(out.shape, np.int64)
+                continue
+            better = v > out
+            np.copyto(out, v, where=better)
+            best[better] = t
+        if out is None:
+            out = np.zeros((N, C, *outs), work.dtype)
+        out = out.astype(x.dtype, copy=False)
+        # flat index (into the unpadded input) of each selected element
+        tap_coords = np.array(list(np.ndindex(*kernel)), np.int64).reshape(-1, len(kernel))
+        n = len(kernel)
+        column_major = int(getattr(self, "storage_order", 0) or 0) == 1
+        if column_major:
+            sp_strides = [math.prod(in_sp[:i]) for i in range(n)]
+        else:
+            sp_strides = [math.prod(in_sp[i + 1:]) for i in range(n)]
+        idx = np.arange(N * C, dtype=np.int64).reshape(N, C, *([1] * n)) * math.prod(in_sp)
+        idx = np.broadcast_to(idx, out.shape).copy()
+        for i in range(n):
+            shape = [1] * (n + 2)
+            shape[2 + i] = outs[i]
+            pos = (np.arange(outs[i], dtype=np.int64) * strides[i] - begin[i]).reshape(shape)
+            if best is not None:
+                pos = pos + tap_coords[best, i] * dilations[i]
+            idx += pos * sp_strides[i]
+        return out, idx
+
+
+@register("AveragePool", versions=[1, 7, 10, 11, 19, 22])
+class AveragePool(_WindowPool):
+    def run(self, x):
+        kernel, strides, dilations, begin, end, end_eff, outs = self.geometry(x)
+        include_pad = bool(getattr(self, "count_include_pad", 0) or 0)
+        total = _window_sum(self, x, kernel, strides, dilations, begin, outs)
+        total /= _divisor(x.shape[2:], kernel, strides, dilations, begin, end, outs,
+                          include_pad, total.dtype)
+        return total.astype(x.dtype, copy=False)
+
+
+def _window_sum(op, x, kernel, strides, dilations, begin, outs, power=None):
+    dt = compute_dtype(x.dtype)
+    xp = x.astype(dt, copy=False)
+    if power is not None:
+        xp = np.abs(xp)
+        xp = xp * xp if power == 2 else (xp if power == 1 else xp ** dt(power))
+    return op.reduce_separable(xp, kernel, strides, dilations, begin, outs, np.add, 0)
+
+
+def _divisor(in_sp, kernel, strides, dilations, begin, end, outs, include_pad, dtype):
+    """Per-window element counts, as a broadcastable array (windows are products of axes)."""
+    div = np.ones((1, 1) + (1,) * len(outs), dtype)
+    for i, (o, k, s, d, b, e) in enumerate(zip(outs, kernel, strides, dilations, begin, end)):
+        starts = np.arange(o) * s - b  # first tap position of each window, in input coordinates
+        pos = starts[:, None] + np.arange(k)[None, :] * d
+        lo, hi = (-b, in_sp[i] + e) if include_pad else (0, in_sp[i])
+        count = ((pos >= lo) & (pos < hi)).sum(axis=1)
+        shape = [1] * (len(outs) + 2)
+        shape[2 + i] = o
+        div = div * np.maximum(count, 1).astype(dtype).reshape(shape)
+    return div
+
+
+@register("LpPool", versions=[1, 2, 11, 18, 22])
+class LpPool(_WindowPool):
+    def run(self, x):
+        kernel, strides, dilations, begin, end, end_eff, outs = self.geometry(x)
+        p = float(self.p if self.p is not None else 2)
+        total = _window_sum(self, x, kernel, strides, dilations, begin, outs, power=p)
+        out = np.sqrt(total) if p == 2 else total ** total.dtype.type(1.0 / p)
+        return out.astype(x.dtype, copy=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# global pools
+
+
+def _spatial_axes(x):
+    return tuple(range(2, x.ndim))
+
+
+@register("GlobalAveragePool", versions=[1, 22])
+class GlobalAveragePool(OpImpl):
+    def run(self, x):
+        dt = compute_dtype(x.dtype)
+        out = x.astype(dt, copy=False).mean(axis=_spatial_axes(x), keepdims=True)
+        return out.astype(x.dtype, copy=False)
+
+
+@register("GlobalMaxPool", versions=[1, 22])
+class GlobalMaxPool(OpImpl):
+    def run(self, x):
+        work = x if x.dtype.kind in "fiu" else x.astype(np.float32)
+        return work.max(axis=_spatial_axes(x), keepdims=True).astype(x.dtype, copy=False)
+
+
+@register("GlobalLpPool", versions=[1, 2, 22])
+class GlobalLpPool(OpImpl):
+    def run(self, x):
+        p = float(self.p if self.p is not None else 2)
+        dt = compute_dtype(x.dtype)
+        a = np.abs(x.astype(dt, copy=False))
+        if p == 2:
+            out = np.sqrt((a * a).sum(axis=_spatial_axes(x), keepdims=True))
+        else:
+            out = (a ** dt(p)).sum(axis=_spatial_axes(x), keepdims=True) ** dt(1.0 / p)
+        return out.astype(x.dtype, copy=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# unpooling
+
+
+@register("MaxUnpool", versions=[9, 11, 22])
+class MaxUnpool(OpImpl):
+    def run(self, x, indices, output_shape=None):
+        n = x.ndim - 2
+        if n < 1 or indices.shape != x.shape:
+            raise self.fail(f"input {x.shape} and indices {indices.shape} do not fit together")
+        kernel = ints(self.kernel_shape, n, 1)
+        strides = ints(self.strides, n, 1)
+        p = ints(self.pads, 2 * n, 0)
+        N, C = x.shape[:2]
+        default = [(i - 1) * s + k - p[a] - p[a + n]
+                   for a, (i, s, k) in enumerate(zip(x.shape[2:], strides, kernel))]
+        if output_shape is not None:
+            target = [int(v) for v in np.asarray(output_shape).reshape(-1)]
+            if len(target) == n:
+                target = [N, C] + target
+            if len(target) != n + 2:
+                raise self.fail(f"output_shape {target} does not have rank {n + 2}")
+        else:
+            target = [N, C] + default
+        idx = indices.reshape(-1).astype(np.int64, copy=False)
+        default_total = N * C * math.prod(default)
+        if idx.size and (idx.min() < 0 or idx.max() >= max(default_total,
+                                                           math.prod(target))):
+            raise self.fail("an index is out of range")
+        if idx.size == 0 or idx.max() < default_total:
+            # indices address the unpooled shape implied by the attributes: scatter there,
+            # then place that block at the start of the requested output shape
+            buf = np.zeros(default_total, x.dtype)
+            buf[idx] = x.reshape(-1)
+            buf = buf.reshape([N, C] + default)
+            out = np.zeros(target, x.dtype)
+            common = tuple(slice(0, min(a, b)) for a, b in zip(target, buf.shape))
+            out[common] = buf[common]
+            return out
+        out = np.zeros(math.prod(target), x.dtype)
+        out[idx] = x.reshape(-1)
+        return out.reshape(target)

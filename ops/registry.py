@@ -47,7 +47,12 @@ class OpImpl:
     backend: str = "cpu"
     # Attribute names that would shadow members of this class are stored with a trailing "_".
     _reserved = frozenset({"run", "setup", "node", "n_inputs", "n_outputs", "domain", "op_type",
-                           "versions", "backend", "version", "attrs"})
+                           "versions", "backend", "version", "attrs", "dtypes", "host_inputs",
+                           "run_on_cpu", "fail"})
+    # Device kernels only: dtypes run natively (None: all), and indices of inputs the kernel
+    # wants as host numpy arrays (shapes, axes, pads...) rather than device arrays.
+    dtypes: frozenset | None = None
+    host_inputs: tuple[int, ...] = ()
 
     def __init__(self, node: Node, attrs: dict[str, Any]):
         self.node = node
@@ -64,6 +69,19 @@ class OpImpl:
 
     def run(self, *inputs):  # pragma: no cover - every op overrides it
         raise NotImplementedError(self.op_type)
+
+    def run_on_cpu(self, *inputs):
+        """For device kernels: run this op's CPU kernel on host copies of `inputs` and move
+        the result back; for dtypes or cases the device kernel does not handle natively."""
+        from ember.runtime.backends import get_backend
+
+        backend = get_backend(self.backend)
+        backend.fallbacks += 1
+        cpu = lookup(self.domain, self.op_type, self.version, "cpu")
+        result = cpu.run(self, *[backend.to_host(x) for x in inputs])
+        if isinstance(result, tuple):
+            return tuple(backend.to_device(r) for r in result)
+        return backend.to_device(result)
 
     def fail(self, message: str) -> InvalidModelError:
         """An error about this node's attributes or inputs, naming the node."""
@@ -169,8 +187,11 @@ _loaded = False
 
 
 def _ensure_loaded() -> None:
-    """Import every op family module once, so their @register calls have run."""
+    """Import every op family module once, so their @register calls have run. Device kernel
+    modules import no device library at import time, so this works on any machine."""
     global _loaded
     if not _loaded:
         _loaded = True
         import ember.ops  # noqa: F401  (its __init__ imports the families)
+        import ember.ops.cuda  # noqa: F401
+        import ember.ops.opencl  # noqa: F401

@@ -16,6 +16,7 @@ import numpy as np
 from ember.errors import EmberError, ExecutionError, InvalidModelError, UnsupportedOpError
 from ember.ir import Graph, Node
 from ember.ops.registry import OpImpl, bind, lookup, since_version
+from ember.runtime.backends import Backend, get_backend
 
 _OMITTED = 0  # slot that always holds None: an omitted optional input
 _DISCARD = 1  # slot that receives omitted optional outputs
@@ -33,10 +34,12 @@ class Step:
 
 
 def missing_ops(graph: Graph, backend: str = "cpu") -> list[tuple[str, str, int]]:
-    """Every (domain, op, since-version) in `graph` (subgraphs included) with no kernel."""
+    """Every (domain, op, since-version) in `graph` (subgraphs included) that neither `backend`
+    nor the CPU (every backend's fallback) has a kernel for."""
     missing = []
     for node in graph.iter_nodes():
-        if lookup(node.domain, node.op_type, node.version, backend) is None:
+        if lookup(node.domain, node.op_type, node.version, "cpu") is None and \
+                lookup(node.domain, node.op_type, node.version, backend) is None:
             missing.append((node.domain, node.op_type,
                             since_version(node.domain, node.op_type, node.version)))
     return sorted(set(missing))
@@ -79,16 +82,36 @@ def topological_order(graph: Graph, available: set[str]) -> list[Node]:
     return order
 
 
-class Plan:
-    """A graph compiled for repeated execution on one backend."""
+class Transfer:
+    """A pseudo-kernel that moves one value between the host and the backend's device."""
 
-    def __init__(self, graph: Graph, backend: str = "cpu", outer_names: Sequence[str] = (),
-                 wanted_outputs: Sequence[str] | None = None):
+    def __init__(self, run):
+        self.run = run
+
+
+# Ops that read only an input's metadata: they run on the host whatever the input's residency.
+_METADATA_OPS = {("", "Shape"), ("", "Size")}
+# Integer initialisers up to this size count as shape data, kept on the host.
+_SHAPE_CONSTANT_MAX = 1024
+
+
+class Plan:
+    """A graph compiled for repeated execution on one backend.
+
+    Each node is placed on the backend's device where the backend has a kernel for it, and on
+    the host (CPU kernels) otherwise; shape-only work (Shape, Size and arithmetic on their
+    results and on small integer constants) always stays on the host. Transfers are inserted
+    as steps of their own, once per value and direction, so values stay on the device between
+    device nodes. A plan takes host values in and gives host values out.
+    """
+
+    def __init__(self, graph: Graph, backend: str | Backend = "cpu",
+                 outer_names: Sequence[str] = (), wanted_outputs: Sequence[str] | None = None):
         self.graph = graph
-        self.backend = backend
-        missing = missing_ops(graph, backend)
+        self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
+        missing = missing_ops(graph, self.backend.name)
         if missing:
-            raise UnsupportedOpError(missing, backend)
+            raise UnsupportedOpError(missing, self.backend.name)
 
         self.input_names = [v.name for v in graph.inputs]
         self.output_names = list(wanted_outputs) if wanted_outputs is not None \
@@ -104,33 +127,89 @@ class Plan:
 
         available = set(self.input_names) | set(graph.initializers) | set(self.outer_names)
         nodes = self._needed(topological_order(graph, available), available)
-
         constants = {slot(name): value for name, value in graph.initializers.items()}
-        self.input_slots = [slot(n) for n in self.input_names]
-        self.outer_slots = [(n, slot(n)) for n in self.outer_names]
         for value in constants.values():
             if isinstance(value, np.ndarray) and value.flags.writeable:
                 value.setflags(write=False)  # kernels must never write into weights
+        self.input_slots = [slot(n) for n in self.input_names]
+        self.outer_slots = [(n, slot(n)) for n in self.outer_names]
 
-        steps = []
+        on_device: set[str] = set()  # values resident on the backend's device
+        shape_like = {name for name, value in graph.initializers.items()
+                      if isinstance(value, np.ndarray) and value.dtype.kind in "iub"
+                      and value.size <= _SHAPE_CONSTANT_MAX}
+        moved: dict[tuple[str, bool], str] = {}  # (value, to_device) -> name of the moved copy
+        steps: list[Step] = []
+        self.placement: list[tuple[Node, str]] = []
+
+        def resident(name: str, want_device: bool) -> str:
+            """The name under which `name` is available where wanted, moving it if needed."""
+            if not name or (name in on_device) == want_device:
+                return name
+            key = (name, want_device)
+            if key not in moved:
+                target = f"{name}@{'device' if want_device else 'host'}"
+                move = self.backend.to_device if want_device else self.backend.to_host
+                if name in graph.initializers and want_device:
+                    constants[slot(target)] = move(graph.initializers[name])  # uploaded once
+                else:
+                    steps.append(Step(Node("ToDevice" if want_device else "ToHost", "", 0,
+                                           [name], [target]), Transfer(move),
+                                      (slot(name),), (slot(target),), (), ()))
+                moved[key] = target
+            return moved[key]
+
         for node in nodes:
+            where = self._place(node, shape_like)
+            self.placement.append((node, where))
+            device = where == "device"
+            impl = lookup(node.domain, node.op_type, node.version,
+                          self.backend.name if device else "cpu")
+            host_inputs = set(getattr(impl, "host_inputs", ())) if device else set()
+            if where == "metadata":
+                inputs = list(node.inputs)
+            else:
+                inputs = [resident(n, device and i not in host_inputs)
+                          for i, n in enumerate(node.inputs)]
+            scope = tuple((n, slot(resident(n, False))) for n in node.implicit_inputs)
             steps.append(Step(
                 node=node,
-                kernel=self._bind(node),
-                inputs=tuple(slot(n) if n else _OMITTED for n in node.inputs),
+                kernel=self._bind(node, impl),
+                inputs=tuple(slot(n) if n else _OMITTED for n in inputs),
                 outputs=tuple(slot(n) if n else _DISCARD for n in node.outputs),
                 frees=(),
-                scope=tuple((n, slot(n)) for n in node.implicit_inputs),
+                scope=scope,
             ))
+            if device:
+                on_device.update(o for o in node.outputs if o)
+            elif where in ("metadata", "shape"):
+                shape_like.update(o for o in node.outputs if o)
         for name in self.output_names:
             if name not in slots and name not in available:
                 raise InvalidModelError(f"graph output '{name}' is never computed")
-        self.output_slots = [slot(n) for n in self.output_names]
+        self.output_slots = [slot(resident(n, False)) for n in self.output_names]
         self.steps = self._with_frees(steps, set(self.output_slots))
         self.initial_env: list[Any] = [None] * (_RESERVED_SLOTS + len(slots))
         for s, value in constants.items():
             self.initial_env[s] = value
         self.slots = slots
+
+    def _place(self, node: Node, shape_like: set[str]) -> str:
+        """'device', or a host placement: 'metadata', 'shape', 'control' or 'fallback'."""
+        if self.backend.name == "cpu":
+            return "host"
+        if (node.domain, node.op_type) in _METADATA_OPS:
+            return "metadata"
+        if node.implicit_inputs or node.subgraphs():
+            return "control"
+        inputs = [n for n in node.inputs if n]
+        if inputs and all(n in shape_like for n in inputs):
+            return "shape"
+        if not inputs and node.op_type == "Constant" and _is_shape_constant(node):
+            return "shape"
+        if lookup(node.domain, node.op_type, node.version, self.backend.name) is None:
+            return "fallback"
+        return "device"
 
     def _needed(self, ordered: list[Node], available: set[str]) -> list[Node]:
         """Drop nodes that no requested output depends on."""
@@ -143,8 +222,7 @@ class Plan:
                 needed.update(node.implicit_inputs)
         return kept[::-1]
 
-    def _bind(self, node: Node) -> OpImpl:
-        impl = lookup(node.domain, node.op_type, node.version, self.backend)
+    def _bind(self, node: Node, impl: type[OpImpl]) -> OpImpl:
         attrs = {}
         for name, value in node.attrs.items():
             if isinstance(value, Graph):
@@ -209,3 +287,11 @@ def _describe(node: Node) -> str:
         if node.outputs else ""
     domain = f"{node.domain}::" if node.domain else ""
     return f"node{label} ({domain}{node.op_type}, opset {node.version})"
+
+
+def _is_shape_constant(node: Node) -> bool:
+    value = node.attrs.get("value", node.attrs.get("value_ints", node.attrs.get("value_int")))
+    if isinstance(value, (int, list)):
+        return True
+    return isinstance(value, np.ndarray) and value.dtype.kind in "iub" \
+        and value.size <= _SHAPE_CONSTANT_MAX

@@ -11,12 +11,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ember.errors import BackendUnavailableError, InputError
+from ember.errors import InputError
 from ember.importer import ModelSource, import_model
 from ember.ir import Dim, Model, OptionalType, SequenceType, TensorType, ValueInfo
+from ember.runtime.backends import BACKENDS, get_backend
 from ember.runtime.executor import Plan
-
-BACKENDS = ("cpu", "opencl", "cuda")
 
 
 @dataclass(frozen=True)
@@ -59,30 +58,34 @@ def _ort_type_name(dtype: np.dtype | None) -> str:
     return _ORT_NAMES.get(name, name)
 
 
-def resolve_backend(backend: str | None) -> str:
-    name = (backend or os.environ.get("EMBER_BACKEND") or "cpu").lower()
-    if name not in BACKENDS:
-        raise BackendUnavailableError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
-    if name != "cpu":
-        raise BackendUnavailableError(
-            f"backend '{name}' is not available in this build of ember yet; use backend='cpu'")
-    return name
-
-
 class Session:
     """A model ready to run on one backend."""
 
     def __init__(self, model: Model, backend: str | None = None):
         self.model = model
-        self.backend = resolve_backend(backend)
+        self._backend = get_backend(backend)
+        self.backend = self._backend.name
         graph = model.graph
-        self._plan = Plan(graph, self.backend)
+        self._plan = Plan(graph, self._backend)
         self._plans: dict[tuple[str, ...], Plan] = {}
         # Inputs backed by an initialiser are optional overrides, as in onnxruntime.
         self._required = [v for v in graph.inputs if v.name not in graph.initializers]
         self.inputs: list[IOInfo] = [_io_info(v) for v in self._required]
         self.outputs: list[IOInfo] = [_io_info(v) for v in graph.outputs]
         self._input_types = {v.name: v.type for v in graph.inputs}
+
+    @property
+    def placement(self) -> list[tuple[str, str, str]]:
+        """(node name, op type, where) per node: 'device' on the backend, or a host placement
+        'metadata' / 'shape' (shape work), 'control' (subgraph ops), 'fallback' (no device
+        kernel), 'host' (CPU backend)."""
+        return [(n.name or n.outputs[0], n.op_type, where) for n, where in self._plan.placement]
+
+    def placement_summary(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for _, _, where in self.placement:
+            counts[where] = counts.get(where, 0) + 1
+        return counts
 
     def run(self, feeds: Mapping[str, Any], outputs: Sequence[str] | None = None
             ) -> dict[str, Any]:
@@ -98,7 +101,7 @@ class Session:
             if unknown:
                 raise InputError(f"unknown output name(s) {', '.join(map(repr, unknown))}; "
                                  f"the model's outputs are {', '.join(sorted(known))}")
-            self._plans[outputs] = Plan(self.model.graph, self.backend, wanted_outputs=outputs)
+            self._plans[outputs] = Plan(self.model.graph, self._backend, wanted_outputs=outputs)
         return self._plans[outputs]
 
     def _check_feeds(self, feeds: Mapping[str, Any], plan: Plan) -> list[Any]:

@@ -1,0 +1,51 @@
+"""The backend interface, and the CPU backend (numpy arrays; transfers are the identity)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class Backend:
+    """What the executor needs from a backend.
+
+    `name` keys its kernels in the op registry. Device arrays are whatever the backend uses
+    (numpy for the CPU, pyopencl arrays, cupy arrays); `to_device`/`to_host` move tensors;
+    sequences and optionals stay on the host.
+    """
+
+    name = "cpu"
+    fallbacks = 0  # device-kernel calls that ran on the CPU (see OpImpl.run_on_cpu)
+
+    def to_device(self, value: Any) -> Any:
+        return value
+
+    def to_host(self, value: Any) -> Any:
+        return value
+
+    def is_device_array(self, value: Any) -> bool:
+        return isinstance(value, np.ndarray)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (for timing)."""
+
+    def describe(self) -> str:
+        return self.name
+
+    def supports(self, domain: str, op_type: str, opset: int, dtype: np.dtype | None = None
+                 ) -> bool:
+        """Capability query: does this backend run (domain, op, opset[, dtype]) natively?"""
+        from ember.ops.registry import lookup
+
+        impl = lookup(domain, op_type, opset, self.name)
+        if impl is None:
+            return False
+        native = getattr(impl, "dtypes", None)
+        return dtype is None or native is None or np.dtype(dtype) in native
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def describe(self) -> str:
+        return "cpu (numpy)"

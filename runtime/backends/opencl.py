@@ -1,0 +1,137 @@
+"""The OpenCL backend, through pyopencl. With the `opencl` extra (`pyopencl[pocl]`) a portable
+CPU device (PoCL) is always there, so it runs on any machine.
+
+Device arrays are `pyopencl.array.Array`. Kernels (ops/opencl/) compile their OpenCL C through
+`OpenCLBackend.program`, which caches built programs per (device, source hash, build options)
+in memory and as binaries on disk, so a second load of a model compiles nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import numpy as np
+
+from ember.errors import BackendUnavailableError
+from ember.runtime.backends.base import Backend
+
+INSTALL_HINT = "pip install 'ember[opencl]' (pyopencl with PoCL, a CPU OpenCL driver)"
+# dtypes that move to the device; everything else (strings, ml_dtypes) stays on the host and
+# the kernels that meet it fall back to the CPU.
+DEVICE_DTYPES = frozenset(np.dtype(t) for t in (
+    np.float32, np.float64, np.float16, np.int8, np.uint8, np.int16, np.uint16, np.int32,
+    np.uint32, np.int64, np.uint64, np.bool_))
+
+
+def default_cache_dir() -> str:
+    root = os.environ.get("EMBER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ember")
+    return os.path.join(root, "opencl")
+
+
+class OpenCLBackend(Backend):
+    name = "opencl"
+
+    def __init__(self, device_hint: str | None = None, cache_dir: str | None = None):
+        try:
+            import pyopencl as cl
+            import pyopencl.array as cl_array
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"the OpenCL backend needs pyopencl, which is not installed: {INSTALL_HINT}") from exc
+        self.cl, self.cl_array = cl, cl_array
+        self.device = self._pick_device(device_hint or os.environ.get("EMBER_OPENCL_DEVICE"))
+        self.context = cl.Context([self.device])
+        self.queue = cl.CommandQueue(self.context)
+        self.cache_dir = cache_dir or default_cache_dir()
+        self._programs: dict[str, Any] = {}
+        self.compiled_from_source = 0  # programs built from source (not from a cache)
+        self.fallbacks = 0  # kernel calls that ran on the CPU for want of a native dtype/case
+        self.device_key = hashlib.sha256(
+            f"{self.device.platform.name}|{self.device.name}|{self.device.version}|"
+            f"{self.device.driver_version}".encode()).hexdigest()[:16]
+        import ember.ops.opencl  # noqa: F401  (registers the OpenCL kernels)
+
+    def _pick_device(self, hint: str | None):
+        cl = self.cl
+        try:
+            platforms = cl.get_platforms()
+        except cl.Error as exc:  # no ICD loader configuration at all
+            raise BackendUnavailableError(
+                f"no OpenCL platform found ({exc}); {INSTALL_HINT}, or install your GPU's "
+                "OpenCL driver") from exc
+        devices = [d for p in platforms for d in p.get_devices()]
+        if not devices:
+            raise BackendUnavailableError(f"OpenCL platforms exist but offer no device; {INSTALL_HINT}")
+        if hint:
+            chosen = [d for d in devices if hint.lower() in f"{d.platform.name} {d.name}".lower()]
+            if not chosen:
+                raise BackendUnavailableError(
+                    f"no OpenCL device matches EMBER_OPENCL_DEVICE='{hint}'; devices: "
+                    + ", ".join(f"{d.platform.name}: {d.name}" for d in devices))
+            return chosen[0]
+        gpus = [d for d in devices if d.type & cl.device_type.GPU]
+        return (gpus or devices)[0]
+
+    def describe(self) -> str:
+        return f"opencl ({self.device.platform.name}: {self.device.name.strip()})"
+
+    # -- programs -----------------------------------------------------------------------------
+    def program(self, source: str, options: tuple[str, ...] = ()):
+        """A built program for `source`, from memory, the disk cache, or compiled now."""
+        key = hashlib.sha256("\0".join((self.device_key, source, *options)).encode()).hexdigest()
+        program = self._programs.get(key)
+        if program is not None:
+            return program
+        cl = self.cl
+        path = os.path.join(self.cache_dir, self.device_key, f"{key}.bin")
+        program = None
+        if os.path.exists(path):
+            try:
+                with open(path, "rb") as f:
+                    program = cl.Program(self.context, [self.device], [f.read()]).build(
+                        options=list(options))
+            except cl.Error:
+                program = None  # stale or foreign binary: rebuild from source
+        if program is None:
+            program = cl.Program(self.context, source).build(options=list(options))
+            self.compiled_from_source += 1
+            self._save_binary(path, program)
+        self._programs[key] = program
+        return program
+
+    def _save_binary(self, path: str, program) -> None:
+        try:
+            binary = program.get_info(self.cl.program_info.BINARIES)[0]
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(binary)
+            os.replace(tmp, path)
+        except (OSError, self.cl.Error):
+            pass  # a read-only or full disk only costs a recompile next time
+
+    # -- arrays -------------------------------------------------------------------------------
+    def is_device_array(self, value: Any) -> bool:
+        return isinstance(value, self.cl_array.Array)
+
+    def empty(self, shape, dtype):
+        return self.cl_array.empty(self.queue, tuple(int(d) for d in shape), np.dtype(dtype))
+
+    def to_device(self, value: Any) -> Any:
+        if isinstance(value, np.ndarray) and value.dtype in DEVICE_DTYPES:
+            return self.cl_array.to_device(self.queue, np.ascontiguousarray(value))
+        if isinstance(value, (np.generic,)) and np.dtype(value.dtype) in DEVICE_DTYPES:
+            return self.cl_array.to_device(self.queue, np.asarray(value))
+        return value  # sequences, optionals, strings and ml_dtypes stay on the host
+
+    def to_host(self, value: Any) -> Any:
+        if isinstance(value, self.cl_array.Array):
+            return value.get(queue=self.queue)
+        if isinstance(value, list):
+            return [self.to_host(v) for v in value]
+        return value
+
+    def synchronize(self) -> None:
+        self.queue.finish()

@@ -197,8 +197,9 @@ def assert_outputs_match(expected: list, actual: list, rtol: float, atol: float,
         np.testing.assert_allclose(act, exp, rtol=out_rtol, atol=atol, err_msg=label)
 
 
-def run_case(case: Case, backend: str = "cpu") -> None:
-    """Load the case's model in ember and check every data set; raises on mismatch."""
+def run_case(case: Case, backend: str = "cpu"):
+    """Load the case's model in ember and check every data set; raises on mismatch.
+    Returns the session (its .placement tells where each node ran)."""
     import ember
 
     session = ember.load(case.model_path, backend=backend)
@@ -206,6 +207,7 @@ def run_case(case: Case, backend: str = "cpu") -> None:
         result = session.run(inputs)
         actual = [result[o.name] for o in session.outputs]
         assert_outputs_match(expected, actual, case.rtol, case.atol)
+    return session
 
 
 def load_xfails(path: str) -> dict[str, str]:
@@ -222,18 +224,26 @@ def load_xfails(path: str) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    """Tiny runner for development: suite name, optional -k glob, prints failures."""
+    """Tiny runner for development: suite name, optional -k glob and --backend B (default
+    $EMBER_BACKEND or cpu); prints failures, and for a device backend where nodes ran."""
     import traceback
+
+    from ember.runtime.backends import get_backend
 
     suite = argv[0] if argv else "node"
     pattern = argv[argv.index("-k") + 1] if "-k" in argv else "*"
+    backend = argv[argv.index("--backend") + 1] if "--backend" in argv else \
+        os.environ.get("EMBER_BACKEND", "cpu")
     verbose = "-v" in argv
+    placed: dict[str, int] = {}
     dirs = [d for d in suite_case_dirs(suite)
             if fnmatch.fnmatch(os.path.basename(d), f"*{pattern}*")]
     passed, failed = 0, []
     for d in dirs:
         try:
-            run_case(load_case_dir(d))
+            session = run_case(load_case_dir(d), backend)
+            for where, count in session.placement_summary().items():
+                placed[where] = placed.get(where, 0) + count
             passed += 1
         except Exception as exc:  # report every failure, keep going
             first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
@@ -242,6 +252,9 @@ def main(argv: list[str]) -> int:
                 traceback.print_exc()
     for name, why in failed:
         print(f"FAIL {name}: {why}")
+    if backend != "cpu":
+        print(f"nodes of passing cases by placement: {placed}; "
+              f"kernel calls that fell back to the CPU: {get_backend(backend).fallbacks}")
     print(f"{passed} passed, {len(failed)} failed")
     return 0
 

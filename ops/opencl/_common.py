@@ -1,0 +1,76 @@
+"""Shared pieces of the OpenCL kernels: C type names, compiling and launching, strides for
+broadcasting. Imports no pyopencl at module level (kernel modules must import on machines
+without it, so the ops table and `ember info` can list what the backend supports)."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from ember.runtime.backends import get_backend
+
+# numpy dtype -> OpenCL C type. float64 needs the cl_khr_fp64 extension (PoCL has it);
+# float16 is stored as `half` and computed in float via vload_half/vstore_half.
+C_TYPES = {
+    np.dtype(np.float32): "float", np.dtype(np.float64): "double",
+    np.dtype(np.int8): "char", np.dtype(np.uint8): "uchar", np.dtype(np.int16): "short",
+    np.dtype(np.uint16): "ushort", np.dtype(np.int32): "int", np.dtype(np.uint32): "uint",
+    np.dtype(np.int64): "long", np.dtype(np.uint64): "ulong", np.dtype(np.bool_): "uchar",
+}
+FLOAT_TYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+NUMERIC_TYPES = frozenset(C_TYPES)
+PREAMBLE = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
+
+
+def backend():
+    """The OpenCL backend instance (created by the session that placed this kernel)."""
+    return get_backend("opencl")
+
+
+def c_type(dtype) -> str:
+    return C_TYPES[np.dtype(dtype)]
+
+
+@lru_cache(maxsize=None)
+def _kernel_cached(source: str, name: str, options: tuple[str, ...]):
+    return getattr(backend().program(PREAMBLE + source, options), name)
+
+
+def kernel(source: str, name: str, options: tuple[str, ...] = ()):
+    """Kernel `name` from OpenCL C `source` (built once; cached in memory and on disk)."""
+    return _kernel_cached(source, name, options)
+
+
+def launch(knl, global_size, *args, local_size=None) -> None:
+    """Enqueue `knl` over `global_size` work items. Arrays are passed as plain `__global T*`
+    buffers: one with an offset or not C-contiguous is copied to a fresh buffer first."""
+    be = backend()
+    flat = [contiguous(a).data if isinstance(a, be.cl_array.Array) else a for a in args]
+    if isinstance(global_size, int):
+        global_size = (global_size,)
+    knl(be.queue, tuple(max(int(g), 1) for g in global_size), local_size, *flat)
+
+
+def contiguous(x):
+    """`x` as a C-contiguous device array starting at its buffer's first byte (a copy only
+    when needed)."""
+    if x.flags.c_contiguous and x.offset == 0:
+        return x
+    return x.copy()
+
+
+def broadcast_strides(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> np.ndarray:
+    """Element strides of a C-contiguous array of `shape` broadcast to `out_shape` (0 on
+    broadcast axes), right-aligned, as int64."""
+    strides = np.zeros(len(out_shape), np.int64)
+    step = 1
+    for i in range(1, len(shape) + 1):
+        if shape[-i] != 1:
+            strides[-i] = step
+        step *= shape[-i]
+    return strides
+
+
+def device_int64(values) -> object:
+    """A small int64 vector on the device (shapes, strides) for kernels to index with."""
+    return backend().to_device(np.ascontiguousarray(values, dtype=np.int64))

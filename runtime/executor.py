@@ -9,7 +9,7 @@ from enclosing scopes are handed to them as a name -> value dict.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -248,12 +248,32 @@ class Plan:
 
     def run(self, feeds: Sequence[Any], scope: dict[str, Any] | None = None) -> list[Any]:
         """Run with `feeds` aligned to `input_names`; `scope` gives outer-scope values."""
+        env = self._start(feeds, scope)
+        for _ in self._execute(env):
+            pass
+        return [env[s] for s in self.output_slots]
+
+    def iterate(self, feeds: Sequence[Any], scope: dict[str, Any] | None = None
+                ) -> Iterator[tuple[Node, list[Any]]]:
+        """Run step by step, yielding each node (transfers excepted) with its output values
+        right after it runs; values are freed as in `run`, so memory stays at one run's peak."""
+        env = self._start(feeds, scope)
+        for step in self._execute(env):
+            if not isinstance(step.kernel, Transfer):
+                yield step.node, [env[s] if s != _DISCARD else None for s in step.outputs]
+
+    def _start(self, feeds: Sequence[Any], scope: dict[str, Any] | None) -> list[Any]:
         env = self.initial_env.copy()
         for s, value in zip(self.input_slots, feeds):
             env[s] = value
         if scope is not None:
             for name, s in self.outer_slots:
                 env[s] = scope[name]
+        return env
+
+    def _execute(self, env: list[Any]) -> Iterator[Step]:
+        """Run every step on `env`, yielding each step after it ran and before its dead values
+        are freed."""
         step = None
         try:
             for step in self.steps:
@@ -264,11 +284,11 @@ class Plan:
                     result = step.kernel.run(*args)
                 if type(result) is tuple:
                     for s, value in zip(step.outputs, result):
-                        env[s] = value if isinstance(value, (np.ndarray, list)) or value is None \
-                            else np.asarray(value)
+                        env[s] = np.asarray(value) if isinstance(value, _SCALARS) else value
                 else:
-                    env[step.outputs[0]] = result if isinstance(result, (np.ndarray, list)) \
-                        or result is None else np.asarray(result)
+                    env[step.outputs[0]] = np.asarray(result) if isinstance(result, _SCALARS) \
+                        else result
+                yield step
                 for s in step.frees:
                     env[s] = None
         except EmberError as exc:
@@ -279,7 +299,10 @@ class Plan:
         except Exception as exc:
             raise ExecutionError(f"{_describe(step.node)} failed: {type(exc).__name__}: {exc}") \
                 from exc
-        return [env[s] for s in self.output_slots]
+
+
+# numpy reductions over 0-d arrays return scalars; values in the plan are always arrays.
+_SCALARS = (np.generic, int, float, complex)
 
 
 def _describe(node: Node) -> str:

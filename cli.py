@@ -14,7 +14,8 @@ import numpy as np
 from ember.errors import EmberError, InputError
 from ember.importer import import_model
 from ember.ir import Model
-from ember.runtime.session import BACKENDS, IOInfo, Session
+from ember.runtime.backends import BACKENDS
+from ember.runtime.session import IOInfo, Session
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="describe a model: opsets, inputs, outputs, ops")
     info.add_argument("model", help="path to an .onnx file")
+    info.add_argument("--backend", default=None,
+                      help="also show where each node runs on this backend (needs its device)")
     info.set_defaults(command=cmd_info)
 
     ops = sub.add_parser("ops", help="print the table of ops each backend implements (markdown)")
@@ -138,11 +141,24 @@ def _summary(name: str, value) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     model = import_model(args.model)
     print(describe(model))
+    if args.backend:
+        print(describe_placement(Session(model, args.backend)))
     return 0
 
 
+def describe_placement(session: Session) -> str:
+    """Where each node runs on the session's backend, and how many fall back to the CPU."""
+    lines = [f"placement on {session._backend.describe()}:"]
+    for name, op, where in session.placement:
+        lines.append(f"  {op:<24} {where:<9} {name}")
+    counts = session.placement_summary()
+    lines.append("summary: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+                 + f"; {counts.get('fallback', 0)} node(s) fall back to the CPU")
+    return "\n".join(lines)
+
+
 def describe(model: Model) -> str:
-    from ember.ops.registry import lookup, since_version, supported_ops
+    from ember.ops.registry import lookup, since_version
     from ember.runtime.session import _io_info
 
     lines = [f"model: {model.path or '<memory>'}",
@@ -161,17 +177,15 @@ def describe(model: Model) -> str:
     lines.append(f"ops: {sum(hist.values())} nodes, {len(hist)} op types")
     for op, count in hist.items():
         lines.append(f"  {op:<28} {count}")
-    lines.append("backend support:")
+    lines.append("kernels per backend (ops without one run on the CPU):")
     for backend in BACKENDS:
         missing = sorted({f"{n.op_type}-{since_version(n.domain, n.op_type, n.version)}"
                           for n in graph.iter_nodes()
                           if lookup(n.domain, n.op_type, n.version, backend) is None})
-        if backend != "cpu" and not supported_ops(backend):
-            lines.append(f"  {backend}: not available in this build")
-        elif missing:
-            lines.append(f"  {backend}: {len(missing)} op(s) missing: {', '.join(missing)}")
+        if missing:
+            lines.append(f"  {backend}: {len(missing)} op(s) without a kernel: {', '.join(missing)}")
         else:
-            lines.append(f"  {backend}: all ops supported")
+            lines.append(f"  {backend}: all ops have kernels")
     return "\n".join(lines)
 
 

@@ -113,7 +113,7 @@ def test_cli_run_and_info(tmp_path):
     assert "opsets: ai.onnx 17" in info
     assert re.search(r"image: tensor\(float\) \[batch, 3, 32, 32\]", info)
     assert re.search(r"Conv\s+2", info)
-    assert "cpu: all ops supported" in info
+    assert "cpu: all ops have kernels" in info
 
 
 def test_runtime_never_imports_oracles():

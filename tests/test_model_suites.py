@@ -1,36 +1,42 @@
-"""Model suites shipped inside the onnx wheel: simple, pytorch-converted, pytorch-operator, and
-the `light` model zoo (inputs arange(n)/n, outputs stored next to each model)."""
+"""Model suites shipped inside the onnx wheel, on every backend present: simple,
+pytorch-converted, pytorch-operator, and the `light` model zoo (inputs arange(n)/n, outputs
+stored next to each model). Expected failures per backend are in tests/xfail_<backend>.txt."""
 import os
 
 import pytest
 
+from backends import record_placement, unavailable_reason, xfail_file
+from ember.runtime.backends import BACKENDS
 from onnx_suites import (light_models, load_case_dir, load_light_case, load_xfails, run_case,
                          suite_case_dirs)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-XFAILS = load_xfails(os.path.join(HERE, "xfail_cpu.txt"))
+XFAILS = {b: load_xfails(xfail_file(b)) for b in BACKENDS}
 
 
 def _params(paths, key):
-    params = []
-    for p in paths:
-        name = key(p)
-        marks = [pytest.mark.xfail(strict=True, reason=XFAILS[name])] if name in XFAILS else []
-        params.append(pytest.param(p, id=name, marks=marks))
-    return params
+    for backend in BACKENDS:
+        reason = unavailable_reason(backend)
+        for p in paths:
+            name = key(p)
+            marks = []
+            if reason:
+                marks.append(pytest.mark.skip(reason=f"{backend} unavailable: {reason}"))
+            elif name in XFAILS[backend]:
+                marks.append(pytest.mark.xfail(strict=True, reason=XFAILS[backend][name]))
+            yield pytest.param(backend, p, id=f"{backend}-{name}", marks=marks)
 
 
-@pytest.mark.parametrize("case_dir", _params(
+@pytest.mark.parametrize("backend,case_dir", list(_params(
     [d for s in ("simple", "pytorch-converted", "pytorch-operator") for d in suite_case_dirs(s)],
-    lambda d: f"{os.path.basename(os.path.dirname(d))}/{os.path.basename(d)}"))
-def test_shipped_model_case(case_dir):
-    run_case(load_case_dir(case_dir), backend="cpu")
+    lambda d: f"{os.path.basename(os.path.dirname(d))}/{os.path.basename(d)}")))
+def test_shipped_model_case(backend, case_dir):
+    record_placement(backend, run_case(load_case_dir(case_dir), backend=backend))
 
 
-@pytest.mark.parametrize("model_path", _params(
-    light_models(), lambda p: os.path.splitext(os.path.basename(p))[0]))
-def test_light_model(model_path):
-    run_case(load_light_case(model_path), backend="cpu")
+@pytest.mark.parametrize("backend,model_path", list(_params(
+    light_models(), lambda p: os.path.splitext(os.path.basename(p))[0])))
+def test_light_model(backend, model_path):
+    record_placement(backend, run_case(load_light_case(model_path), backend=backend))
 
 
 def test_suites_are_complete():

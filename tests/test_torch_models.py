@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import ember
+from backends import present_backends
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnxscript")
@@ -41,10 +42,21 @@ def assert_close_relative(actual: np.ndarray, expected: np.ndarray, rtol: float 
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
 
 
-def test_matches_onnxruntime(exported):
+# Ops whose every node must run on the device when the model runs on a device backend.
+DEVICE_OPS = {"Conv", "MatMul", "Gemm", "BatchNormalization", "LayerNormalization",
+              "InstanceNormalization", "GroupNormalization", "Softmax"}
+
+
+@pytest.mark.parametrize("backend", present_backends())
+def test_matches_onnxruntime(exported, backend):
     name, path, inputs = exported
     want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, inputs)
-    got = ember.load(path).run(inputs)
+    session = ember.load(path, backend=backend)
+    got = session.run(inputs)
+    if backend != "cpu":
+        on_cpu = [(node, op) for node, op, where in session.placement
+                  if op in DEVICE_OPS and where != "device"]
+        assert not on_cpu, f"not placed on {backend}: {on_cpu}"
     assert len(got) == len(want)
     for act, exp in zip(got.values(), want):
         assert_close_relative(act, exp)

@@ -145,11 +145,11 @@ class Unsqueeze13(OpImpl):
 class Transpose(OpImpl):
     def run(self, x):
         if self.perm is None:
-            return np.ascontiguousarray(x.transpose())
+            return x.transpose().copy()  # copy() keeps 0-d arrays 0-d
         perm = list(self.perm)
         if sorted(_norm_axes(self, perm, x.ndim)) != list(range(x.ndim)):
             raise self.fail(f"perm {perm} is not a permutation of the {x.ndim} axes")
-        return np.ascontiguousarray(x.transpose(perm))
+        return x.transpose(perm).copy()
 
 
 # ----------------------------------------------------------------------------- Expand / Tile

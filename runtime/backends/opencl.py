@@ -121,7 +121,8 @@ class OpenCLBackend(Backend):
 
     def to_device(self, value: Any) -> Any:
         if isinstance(value, np.ndarray) and value.dtype in DEVICE_DTYPES:
-            return self.cl_array.to_device(self.queue, np.ascontiguousarray(value))
+            # np.require, unlike np.ascontiguousarray, keeps 0-d arrays 0-d
+            return self.cl_array.to_device(self.queue, np.require(value, requirements='C'))
         if isinstance(value, (np.generic,)) and np.dtype(value.dtype) in DEVICE_DTYPES:
             return self.cl_array.to_device(self.queue, np.asarray(value))
         return value  # sequences, optionals, strings and ml_dtypes stay on the host

@@ -1,0 +1,64 @@
+"""Shared CUDA kernels: the CPU kernels of these families, run over cupy (see _common.py).
+
+Where an op is plain array code, its CUDA kernel is the CPU kernel itself over the cupy array
+namespace: elementwise math and activations, MatMul/Gemm/Einsum (cupy.matmul/einsum: cuBLAS),
+reductions and softmax, normalisations, data movement (reshape, transpose, slice, concat,
+gather/scatter, pad...), pooling and convolution, resize/grid-sample, RNNs, DFT/windows,
+(de)quantisation, attention. Ops with a native CUDA C kernel (the other
+modules in this package) are registered first and keep their versions.
+
+Every op of the listed families runs here except those in EXCLUDED (host-only semantics:
+strings, random numbers, data-dependent output shapes computed with Python loops, ...).
+"""
+from __future__ import annotations
+
+from ember.ops import (activations, attention, conv, elementwise, image, indexing, linalg, loss,
+                       normalization, pool, quantize, reduction, rnn, shape, signal, tensor)
+from ember.ops.cuda import conv as _native_conv  # noqa: F401  (native kernels register first)
+from ember.ops.cuda import elementwise as _native_elementwise  # noqa: F401
+from ember.ops.cuda._common import register_shared
+from ember.ops.registry import OpImpl
+
+FAMILIES = (elementwise, activations, linalg, reduction, normalization, shape, tensor, indexing,
+            pool, conv, attention, loss, image, rnn, signal, quantize)
+
+# Ops of those families that stay on the host.
+EXCLUDED = frozenset({
+    "Shape", "Size",            # metadata: the executor runs them on the host anyway
+    "Constant",                 # values are made on the host and uploaded once
+    "StringConcat",
+    "Unique", "NonZero",        # data-dependent shapes from host-side loops
+    "Dropout",                  # random masks use numpy's generator
+    "BitCast",                  # reinterprets host bytes
+    "ImageDecoder",
+})
+
+# Inputs that are shape data (shapes, axes, pads, repeats, k...): kept as host arrays.
+HOST_INPUTS = {
+    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Squeeze": (1,), "Unsqueeze": (1,),
+    "Split": (1,), "Slice": (1, 2, 3, 4), "Pad": (1, 2, 3), "CenterCropPad": (1,),
+    "ConstantOfShape": (0,), "Range": (0, 1, 2), "TopK": (1,), "CumSum": (1,),
+    "CumProd": (1,), "OneHot": (1, 2), "ReduceSum": (1,), "ReduceMean": (1,),
+    "ReduceMax": (1,), "ReduceMin": (1,), "ReduceProd": (1,), "ReduceL1": (1,),
+    "ReduceL2": (1,), "ReduceLogSum": (1,), "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,),
+    "EyeLike": (), "Trilu": (1,),
+}
+
+
+def _cpu_classes():
+    for module in FAMILIES:
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, OpImpl) and value.op_type \
+                    and value.backend == "cpu" and value.__module__ == module.__name__ \
+                    and value.versions and value.op_type not in EXCLUDED:
+                yield value
+
+
+
+
+REGISTERED = []
+for _cls in _cpu_classes():
+    _extra = {"host_inputs": HOST_INPUTS[_cls.op_type]} if _cls.op_type in HOST_INPUTS else {}
+    _new = register_shared(_cls, **_extra)
+    if _new is not None:
+        REGISTERED.append(_new)

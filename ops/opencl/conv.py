@@ -1,0 +1,302 @@
+"""OpenCL Conv and ConvTranspose (1-D, 2-D and 3-D: every geometry is run as 3-D, missing
+leading spatial axes having size 1).
+
+* Conv: an im2col kernel writes the patch matrix straight in the packed-panel layout of the GEMM
+  in linalg.py (no separate packing pass; a cached per-geometry table of window origins
+  replaces per-element index arithmetic, 1.3-2x faster than carrying counters), into a reused
+  scratch buffer; the weights are packed once (cached while they are the same constant), and
+  the GEMM adds the bias in its epilogue. Groups run as batches of the
+  same GEMM. Grouped convolutions whose groups are too small for a GEMM block (depthwise,
+  ResNeXt-like with few output channels per group) use a direct kernel instead.
+* ConvTranspose: the GEMM makes the columns W^T x (per group), then a gather kernel (col2im,
+  no atomics) sums each output pixel's taps and adds the bias.
+
+Kernel sizes, strides and dilations are compile-time constants (few distinct combinations);
+tensor sizes and pads are arguments.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ember.ops.conv import Conv, ConvTranspose, ints, out_size
+from ember.ops.opencl._common import FLOAT_TYPES, backend, c_type, kernel, launch
+from ember.ops.opencl.linalg import CachedPack, RM, block_n, gemm_packed, pack_a, pack_b, scratch
+from ember.ops.registry import register
+
+
+def as3d(values, fill):
+    """Per-axis values of a 1-D/2-D/3-D geometry, as 3 values (leading axes get `fill`)."""
+    values = [int(v) for v in values]
+    return [fill] * (3 - len(values)) + values
+
+
+def _defines(kernel_, strides, dilations) -> str:
+    k, s, d = as3d(kernel_, 1), as3d(strides, 1), as3d(dilations, 1)
+    names = ("KD", "KH", "KW", "SD", "SH", "SW", "DD", "DH", "DW")
+    return "".join(f"#define {n} {v}\n" for n, v in zip(names, k + s + d)) + \
+        "#define KK (KD * KH * KW)\n"
+
+
+_IM2COL = """
+/* Patch matrix of batch bt = n*G + g, rows k = (c, td, th, tw), in GEMM panels of RN columns.
+   tab holds, per output position l (padded to whole panels), the input coordinates of its
+   window's first tap on each axis (far out of range for the padding columns, which so get 0). */
+__kernel void im2col(const int Cg, const int ID, const int IH, const int IW, const int L,
+                     __global const int* restrict tab, __global const T* restrict x,
+                     __global T* restrict Bp) {
+  const int k = get_global_id(0), lb = get_global_id(1), bt = get_global_id(2);
+  const int CK = Cg * KK, Lb = (L + RN - 1) / RN;
+  const int c = k / KK;
+  int t = k % KK;
+  const int tw = t % KW; t /= KW;
+  const int th = t % KH, td = t / KH;
+  __global const T* src = x + ((long)bt * Cg + c) * ID * IH * IW;
+  __global T* dst = Bp + (((long)bt * Lb + lb) * CK + k) * RN;
+  __global const int* d0 = tab + lb * RN;
+  __global const int* h0 = d0 + Lb * RN;
+  __global const int* w0 = h0 + Lb * RN;
+  const int od = td * DD, oh = th * DH, ow = tw * DW;
+  for (int j = 0; j < RN; j++) {
+    const int id = d0[j] + od, ih = h0[j] + oh, iw = w0[j] + ow;
+    T v = (T)0;
+    if ((uint)id < (uint)ID && (uint)ih < (uint)IH && (uint)iw < (uint)IW)
+      v = src[((long)id * IH + ih) * IW + iw];
+    dst[j] = v;
+  }
+}
+
+/* Direct convolution, one output element per work-item (small groups, depthwise) */
+__kernel void conv_direct(const int C, const int M, const int Cg, const int Mg,
+                          const int ID, const int IH, const int IW,
+                          const int OD, const int OH, const int OW,
+                          const int PD, const int PH, const int PW,
+                          __global const T* restrict x, __global const T* restrict w,
+                          __global const T* restrict bias, const int has_bias,
+                          __global T* restrict y) {
+  const int l = get_global_id(0), m = get_global_id(1), n = get_global_id(2);
+  const int L = OD * OH * OW;
+  if (l >= L) return;
+  const int zw = l % OW, q = l / OW;
+  const int zh = q % OH, zd = q / OH;
+  const int g = m / Mg;
+  T acc = has_bias ? bias[m] : (T)0;
+  const long S = (long)ID * IH * IW;
+  for (int c = 0; c < Cg; c++) {
+    __global const T* xs = x + ((long)n * C + g * Cg + c) * S;
+    __global const T* ws = w + ((long)m * Cg + c) * KK;
+    for (int td = 0; td < KD; td++) {
+      const int id = zd * SD - PD + td * DD;
+      if ((uint)id >= (uint)ID) continue;
+      for (int th = 0; th < KH; th++) {
+        const int ih = zh * SH - PH + th * DH;
+        if ((uint)ih >= (uint)IH) continue;
+        __global const T* row = xs + ((long)id * IH + ih) * IW;
+        __global const T* wr = ws + (td * KH + th) * KW;
+        for (int tw = 0; tw < KW; tw++) {
+          const int iw = zw * SW - PW + tw * DW;
+          if ((uint)iw < (uint)IW) acc += row[iw] * wr[tw];
+        }
+      }
+    }
+  }
+  y[((long)n * M + m) * L + l] = acc;
+}
+
+/* ConvTranspose: output pixel (n, m, o) sums cols[n*G + g][mg*KK + t][i] over the taps t whose
+   input position i = (o + pad - t*dil) / stride is integral and inside the input */
+__kernel void col2im(const int M, const int G, const int Mg,
+                     const int ID, const int IH, const int IW,
+                     const int OD, const int OH, const int OW,
+                     const int PD, const int PH, const int PW,
+                     __global const T* restrict cols, __global const T* restrict bias,
+                     const int has_bias, __global T* restrict y) {
+  const int l = get_global_id(0), m = get_global_id(1), n = get_global_id(2);
+  const int L = OD * OH * OW;
+  if (l >= L) return;
+  const int ow = l % OW, q = l / OW;
+  const int oh = q % OH, od = q / OH;
+  const int g = m / Mg, mg = m % Mg;
+  const long Lin = (long)ID * IH * IW;
+  __global const T* cb = cols + (((long)n * G + g) * Mg + mg) * KK * Lin;
+  T acc = has_bias ? bias[m] : (T)0;
+  for (int td = 0; td < KD; td++) {
+    const int ad = od + PD - td * DD;
+    if (ad < 0 || ad % SD) continue;
+    const int zd = ad / SD;
+    if (zd >= ID) continue;
+    for (int th = 0; th < KH; th++) {
+      const int ah = oh + PH - th * DH;
+      if (ah < 0 || ah % SH) continue;
+      const int zh = ah / SH;
+      if (zh >= IH) continue;
+      for (int tw = 0; tw < KW; tw++) {
+        const int aw = ow + PW - tw * DW;
+        if (aw < 0 || aw % SW) continue;
+        const int zw = aw / SW;
+        if (zw >= IW) continue;
+        acc += cb[(long)((td * KH + th) * KW + tw) * Lin + ((long)zd * IH + zh) * IW + zw];
+      }
+    }
+  }
+  y[((long)n * M + m) * L + l] = acc;
+}
+"""
+
+
+def _conv_kernel(name, dtype, kernel_, strides, dilations):
+    src = (f"typedef {c_type(dtype)} T;\n#define RN {block_n(dtype)}\n"
+           + _defines(kernel_, strides, dilations) + _IM2COL)
+    return kernel(src, name)
+
+
+_TABLES: dict = {}
+
+
+def _window_table(outs, strides, begin, RN):
+    """Device int32 (3, Lb*RN): per output position, the first tap's input coordinate on each
+    axis (outs, strides, begin as 3 values); cached per geometry."""
+    key = (tuple(outs), tuple(strides), tuple(begin), RN, backend().context.int_ptr)
+    tab = _TABLES.get(key)
+    if tab is None:
+        L = math.prod(outs)
+        Lb = -(-L // RN)
+        grids = np.meshgrid(*[np.arange(o) for o in outs], indexing="ij")
+        host = np.full((3, Lb * RN), -(1 << 28), np.int32)
+        for i in range(3):
+            host[i, :L] = grids[i].ravel() * strides[i] - begin[i]
+        if len(_TABLES) > 512:
+            _TABLES.clear()
+        tab = _TABLES[key] = backend().to_device(host)
+    return tab
+
+
+def _i32(*values):
+    return [np.int32(v) for v in values]
+
+
+@register("Conv", versions=Conv.versions, backend="opencl")
+class ConvCL(Conv):
+    dtypes = FLOAT_TYPES
+
+    def setup(self):
+        super().setup()
+        self._wpack = CachedPack()
+
+    def run(self, x, w, b=None):
+        if x.dtype not in self.dtypes or w.dtype != x.dtype or \
+                (b is not None and b.dtype != x.dtype) or not 1 <= x.ndim - 2 <= 3:
+            return self.run_on_cpu(*([x, w] if b is None else [x, w, b]))
+        kernel_, strides, dilations, begin, end = self.geometry(x, w)
+        outs = out_size(x.shape[2:], kernel_, strides, dilations, begin, end)
+        N, C = x.shape[:2]
+        M = w.shape[0]
+        G = self.group
+        Cg, Mg = C // G, M // G
+        L = math.prod(outs)
+        K = math.prod(kernel_)
+        if b is not None and tuple(b.shape) != (M,):
+            raise self.fail(f"bias of shape {b.shape}, expected ({M},)")
+        if N == 0 or M == 0 or L == 0 or Cg == 0:
+            return self.run_on_cpu(*([x, w] if b is None else [x, w, b]))
+        dt = x.dtype
+        isp, osp, pad = as3d(x.shape[2:], 1), as3d(outs, 1), as3d(begin, 0)
+        y = backend().empty((N, M, *outs), dt)
+        if G > 1 and (Cg == 1 or Mg < RM):
+            knl = _conv_kernel("conv_direct", dt, kernel_, strides, dilations)
+            launch(knl, (L, M, N), *_i32(C, M, Cg, Mg, *isp, *osp, *pad), x, w,
+                   b if b is not None else w, np.int32(b is not None), y)
+            return y
+        RN = block_n(dt)
+        CK = Cg * K
+        Lb = -(-L // RN)
+        bp = scratch("B", N * G * Lb * CK * RN, dt)
+        knl = _conv_kernel("im2col", dt, kernel_, strides, dilations)
+        tab = _window_table(osp, as3d(strides, 1), pad, RN)
+        launch(knl, (CK, Lb, N * G), *_i32(Cg, *isp, L), tab, x, bp)
+        ap = self._wpack.get(w, None, lambda: pack_a(w, Mg, CK, CK, 1, G, Mg * CK))
+        bt = np.arange(N * G)
+        gemm_packed(ap, bp, Mg, L, CK, bt % G, bt, dt, out=y,
+                    c=b, cm=1, cn=0, beta=1.0, cb=Mg)
+        return y
+
+
+@register("ConvTranspose", versions=ConvTranspose.versions, backend="opencl")
+class ConvTransposeCL(ConvTranspose):
+    dtypes = FLOAT_TYPES
+
+    def setup(self):
+        super().setup()
+        self._wpack = CachedPack()
+
+    def geometry_t(self, x, w):
+        """(kernel, strides, dilations, begin, out_sp), as ConvTranspose.run resolves them."""
+        n = x.ndim - 2
+        kernel_ = list(w.shape[2:])
+        strides = ints(getattr(self, "strides", None), n, 1)
+        dilations = ints(getattr(self, "dilations", None), n, 1)
+        opad = ints(getattr(self, "output_padding", None), n, 0)
+        in_sp = x.shape[2:]
+        natural = [s * (i - 1) + op + (k - 1) * d + 1
+                   for s, i, op, k, d in zip(strides, in_sp, opad, kernel_, dilations)]
+        auto_pad = getattr(self, "auto_pad", "NOTSET") or "NOTSET"
+        auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+        oshape = getattr(self, "output_shape", None)
+        if oshape is not None and len(oshape):
+            out_sp = [int(v) for v in oshape][-n:]
+        elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            out_sp = [i * s for i, s in zip(in_sp, strides)]
+        else:
+            out_sp = None
+        if out_sp is not None:
+            begin = []
+            for i in range(n):
+                total = natural[i] - out_sp[i]
+                half = total // 2
+                begin.append(half if auto_pad == "SAME_UPPER" else total - half)
+        else:
+            if auto_pad == "VALID":
+                begin, end = [0] * n, [0] * n
+            else:
+                p = ints(getattr(self, "pads", None), 2 * n, 0)
+                begin, end = p[:n], p[n:]
+            out_sp = [natural[i] - begin[i] - end[i] for i in range(n)]
+        return kernel_, strides, dilations, begin, out_sp
+
+    def run(self, x, w, b=None):
+        args = [x, w] if b is None else [x, w, b]
+        if x.dtype not in self.dtypes or w.dtype != x.dtype or \
+                (b is not None and b.dtype != x.dtype) or not 1 <= x.ndim - 2 <= 3 \
+                or w.ndim != x.ndim:
+            return self.run_on_cpu(*args)
+        G = self.group
+        N, C = x.shape[:2]
+        if C != w.shape[0] or C % G:
+            return self.run_on_cpu(*args)  # the CPU kernel raises the proper error
+        kernel_, strides, dilations, begin, out_sp = self.geometry_t(x, w)
+        kshape = getattr(self, "kernel_shape", None)
+        if kshape is not None and len(kshape) and [int(k) for k in kshape] != kernel_:
+            return self.run_on_cpu(*args)
+        Cg, Mg = C // G, w.shape[1]
+        M = Mg * G
+        K = math.prod(kernel_)
+        Lin = math.prod(x.shape[2:])
+        L = math.prod(out_sp)
+        if b is not None and tuple(b.shape) != (M,):
+            raise self.fail(f"bias of shape {b.shape}, expected ({M},)")
+        if N == 0 or M == 0 or L == 0 or Lin == 0 or Cg == 0 or min(out_sp) <= 0:
+            return self.run_on_cpu(*args)
+        dt = x.dtype
+        # A[g] = W[g]^T: (Mg*K) x Cg, row r = mg*K + t at offset r, column c at c*Mg*K
+        ap = self._wpack.get(w, None, lambda: pack_a(w, Mg * K, Cg, 1, Mg * K, G, Cg * Mg * K))
+        bp = pack_b(x, Lin, Cg, Lin, 1, N * G, Cg * Lin, role="B")
+        bt = np.arange(N * G)
+        cols = gemm_packed(ap, bp, Mg * K, Lin, Cg, bt % G, bt, dt,
+                           out=scratch("cols", N * G * Mg * K * Lin, dt))
+        y = backend().empty((N, M, *out_sp), dt)
+        knl = _conv_kernel("col2im", dt, kernel_, strides, dilations)
+        launch(knl, (L, M, N), *_i32(M, G, Mg, *as3d(x.shape[2:], 1), *as3d(out_sp, 1),
+                                     *as3d(begin, 0)),
+               cols, b if b is not None else cols, np.int32(b is not None), y)
+        return y

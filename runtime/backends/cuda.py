@@ -1,0 +1,91 @@
+"""The CUDA backend, through cupy (`pip install 'ember[cuda]'`, the cupy-cuda12x wheel), for
+NVIDIA GPUs with a CUDA 12 driver.
+
+Device arrays are `cupy.ndarray`. Kernels (ops/cuda/) are either the CPU kernels' own array
+code run over cupy, or CUDA C compiled by cupy (RawKernel / ElementwiseKernel, cached by cupy
+in memory and on disk under ~/.cupy/kernel_cache). Matrix products go to cuBLAS through
+cupy.matmul.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ember.errors import BackendUnavailableError
+from ember.runtime.backends.base import Backend
+
+INSTALL_HINT = "pip install 'ember[cuda]' (cupy-cuda12x, for a CUDA 12 driver)"
+# dtypes that move to the device; everything else (strings, objects, ml_dtypes such as
+# bfloat16 and the float8s) stays on the host and the kernels that meet it fall back to the CPU.
+DEVICE_DTYPES = frozenset(np.dtype(t) for t in (
+    np.float32, np.float64, np.float16, np.int8, np.uint8, np.int16, np.uint16, np.int32,
+    np.uint32, np.int64, np.uint64, np.bool_, np.complex64, np.complex128))
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, device: int | None = None):
+        try:
+            import cupy
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"the CUDA backend needs cupy, which is not installed: {INSTALL_HINT}") from exc
+        except Exception as exc:  # a broken cupy install (e.g. two cupy wheels side by side)
+            raise BackendUnavailableError(
+                f"the CUDA backend could not import cupy ({type(exc).__name__}: {exc}); "
+                f"reinstall it: {INSTALL_HINT}") from exc
+        self.cp = cupy
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # no driver, or a driver older than the CUDA runtime
+            raise BackendUnavailableError(
+                "the CUDA backend found no usable NVIDIA driver (cupy.cuda.runtime."
+                f"getDeviceCount() failed: {exc}); it needs an NVIDIA GPU with a CUDA 12 "
+                "driver") from exc
+        if count < 1:
+            raise BackendUnavailableError(
+                "the CUDA backend found no CUDA device (the NVIDIA driver reports 0 GPUs)")
+        if device is None:
+            device = int(os.environ.get("EMBER_CUDA_DEVICE", "0") or 0)
+        if not 0 <= device < count:
+            raise BackendUnavailableError(
+                f"no CUDA device {device}: this machine has {count} (EMBER_CUDA_DEVICE)")
+        self.device_id = device
+        self.device = cupy.cuda.Device(device)
+        self.device.use()
+        self.fallbacks = 0  # kernel calls that ran on the CPU for want of a native dtype/case
+        import ember.ops.cuda  # noqa: F401  (registers the CUDA kernels)
+
+    def describe(self) -> str:
+        try:
+            props = self.cp.cuda.runtime.getDeviceProperties(self.device_id)
+            name = props["name"]
+            name = name.decode() if isinstance(name, bytes) else name
+            return f"cuda (device {self.device_id}: {name}, cupy {self.cp.__version__})"
+        except Exception:
+            return f"cuda (device {self.device_id}, cupy {self.cp.__version__})"
+
+    # -- arrays -------------------------------------------------------------------------------
+    def is_device_array(self, value: Any) -> bool:
+        return isinstance(value, self.cp.ndarray)
+
+    def empty(self, shape, dtype):
+        return self.cp.empty(tuple(int(d) for d in shape), np.dtype(dtype))
+
+    def to_device(self, value: Any) -> Any:
+        if isinstance(value, (np.ndarray, np.generic)) and np.dtype(value.dtype) in DEVICE_DTYPES:
+            return self.cp.asarray(value)
+        return value  # sequences, optionals, strings and ml_dtypes stay on the host
+
+    def to_host(self, value: Any) -> Any:
+        if isinstance(value, self.cp.ndarray):
+            return self.cp.asnumpy(value)
+        if isinstance(value, list):
+            return [self.to_host(v) for v in value]
+        return value
+
+    def synchronize(self) -> None:
+        self.cp.cuda.Device(self.device_id).synchronize()

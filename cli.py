@@ -1,6 +1,6 @@
-"""The `ember` command line: run a model, describe a model.
+"""The `ember` command line: run a model, describe a model, check it against a reference.
 
-Exit codes: 0 success, 2 an ember error (printed as one line, no traceback).
+Exit codes: 0 success, 1 `check` found a mismatch, 2 an ember error (one line, no traceback).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from ember.errors import EmberError, InputError
+from ember.golden import add_check_parser
 from ember.importer import import_model
 from ember.ir import Model
 from ember.runtime.backends import BACKENDS
@@ -55,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ops = sub.add_parser("ops", help="print the table of ops each backend implements (markdown)")
     ops.set_defaults(command=cmd_ops)
+    add_check_parser(sub)
     return parser
 
 

@@ -1,0 +1,1189 @@
+"""Golden-tensor checks: compare ember backends with a reference, down to the first diverging node.
+
+    ember check model.onnx --backend opencl --ref onnxruntime
+    ember check model.onnx --backend cpu,opencl --ref golden.npz --atol 1e-4 --rtol 1e-3
+    ember check model.onnx --backend opencl --ref cpu --bisect
+    ember check model.onnx --ref onnxruntime --save-golden golden.npz
+
+A reference is a runtime (onnxruntime, onnx's ReferenceEvaluator, another ember backend) or
+recorded data (an .npz with `input:NAME` / `output:NAME` keys, or an ONNX test directory with
+`test_data_set_N/input_K.pb`, `output_K.pb`). `check()` returns a `CheckReport`; the CLI prints it,
+optionally writes it as JSON, and exits 0 on pass, 1 on a mismatch, 2 on an error.
+
+Bisect compares every intermediate value in topological order while both sides run: against
+another ember backend the two plans run in lockstep (`Plan.iterate`), against onnxruntime or onnx
+the reference exposes intermediates as extra graph outputs a chunk at a time. Either way each value
+is compared as it is produced and then dropped, so memory stays near one run's peak.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ember.errors import EmberError, InputError
+from ember.importer import ModelSource, import_model, read_model_proto
+from ember.ir import Model, OptionalType, SequenceType
+from ember.runtime.backends import BACKENDS, resolve_backend_name
+from ember.runtime.session import IOInfo, Session
+
+DEFAULT_ATOL = 1e-4
+DEFAULT_RTOL = 1e-3
+CHECK_MODES = ("elementwise", "max", "mean")
+DEFAULT_CHUNK = 200  # intermediate values exposed per reference run during bisect
+_RUNTIME_REFS = {"onnxruntime": "onnxruntime", "ort": "onnxruntime", "onnx": "onnx"}
+
+
+class CheckError(EmberError):
+    """`ember check` cannot proceed: a reference that cannot run, or unusable recorded data."""
+
+
+# -- tolerances --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+
+class Tolerances:
+    """Global atol/rtol with per-output overrides, and the check mode.
+
+    Modes: `elementwise` (every element: |c - r| <= atol + rtol * |r|), `max` (max abs error
+    <= atol or max rel error <= rtol), `mean` (the same with mean errors). NaN and Inf must
+    occur at the same places in every mode; integers, bools and strings compare exactly.
+    """
+
+    def __init__(self, atol: float | Mapping[str, float] = DEFAULT_ATOL,
+                 rtol: float | Mapping[str, float] = DEFAULT_RTOL, mode: str = "elementwise"):
+        if mode not in CHECK_MODES:
+            raise InputError(f"--check must be one of {', '.join(CHECK_MODES)}, got '{mode}'")
+        self.mode = mode
+        self.atol, self.atol_per_output = _split_tolerance(atol, DEFAULT_ATOL)
+        self.rtol, self.rtol_per_output = _split_tolerance(rtol, DEFAULT_RTOL)
+
+    def for_value(self, name: str) -> Tolerance:
+        return Tolerance(self.atol_per_output.get(name, self.atol),
+                         self.rtol_per_output.get(name, self.rtol))
+
+    def unknown_outputs(self, known: set[str]) -> list[str]:
+        return sorted((set(self.atol_per_output) | set(self.rtol_per_output)) - known)
+
+
+def _split_tolerance(value: float | Mapping[str, float], default: float
+                     ) -> tuple[float, dict[str, float]]:
+    """A float, or {output: value} where the key "" (or "*") sets the global value."""
+    if isinstance(value, Mapping):
+        per = {str(k): float(v) for k, v in value.items()}
+        glob = per.pop("", per.pop("*", default))
+        return glob, per
+    return float(value), {}
+
+
+def parse_tolerances(items: Sequence[str], flag: str) -> dict[str, float]:
+    """`--atol 1e-4` (global) and `--atol out0:1e-4` (one output) -> {"": 1e-4, "out0": 1e-4}."""
+    parsed: dict[str, float] = {}
+    for item in items:
+        name, sep, text = item.rpartition(":")
+        try:
+            value = float(text)
+        except ValueError:
+            raise InputError(f"{flag} expects VALUE or OUTPUT:VALUE, got '{item}'") from None
+        if value < 0 or math.isnan(value):
+            raise InputError(f"{flag} must be a non-negative number, got '{item}'")
+        parsed[name if sep else ""] = value
+    return parsed
+
+
+# -- comparing one value -----------------------------------------------------------------------
+
+@dataclass
+class Comparison:
+    """One value of the candidate compared with the reference's."""
+    name: str
+    passed: bool
+    candidate_dtype: str
+    candidate_shape: list[int] | None
+    reference_dtype: str
+    reference_shape: list[int] | None
+    atol: float
+    rtol: float
+    max_abs_error: float | None = None
+    max_abs_error_at: list[int] | None = None
+    candidate_at_max: Any = None
+    reference_at_max: Any = None
+    max_rel_error: float | None = None
+    mean_abs_error: float | None = None
+    mismatched: int = 0
+    total: int = 0
+    min_atol: float | None = None  # smallest atol that passes at this rtol (None: none does)
+    min_rtol: float | None = None  # smallest rtol that passes at this atol
+    note: str = ""
+    dataset: int | None = None  # which recorded data set, when there are several
+
+    @property
+    def mismatch_share(self) -> float:
+        return self.mismatched / self.total if self.total else 0.0
+
+
+def compare_values(name: str, candidate: Any, reference: Any, tol: Tolerance,
+                   mode: str = "elementwise") -> Comparison:
+    """Compare one candidate value with its reference under `tol` and `mode`."""
+    if isinstance(candidate, list) or isinstance(reference, list):
+        return _compare_sequences(name, candidate, reference, tol, mode)
+    if candidate is None or reference is None:
+        both = candidate is None and reference is None
+        return Comparison(name, both, _dtype_str(candidate), _shape(candidate),
+                          _dtype_str(reference), _shape(reference), tol.atol, tol.rtol,
+                          note="" if both else "one side is an empty optional")
+    c, r = np.asarray(candidate), np.asarray(reference)
+    result = Comparison(name, False, str(c.dtype), list(c.shape), str(r.dtype), list(r.shape),
+                        tol.atol, tol.rtol, total=int(r.size))
+    if c.shape != r.shape:
+        result.note = "shapes differ"
+        return result
+    if _is_text(c) or _is_text(r):
+        return _compare_exact_text(result, c, r)
+    if not (_is_numeric(c) and _is_numeric(r)):
+        result.note = "cannot compare these dtypes"
+        return result
+    exact = _is_exact(c) and _is_exact(r)
+    _fill_numeric(result, c, r, tol, mode, exact)
+    if c.dtype != r.dtype:
+        result.passed = False
+        result.note = "dtypes differ" + (f"; {result.note}" if result.note else "")
+    return result
+
+
+def _fill_numeric(result: Comparison, c: np.ndarray, r: np.ndarray, tol: Tolerance, mode: str,
+                  exact: bool) -> None:
+    # float32 stays float32 (errors of float32 values are exact enough; halves the memory and
+    # time on big intermediates); reductions accumulate in float64.
+    cf, rf = _as_float(c), _as_float(r)
+    finite = np.isfinite(cf) & np.isfinite(rf)
+    all_finite = bool(finite.all())
+    special = None if all_finite else _special_mismatch(cf, rf)
+    n_special = 0 if special is None else int(special.sum())
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        err = np.abs(cf - rf)
+        scale = np.abs(rf)
+        if not all_finite:
+            err[~finite] = 0
+            scale[~finite] = 0
+        rel = err / scale
+        rel[err == 0] = 0  # 0/0: no error
+    if err.size:
+        at = int(np.argmax(err))
+        result.max_abs_error = float(err.flat[at])
+        result.max_abs_error_at = [int(i) for i in np.unravel_index(at, err.shape)]
+        result.candidate_at_max = _scalar(c.flat[at])
+        result.reference_at_max = _scalar(r.flat[at])
+        result.max_rel_error = float(rel.max())
+        result.mean_abs_error = float(err.mean(dtype=np.float64))
+    else:
+        result.max_abs_error = result.max_rel_error = result.mean_abs_error = 0.0
+    if exact:
+        result.mismatched = int(np.count_nonzero(c != r))  # not via float64: int64 is exact
+        result.passed = result.mismatched == 0
+        result.note = "integers and bools compare exactly"
+        return
+    out_of_tol = err > tol.atol + tol.rtol * scale
+    if special is not None:
+        out_of_tol |= special
+    result.mismatched = int(np.count_nonzero(out_of_tol))
+    if n_special:
+        result.note = f"NaN/Inf differ at {n_special} place(s)"
+    if mode == "elementwise":
+        result.passed = result.mismatched == 0
+        with np.errstate(invalid="ignore", divide="ignore"):
+            need_atol = float(np.max(err - tol.rtol * scale, initial=0.0))
+            over = err > tol.atol
+            need_rtol = float(np.max((err[over] - tol.atol) / scale[over], initial=0.0))
+    elif mode == "max":
+        result.passed = n_special == 0 and (result.max_abs_error <= tol.atol
+                                            or result.max_rel_error <= tol.rtol)
+        need_atol, need_rtol = result.max_abs_error, result.max_rel_error
+    else:
+        mean_rel = float(rel[finite].mean(dtype=np.float64)) if finite.any() else 0.0
+        result.passed = n_special == 0 and (result.mean_abs_error <= tol.atol
+                                            or mean_rel <= tol.rtol)
+        need_atol, need_rtol = result.mean_abs_error, mean_rel
+    if not n_special:
+        result.min_atol, result.min_rtol = need_atol, need_rtol
+
+
+def _special_mismatch(cf: np.ndarray, rf: np.ndarray) -> np.ndarray:
+    """Where NaN does not meet NaN, or an Inf does not meet the same Inf."""
+    nan_c, nan_r = np.isnan(cf), np.isnan(rf)
+    inf_either = np.isinf(cf) | np.isinf(rf)
+    return (nan_c != nan_r) | (inf_either & ~(nan_c | nan_r) & (cf != rf))
+
+
+def _compare_exact_text(result: Comparison, c: np.ndarray, r: np.ndarray) -> Comparison:
+    differ = c.astype(str) != r.astype(str)
+    result.mismatched = int(differ.sum())
+    result.passed = result.mismatched == 0
+    if result.mismatched:
+        at = int(np.argmax(differ.reshape(-1)))
+        result.max_abs_error_at = [int(i) for i in np.unravel_index(at, c.shape)]
+        result.candidate_at_max, result.reference_at_max = str(c.flat[at]), str(r.flat[at])
+    result.note = "strings compare exactly"
+    return result
+
+
+def _compare_sequences(name: str, candidate: Any, reference: Any, tol: Tolerance,
+                       mode: str) -> Comparison:
+    if not (isinstance(candidate, list) and isinstance(reference, list)) \
+            or len(candidate) != len(reference):
+        return Comparison(name, False, _dtype_str(candidate), _shape(candidate),
+                          _dtype_str(reference), _shape(reference), tol.atol, tol.rtol,
+                          note="sequences differ in kind or length")
+    parts = [compare_values(f"{name}[{i}]", c, r, tol, mode)
+             for i, (c, r) in enumerate(zip(candidate, reference))]
+    worst = max(parts, key=lambda p: (not p.passed, p.max_abs_error or 0.0), default=None)
+    summary = Comparison(name, all(p.passed for p in parts), _dtype_str(candidate),
+                         [len(candidate)], _dtype_str(reference), [len(reference)],
+                         tol.atol, tol.rtol, total=sum(p.total for p in parts),
+                         mismatched=sum(p.mismatched for p in parts))
+    if worst is not None:
+        for key in ("max_abs_error", "max_abs_error_at", "candidate_at_max", "reference_at_max",
+                    "max_rel_error", "mean_abs_error", "min_atol", "min_rtol"):
+            setattr(summary, key, getattr(worst, key))
+        summary.note = f"sequence; worst element {worst.name}" + \
+            (f": {worst.note}" if worst.note else "")
+    return summary
+
+
+def _as_float(a: np.ndarray) -> np.ndarray:
+    if a.dtype in (np.float32, np.float64, np.complex64, np.complex128):
+        return a
+    if a.dtype.kind == "c":
+        return a.astype(np.complex128)
+    return a.astype(np.float64)
+
+
+def _is_text(a: np.ndarray) -> bool:
+    return a.dtype.kind in "USO"
+
+
+def _is_numeric(a: np.ndarray) -> bool:
+    if a.dtype.kind in "biufc":
+        return True
+    try:  # ml_dtypes (bfloat16, float8, int4) convert to float64
+        a.reshape(-1)[:1].astype(np.float64)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _is_exact(a: np.ndarray) -> bool:
+    return a.dtype.kind in "biu" or a.dtype.name in ("int4", "uint4", "int2", "uint2")
+
+
+def _scalar(x: Any) -> Any:
+    if isinstance(x, (np.bool_, bool)):
+        return bool(x)
+    if isinstance(x, (np.integer, int)):
+        return int(x)
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def _dtype_str(v: Any) -> str:
+    if v is None:
+        return "none"
+    if isinstance(v, list):
+        return "sequence"
+    return str(np.asarray(v).dtype)
+
+
+def _shape(v: Any) -> list[int] | None:
+    if isinstance(v, np.ndarray):
+        return list(v.shape)
+    if isinstance(v, list):
+        return [len(v)]
+    return None
+
+
+# -- statistics of one value (for bisect) -------------------------------------------------------
+
+@dataclass
+class ValueStats:
+    dtype: str
+    shape: list[int] | None
+    min: float | None = None
+    max: float | None = None
+    mean: float | None = None
+    std: float | None = None
+    nan: int = 0
+    inf: int = 0
+
+
+def value_stats(value: Any) -> ValueStats:
+    """dtype, shape and (for numbers) min, max, mean, std and NaN/Inf counts of a value."""
+    if not isinstance(value, np.ndarray):
+        return ValueStats(_dtype_str(value), _shape(value))
+    stats = ValueStats(str(value.dtype), list(value.shape))
+    if value.size and _is_numeric(value) and value.dtype.kind != "c":
+        v = _as_float(value)
+        is_finite = np.isfinite(v)
+        if not is_finite.all():
+            stats.nan, stats.inf = int(np.isnan(v).sum()), int(np.isinf(v).sum())
+            v = v[is_finite]
+        if v.size:
+            stats.min, stats.max = float(v.min()), float(v.max())
+            stats.mean, stats.std = float(v.mean(dtype=np.float64)), float(v.std(dtype=np.float64))
+    return stats
+
+
+# -- inputs ------------------------------------------------------------------------------------
+
+def load_input_files(files: Mapping[str, str] | None = None, npz: str | None = None
+                     ) -> dict[str, np.ndarray]:
+    """Inputs from `-i NAME=FILE.npy` pairs and an `--inputs FILE.npz` (keys NAME or input:NAME)."""
+    feeds: dict[str, np.ndarray] = {}
+    if npz:
+        try:
+            with np.load(npz, allow_pickle=False) as data:
+                for key in data.files:
+                    if key.startswith("output:"):
+                        continue
+                    feeds[key[len("input:"):] if key.startswith("input:") else key] = data[key]
+        except (OSError, ValueError) as exc:
+            raise InputError(f"cannot read inputs from '{npz}': {exc}") from exc
+    for name, path in (files or {}).items():
+        try:
+            feeds[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise InputError(f"cannot read input '{name}' from '{path}': {exc}") from exc
+    return feeds
+
+
+def make_inputs(inputs: Sequence[IOInfo], given: Mapping[str, Any] | None = None,
+                dims: Mapping[str, int] | None = None,
+                ranges: Mapping[str, tuple[float, float]] | None = None,
+                seed: int = 0) -> dict[str, Any]:
+    """Feeds for every model input: `given` ones as they are, the others random from the declared
+    dtype and shape (`dims` sizes symbolic dimensions, default 1; `ranges` bounds the values:
+    integers draw from [LO, HI), floats uniformly from [LO, HI); default N(0, 1) and [0, 10))."""
+    given, dims, ranges = dict(given or {}), dict(dims or {}), dict(ranges or {})
+    known = {i.name for i in inputs}
+    unknown = sorted((set(given) | set(ranges)) - known)
+    if unknown:
+        raise InputError(f"unknown input name(s) {', '.join(unknown)}; the model's inputs are "
+                         f"{', '.join(i.name for i in inputs) or 'none'}")
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for info in inputs:
+        if info.name in given:
+            feeds[info.name] = _as_declared(info, given[info.name])
+        else:
+            feeds[info.name] = random_input(info, dims, ranges.get(info.name), rng)
+    return feeds
+
+
+def random_input(info: IOInfo, dims: Mapping[str, int], value_range: tuple[float, float] | None,
+                 rng: np.random.Generator) -> np.ndarray:
+    """A random array of an input's declared dtype and shape."""
+    if info.dtype is None or info.shape is None:
+        raise InputError(f"input '{info.name}' ({info.type}) declares no tensor type and shape; "
+                         "feed it with -i NAME=FILE.npy or --inputs FILE.npz")
+    shape = [d if isinstance(d, int) and d > 0 else int(dims.get(d, 1)) if isinstance(d, str)
+             else 1 for d in info.shape]
+    dtype = np.dtype(info.dtype)
+    if dtype == bool:
+        return rng.random(shape) < 0.5
+    if dtype == object:
+        return np.array(rng.choice(["a", "b", "c"], size=shape), dtype=object)
+    if dtype.kind in "iu":
+        lo, hi = value_range or (0, 10)
+        return rng.integers(int(lo), int(hi), size=shape).astype(dtype)
+    if value_range is not None:
+        return rng.uniform(value_range[0], value_range[1], size=shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _as_declared(info: IOInfo, value: Any) -> Any:
+    """Recorded strings come back as fixed-width unicode; the model wants object arrays."""
+    if isinstance(value, np.ndarray) and value.dtype.kind == "U" and info.dtype == object:
+        return value.astype(object)
+    return value
+
+
+def parse_ranges(items: Sequence[str]) -> dict[str, tuple[float, float]]:
+    """`--range NAME=LO,HI` -> {NAME: (LO, HI)}."""
+    ranges = {}
+    for name, text in _pairs(items, "--range").items():
+        lo, sep, hi = text.partition(",")
+        try:
+            bounds = (float(lo), float(hi))
+        except ValueError:
+            bounds = None
+        if not sep or bounds is None or not bounds[0] < bounds[1]:
+            raise InputError(f"--range expects NAME=LO,HI with LO < HI, got '{name}={text}'")
+        ranges[name] = bounds
+    return ranges
+
+
+def _pairs(items: Sequence[str], flag: str) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise InputError(f"{flag} expects NAME=VALUE, got '{item}'")
+        pairs[name] = value
+    return pairs
+
+
+# -- references --------------------------------------------------------------------------------
+
+Case = tuple[dict[str, Any], "dict[str, Any] | None"]  # feeds, recorded outputs (None: compute)
+
+
+class Reference:
+    """Where expected values come from."""
+    name = "reference"
+
+    def cases(self, model: Model) -> list[Case]:
+        """Recorded (feeds, outputs); empty for runtimes, which compute outputs from any feeds."""
+        return []
+
+    def outputs(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Drop whatever the reference holds (sessions, model copies)."""
+
+
+class EmberReference(Reference):
+    """Another ember backend, sharing the candidate's IR (so host weights are not duplicated)."""
+
+    def __init__(self, model: Model, backend: str):
+        self.name = backend
+        self.session = Session(model, backend)
+
+    def outputs(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        return self.session.run(feeds)
+
+    def close(self) -> None:
+        self.session = None
+
+
+class ProtoReference(Reference):
+    """onnxruntime or onnx's ReferenceEvaluator, given the ONNX model itself.
+
+    For bisect, `values` exposes named intermediates as graph outputs; the caller asks for a
+    chunk at a time so the reference never holds all of them at once.
+    """
+
+    def __init__(self, kind: str, source: ModelSource):
+        self.name = kind
+        self.source = source
+        self._runtime = _import_runtime(kind)
+        self._plain = None
+        self._proto = None  # the graph without weights (see _graph_only)
+        self._folder = None  # temporary folder holding the weights file
+
+    def outputs(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        if self._plain is None:
+            self._plain = self._session(self._plain_source(), optimize=True)
+        names = self._output_names(self._plain)
+        return dict(zip(names, self._run(self._plain, feeds)))
+
+    def values(self, feeds: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+        """Run once with exactly `names` as the graph's outputs."""
+        self._plain = None  # one reference session at a time
+        session = self._session(self._model_exposing(names), optimize=False)
+        return dict(zip(names, self._run(session, feeds)))
+
+    def produced_names(self) -> set[str]:
+        """Values that nodes of the model's main graph produce (what can be exposed)."""
+        return {o for n in self._graph_only().graph.node for o in n.output if o}
+
+    def close(self) -> None:
+        self._plain = self._proto = None
+        if self._folder is not None:
+            self._folder.cleanup()
+            self._folder = None
+
+    def _model_exposing(self, names: Sequence[str]) -> str:
+        """A model file whose outputs are `names`; it shares one weights file with the others."""
+        import onnx
+
+        proto = self._graph_only()
+        del proto.graph.output[:]
+        proto.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
+        path = os.path.join(self._folder.name, "exposed.onnx")
+        with open(path, "wb") as f:
+            f.write(proto.SerializeToString())
+        return path
+
+    def _graph_only(self):
+        """The model with its weights moved, once, into a temporary external-data file, so
+        each chunk's model is small to write and no copy of the weights stays in memory."""
+        if self._proto is None:
+            import tempfile
+
+            import onnx
+            from onnx.external_data_helper import convert_model_to_external_data
+
+            if isinstance(self.source, (str, os.PathLike)):
+                proto = onnx.load(os.fspath(self.source))  # external data included
+            else:
+                proto = onnx.ModelProto()
+                proto.CopyFrom(read_model_proto(self.source)[0])  # never alter the caller's
+            self._folder = tempfile.TemporaryDirectory(prefix="ember-check-")
+            convert_model_to_external_data(proto, all_tensors_to_one_file=True,
+                                           location="weights.bin", size_threshold=1024)
+            path = os.path.join(self._folder.name, "model.onnx")
+            onnx.save_model(proto, path)  # writes weights.bin
+            del proto  # frees the weights' buffers (clearing fields alone would keep them)
+            self._proto = onnx.load(path, load_external_data=False)
+        return self._proto
+
+    def _plain_source(self) -> Any:
+        if isinstance(self.source, (str, os.PathLike)):
+            return os.fspath(self.source)
+        if isinstance(self.source, (bytes, bytearray, memoryview)):
+            return bytes(self.source)
+        return self.source.SerializeToString() if self.name == "onnxruntime" else self.source
+
+    def _session(self, model: Any, optimize: bool) -> Any:
+        try:
+            if self.name == "onnxruntime":
+                options = self._runtime.SessionOptions()
+                if not optimize:  # unfused kernels: the reference closest to each op's definition
+                    options.graph_optimization_level = \
+                        self._runtime.GraphOptimizationLevel.ORT_DISABLE_ALL
+                return self._runtime.InferenceSession(model, options,
+                                                      providers=["CPUExecutionProvider"])
+            return self._runtime.ReferenceEvaluator(model)
+        except Exception as exc:  # the runtime's own error types
+            raise CheckError(f"reference {self.name} cannot load the model: "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+    def _output_names(self, session: Any) -> list[str]:
+        if self.name == "onnxruntime":
+            return [o.name for o in session.get_outputs()]
+        return list(session.output_names)
+
+    def _run(self, session: Any, feeds: Mapping[str, Any]) -> list[Any]:
+        try:
+            return list(session.run(None, dict(feeds)))
+        except Exception as exc:
+            raise CheckError(f"reference {self.name} failed to run the model: "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+
+def _import_runtime(kind: str) -> Any:
+    try:
+        if kind == "onnxruntime":
+            import onnxruntime
+            return onnxruntime
+        from onnx import reference
+        return reference
+    except ImportError as exc:
+        hint = "pip install onnxruntime" if kind == "onnxruntime" else "pip install onnx"
+        raise CheckError(f"--ref {kind} needs the {kind} package, which is not installed "
+                         f"({hint}), or compare with --ref cpu or recorded data "
+                         "(--ref golden.npz)") from exc
+
+
+class NpzReference(Reference):
+    """Recorded inputs and outputs: keys `input:NAME` and `output:NAME`."""
+
+    def __init__(self, path: str):
+        self.name = path
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                arrays = {k: data[k] for k in data.files}
+        except (OSError, ValueError) as exc:
+            raise CheckError(f"cannot read recorded reference '{path}': {exc}") from exc
+        self.inputs = {k[6:]: v for k, v in arrays.items() if k.startswith("input:")}
+        self.expected = {k[7:]: v for k, v in arrays.items() if k.startswith("output:")}
+        if not self.expected:
+            raise CheckError(f"'{path}' records no outputs (keys 'output:NAME'); record one "
+                             "with: ember check MODEL --ref onnxruntime --save-golden FILE.npz")
+
+    def cases(self, model: Model) -> list[Case]:
+        return [(self.inputs, self.expected)]
+
+
+class TestDirReference(Reference):
+    """An ONNX test directory: DIR/test_data_set_N/{input,output}_K.pb, or one such set."""
+
+    def __init__(self, path: str):
+        self.name = path
+        if os.path.isfile(os.path.join(path, "output_0.pb")):
+            self.sets = [path]
+        else:
+            self.sets = sorted((os.path.join(path, d) for d in os.listdir(path)
+                                if d.startswith("test_data_set_")),
+                               key=lambda p: int(p.rsplit("_", 1)[-1])
+                               if p.rsplit("_", 1)[-1].isdigit() else 0)
+        if not self.sets:
+            raise CheckError(f"'{path}' holds no test_data_set_N folders with output_K.pb files")
+
+    def cases(self, model: Model) -> list[Case]:
+        graph = model.graph
+        feeds_info = [v for v in graph.inputs if v.name not in graph.initializers]
+        cases = []
+        for folder in self.sets:
+            files = sorted(os.listdir(folder))
+            n_in = sum(f.startswith("input_") and f.endswith(".pb") for f in files)
+            n_out = sum(f.startswith("output_") and f.endswith(".pb") for f in files)
+            if n_in > len(feeds_info) or n_out > len(graph.outputs):
+                raise CheckError(f"'{folder}' holds {n_in} inputs and {n_out} outputs; the model "
+                                 f"has {len(feeds_info)} and {len(graph.outputs)}")
+            feeds = {feeds_info[k].name: _read_pb(os.path.join(folder, f"input_{k}.pb"),
+                                                  feeds_info[k].type) for k in range(n_in)}
+            outputs = {graph.outputs[k].name: _read_pb(os.path.join(folder, f"output_{k}.pb"),
+                                                       graph.outputs[k].type)
+                       for k in range(n_out)}
+            cases.append((feeds, outputs))
+        return cases
+
+
+def _read_pb(path: str, value_type: Any) -> Any:
+    """A TensorProto (or SequenceProto / OptionalProto, by the declared type) file as values."""
+    import onnx
+    from onnx import numpy_helper
+
+    from ember.importer.onnx_values import tensor_to_array
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        if isinstance(value_type, SequenceType):
+            proto = onnx.SequenceProto()
+            proto.ParseFromString(data)
+            return numpy_helper.to_list(proto)
+        if isinstance(value_type, OptionalType):
+            proto = onnx.OptionalProto()
+            proto.ParseFromString(data)
+            return numpy_helper.to_optional(proto)
+        proto = onnx.TensorProto()
+        proto.ParseFromString(data)
+        return tensor_to_array(proto)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CheckError(f"cannot read recorded tensor '{path}': {exc}") from exc
+
+
+def make_reference(ref: str, source: ModelSource, model: Model) -> Reference:
+    """`ref` is onnxruntime, onnx, an ember backend, an .npz file or an ONNX test directory."""
+    key = ref.lower()
+    if key in _RUNTIME_REFS:
+        return ProtoReference(_RUNTIME_REFS[key], source)
+    if key in BACKENDS:
+        return EmberReference(model, key)
+    if os.path.isdir(ref):
+        return TestDirReference(ref)
+    if ref.endswith(".npz"):
+        if not os.path.isfile(ref):
+            raise CheckError(f"recorded reference not found: {ref}")
+        return NpzReference(ref)
+    raise CheckError(f"unknown reference '{ref}'; use onnxruntime, onnx, one of "
+                     f"{', '.join(BACKENDS)}, a .npz file or an ONNX test directory")
+
+
+def write_golden(path: str, feeds: Mapping[str, Any], outputs: Mapping[str, Any]) -> None:
+    """Record inputs and reference outputs as `input:NAME` / `output:NAME` in an .npz."""
+    arrays = {}
+    for prefix, values in (("input", feeds), ("output", outputs)):
+        for name, value in values.items():
+            if not isinstance(value, np.ndarray):
+                raise CheckError(f"cannot record {prefix} '{name}' in an .npz: it is a "
+                                 f"{_dtype_str(value)}, not a tensor")
+            if value.dtype == object:  # strings: stored without pickle
+                value = value.astype(str)
+            arrays[f"{prefix}:{name}"] = value
+    try:
+        np.savez(path, **arrays)
+    except OSError as exc:
+        raise CheckError(f"cannot write '{path}': {exc}") from exc
+
+
+# -- bisect ------------------------------------------------------------------------------------
+
+@dataclass
+class InputAgreement:
+    """One input of the diverging node: whether both sides agreed on it, and its statistics."""
+    name: str
+    status: str  # "agrees", "not compared" (graph input, weight, or unavailable in the reference)
+    candidate: ValueStats | None = None
+    reference: ValueStats | None = None
+
+
+@dataclass
+class BisectResult:
+    """The first node whose output diverges while its inputs agree, or found=False."""
+    found: bool
+    nodes_compared: int
+    node_name: str = ""
+    op_type: str = ""
+    domain: str = ""
+    opset: int = 0
+    position: int = 0  # 1-based, in topological order
+    inputs: list[InputAgreement] = field(default_factory=list)
+    outputs: list[Comparison] = field(default_factory=list)
+    output_stats: list[dict[str, ValueStats]] = field(default_factory=list)
+    values_not_compared: int = 0
+    note: str = ""
+
+
+class _Stream:
+    """Yields, node by node, the reference's values for the candidate's node outputs."""
+
+    def take(self, node) -> list[Any] | None:
+        raise NotImplementedError
+
+
+class _LockstepStream(_Stream):
+    """Another ember plan of the same graph, advanced one node per candidate node."""
+
+    def __init__(self, session: Session, feeds: Mapping[str, Any]):
+        self.backend = session._backend
+        self.steps = session._plan.iterate(session._check_feeds(feeds, session._plan))
+
+    def take(self, node) -> list[Any] | None:
+        ref_node, values = next(self.steps)
+        if list(ref_node.outputs) != list(node.outputs):  # plans order a graph identically
+            raise CheckError(f"reference plan diverged from the candidate's at node "
+                             f"'{node.name or node.outputs[0]}'")
+        return [self.backend.to_host(v) for v in values]
+
+
+class _ChunkedStream(_Stream):
+    """onnxruntime/onnx values, fetched as graph outputs `chunk` at a time in candidate order."""
+
+    def __init__(self, reference: ProtoReference, feeds: Mapping[str, Any],
+                 order: Sequence[str], chunk: int):
+        exposable = reference.produced_names()
+        self.reference, self.feeds, self.chunk = reference, feeds, max(1, chunk)
+        self.order = [n for n in order if n in exposable]
+        self.position = {n: i for i, n in enumerate(self.order)}
+        self.buffer: dict[str, Any] = {}
+
+    def take(self, node) -> list[Any] | None:
+        return [self._value(n) for n in node.outputs]
+
+    def _value(self, name: str) -> Any:
+        if name not in self.position:
+            return _UNAVAILABLE
+        if name not in self.buffer:
+            start = self.position[name]
+            self.buffer = self.reference.values(self.feeds,
+                                                self.order[start:start + self.chunk])
+        return self.buffer.pop(name)  # compared once, then dropped
+
+
+_UNAVAILABLE = object()
+
+
+def find_divergence(candidate: Session, reference: Reference | Session, feeds: Mapping[str, Any],
+           tolerances: Tolerances, chunk: int = DEFAULT_CHUNK) -> BisectResult:
+    """Run the candidate step by step and compare each node's outputs with the reference's as
+    they are produced; stop at the first node that diverges and describe it."""
+    plan = candidate._plan
+    steps = plan.iterate(candidate._check_feeds(feeds, plan))
+    stream = _reference_stream(reference, feeds, plan, chunk)
+    to_host = candidate._backend.to_host
+    graph = candidate.model.graph
+    stats: dict[str, tuple[ValueStats, ValueStats | None]] = {}  # small: no arrays are kept
+    not_compared = position = 0
+    for position, (node, values) in enumerate(steps, start=1):
+        expected = stream.take(node)
+        comparisons, out_stats = [], []
+        for name, value, ref_value in zip(node.outputs, values, expected):
+            if not name:
+                continue
+            value = to_host(value)
+            if ref_value is _UNAVAILABLE:
+                not_compared += 1
+                continue
+            comparisons.append(compare_values(name, value, ref_value,
+                                              tolerances.for_value(name), tolerances.mode))
+            stats[name] = (value_stats(value), value_stats(ref_value))
+            out_stats.append({"candidate": stats[name][0], "reference": stats[name][1]})
+            del value, ref_value  # keep nothing but statistics
+        if any(not c.passed for c in comparisons):
+            return _finding(node, position, comparisons, out_stats, stats, graph, feeds,
+                            not_compared)
+    return BisectResult(False, position, values_not_compared=not_compared)
+
+
+def _reference_stream(reference: Reference | Session, feeds: Mapping[str, Any], plan,
+                      chunk: int) -> _Stream:
+    if isinstance(reference, EmberReference):
+        reference = reference.session
+    if isinstance(reference, Session):
+        return _LockstepStream(reference, feeds)
+    if isinstance(reference, ProtoReference):
+        order = [o for step in plan.steps if not _is_transfer(step) for o in step.node.outputs
+                 if o]
+        return _ChunkedStream(reference, feeds, order, chunk)
+    raise CheckError(_NEEDS_RUNTIME)
+
+
+_NEEDS_RUNTIME = ("--bisect needs a reference that can run the model (onnxruntime, onnx or an "
+                  "ember backend); recorded data holds only the final outputs")
+
+
+def _is_transfer(step) -> bool:
+    from ember.runtime.executor import Transfer
+
+    return isinstance(step.kernel, Transfer)
+
+
+def _finding(node, position: int, comparisons: list[Comparison], out_stats: list,
+             stats: dict, graph, feeds: Mapping[str, Any], not_compared: int) -> BisectResult:
+    inputs = []
+    for name in node.inputs:
+        if not name:
+            continue
+        if name in stats:
+            inputs.append(InputAgreement(name, "agrees", *stats[name]))
+        elif name in feeds or name in graph.initializers:
+            value = feeds[name] if name in feeds else graph.initializers[name]
+            kind = "graph input" if name in feeds else "initializer"
+            inputs.append(InputAgreement(name, f"agrees ({kind}, same on both sides)",
+                                         value_stats(value), None))
+        else:
+            inputs.append(InputAgreement(name, "not compared (the reference does not expose it)"))
+    unchecked = [i.name for i in inputs if i.status.startswith("not compared")]
+    note = f"input(s) {', '.join(unchecked)} could not be compared" if unchecked else ""
+    return BisectResult(True, position, node.name, node.op_type, node.domain, node.version,
+                        position, inputs, comparisons, out_stats, not_compared, note)
+
+
+# -- the check ---------------------------------------------------------------------------------
+
+@dataclass
+class BackendReport:
+    backend: str
+    outputs: list[Comparison]
+    bisect: BisectResult | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.outputs)
+
+
+@dataclass
+class CheckReport:
+    """What `ember check` found: per backend, per output, and the bisect finding if asked."""
+    model: str
+    reference: str
+    mode: str
+    backends: list[BackendReport]
+    inputs: dict[str, ValueStats]
+    saved_golden: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(b.passed for b in self.backends)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every output passes, 1 on a mismatch (errors raise instead: exit 2)."""
+        return 0 if self.passed else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["passed"] = self.passed
+        for backend, raw in zip(self.backends, data["backends"]):
+            raw["passed"] = backend.passed
+            for comparison, out in zip(backend.outputs, raw["outputs"]):
+                out["mismatch_share"] = comparison.mismatch_share
+        return _json_safe(data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def format(self) -> str:
+        return format_report(self)
+
+
+def check(model: ModelSource, backend: str | Sequence[str] | None = None,
+          ref: str = "onnxruntime", *, inputs: Mapping[str, Any] | None = None,
+          seed: int = 0, dims: Mapping[str, int] | None = None,
+          ranges: Mapping[str, tuple[float, float]] | None = None,
+          atol: float | Mapping[str, float] = DEFAULT_ATOL,
+          rtol: float | Mapping[str, float] = DEFAULT_RTOL, mode: str = "elementwise",
+          bisect: bool = False, save_golden: str | None = None,
+          chunk: int = DEFAULT_CHUNK) -> CheckReport:
+    """Compare `model` on each candidate `backend` (a name, "cpu,opencl" or a list; default
+    $EMBER_BACKEND or cpu) with `ref`; see the module docstring for references and modes.
+
+    `inputs` fixes some or all feeds (the rest are random from `seed`, `dims`, `ranges`); recorded
+    references bring their own. `atol`/`rtol` are floats or {output: value} ("" for the global
+    value). `bisect` also names the first node that diverges; `save_golden` records the
+    inputs and the reference's outputs as an .npz."""
+    tolerances = Tolerances(atol, rtol, mode)
+    ir = model if isinstance(model, Model) else import_model(model)
+    source = model if not isinstance(model, Model) else ir.path
+    if source is None and ref.lower() in _RUNTIME_REFS:
+        raise CheckError(f"--ref {ref} needs the ONNX model (a path, bytes or ModelProto), "
+                         "not ember IR built in memory")
+    # Per-value tolerances may name outputs or, for --bisect, intermediate values.
+    values = {v.name for v in ir.graph.outputs} | {o for n in ir.graph.nodes for o in n.outputs}
+    unknown = tolerances.unknown_outputs(values)
+    if unknown:
+        raise InputError(f"tolerance given for unknown value(s) {', '.join(unknown)}; the "
+                         f"model's outputs are {', '.join(v.name for v in ir.graph.outputs)}")
+    backends = _backend_names(backend)
+    reference = make_reference(ref, source, ir)
+    try:
+        if bisect and not isinstance(reference, (ProtoReference, EmberReference)):
+            raise CheckError(_NEEDS_RUNTIME)
+        cases = _prepare_cases(reference, ir, inputs, seed, dims, ranges)
+        if save_golden:
+            if len(cases) != 1:
+                raise CheckError("--save-golden records one data set; this reference has "
+                                 f"{len(cases)}")
+            write_golden(save_golden, *cases[0])
+        reports = [_check_backend(ir, name, reference, cases, tolerances,
+                                  bisect, chunk) for name in backends]
+    finally:
+        reference.close()
+    return CheckReport(model=str(ir.path or "<memory>"), reference=reference.name, mode=mode,
+                       backends=reports, inputs={k: value_stats(v) for k, v in cases[0][0].items()},
+                       saved_golden=save_golden)
+
+
+def _backend_names(backend: str | Sequence[str] | None) -> list[str]:
+    if backend is None or isinstance(backend, str):
+        parts = [p.strip() for p in (backend or "").split(",") if p.strip()] or [None]
+    else:
+        parts = list(backend)
+    return [resolve_backend_name(p) for p in parts]
+
+
+def _prepare_cases(reference: Reference, ir: Model,
+                   inputs: Mapping[str, Any] | None, seed: int, dims, ranges) -> list[Case]:
+    """Feeds and expected outputs per data set: recorded, or computed by the reference."""
+    from ember.runtime.session import _io_info
+
+    graph = ir.graph
+    declared = [_io_info(v) for v in graph.inputs if v.name not in graph.initializers]
+    recorded = reference.cases(ir)
+    if recorded:
+        clash = sorted(set(inputs or {}) & set().union(*(set(f) for f, _ in recorded)))
+        if clash:
+            raise InputError(f"the recorded reference fixes input(s) {', '.join(clash)}; "
+                             "drop -i/--inputs for them")
+        return [(make_inputs(declared, {**feeds, **(inputs or {})}, dims, ranges, seed), outputs)
+                for feeds, outputs in recorded]
+    feeds = make_inputs(declared, inputs, dims, ranges, seed)
+    return [(feeds, reference.outputs(feeds))]
+
+
+def _check_backend(ir: Model, backend: str, reference: Reference, cases: list[Case],
+                   tolerances: Tolerances, want_bisect: bool, chunk: int) -> BackendReport:
+    session = Session(ir, backend)
+    outputs = []
+    for index, (feeds, expected) in enumerate(cases):
+        got = session.run(feeds)
+        for name, ref_value in expected.items():
+            if name not in got:
+                tol = tolerances.for_value(name)
+                outputs.append(Comparison(name, False, "missing", None, _dtype_str(ref_value),
+                                          _shape(ref_value), tol.atol, tol.rtol,
+                                          note="the candidate has no such output"))
+                continue
+            comparison = compare_values(name, got[name], ref_value,
+                                        tolerances.for_value(name), tolerances.mode)
+            comparison.dataset = index if len(cases) > 1 else None
+            outputs.append(comparison)
+        del got
+    report = BackendReport(backend, outputs)
+    if want_bisect:
+        report.bisect = find_divergence(session, reference, cases[0][0], tolerances, chunk)
+    return report
+
+
+# -- printing ----------------------------------------------------------------------------------
+
+def format_report(report: CheckReport) -> str:
+    """The human-readable report: one block per output, bisect findings, a summary line."""
+    lines = [f"ember check {report.model}: reference {report.reference}, "
+             f"check {report.mode}"]
+    for b in report.backends:
+        for c in b.outputs:
+            lines.extend(_format_comparison(f"[{b.backend}]", c))
+        if b.bisect is not None:
+            lines.extend(_format_bisect(b.backend, b.bisect))
+    if report.saved_golden:
+        lines.append(f"saved inputs and reference outputs to {report.saved_golden}")
+    lines.append(_summary_line(report))
+    return "\n".join(lines)
+
+
+def _format_comparison(head: str, c: Comparison, indent: str = "") -> list[str]:
+    label = c.name if c.dataset is None else f"{c.name} (data set {c.dataset})"
+    lines = [f"{indent}{head} {label}: {'PASS' if c.passed else 'FAIL'}"
+             + (f" ({c.note})" if c.note else "")]
+    pad = indent + "    "
+    lines.append(f"{pad}candidate {c.candidate_dtype} {_fmt_shape(c.candidate_shape)}, "
+                 f"reference {c.reference_dtype} {_fmt_shape(c.reference_shape)}")
+    if c.max_abs_error is not None:
+        lines.append(f"{pad}max abs error {_g(c.max_abs_error)} at {c.max_abs_error_at} "
+                     f"(candidate {_g(c.candidate_at_max)}, reference {_g(c.reference_at_max)}); "
+                     f"max rel error {_g(c.max_rel_error)}; mean abs error {_g(c.mean_abs_error)}")
+    if c.total:
+        lines.append(f"{pad}out of tolerance: {c.mismatched:,} of {c.total:,} "
+                     f"({100 * c.mismatch_share:.3g}%) at atol {_g(c.atol)}, rtol {_g(c.rtol)}")
+    if not c.passed and c.min_atol is not None:
+        lines.append(f"{pad}would pass with atol >= {_g(c.min_atol)} (rtol {_g(c.rtol)}) or "
+                     f"rtol >= {_g(c.min_rtol)} (atol {_g(c.atol)})")
+    return lines
+
+
+def _format_bisect(backend: str, b: BisectResult) -> list[str]:
+    if not b.found:
+        extra = f"; {b.values_not_compared} value(s) not exposed by the reference" \
+            if b.values_not_compared else ""
+        return [f"[{backend}] bisect: no node diverges ({b.nodes_compared} nodes compared{extra})"]
+    domain = f"{b.domain}::" if b.domain else ""
+    lines = [f"[{backend}] bisect: first divergence at node '{b.node_name or b.outputs[0].name}' "
+             f"({domain}{b.op_type}, opset {b.opset}), node {b.position} in topological order"]
+    if b.note:
+        lines.append(f"    note: {b.note}")
+    for i in b.inputs:
+        lines.append(f"    input '{i.name}': {i.status}"
+                     + (f"; {_fmt_stats(i.candidate)}" if i.candidate else ""))
+    for c, s in zip(b.outputs, b.output_stats):
+        lines.extend(_format_comparison("output", c, indent="    "))
+        lines.append(f"        candidate {_fmt_stats(s['candidate'])}")
+        lines.append(f"        reference {_fmt_stats(s['reference'])}")
+    return lines
+
+
+def _summary_line(report: CheckReport) -> str:
+    total = sum(len(b.outputs) for b in report.backends)
+    failed = [(b.backend, c.name) for b in report.backends for c in b.outputs if not c.passed]
+    names = ", ".join(b.backend for b in report.backends)
+    if not failed:
+        return f"PASS: {total} output(s) within tolerance on {names} vs {report.reference}"
+    listed = ", ".join(f"{name} on {backend}" for backend, name in failed)
+    return f"FAIL: {len(failed)} of {total} output(s) out of tolerance: {listed}"
+
+
+def _fmt_stats(s: ValueStats) -> str:
+    text = f"{s.dtype} {_fmt_shape(s.shape)}"
+    if s.min is not None:
+        text += f" min {_g(s.min)} max {_g(s.max)} mean {_g(s.mean)} std {_g(s.std)}"
+    if s.nan or s.inf:
+        text += f" NaN {s.nan} Inf {s.inf}"
+    return text
+
+
+def _fmt_shape(shape: list[int] | None) -> str:
+    return "?" if shape is None else "[" + ", ".join(map(str, shape)) + "]"
+
+
+def _g(x: Any) -> str:
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def _json_safe(value: Any) -> Any:
+    """Infinities and NaN as strings: strict JSON has no literals for them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+# -- command line ------------------------------------------------------------------------------
+
+def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `ember check` on an argparse subparsers object; sets command=cmd_check."""
+    p = subparsers.add_parser("check", help="compare backends with a reference (golden tensors)",
+                              description="Compare ember's outputs with a reference and, with "
+                              "--bisect, name the first node that diverges. Exit 0 pass, "
+                              "1 mismatch, 2 error.")
+    p.add_argument("model", help="path to an .onnx file")
+    p.add_argument("--backend", default=None, metavar="B[,B...]",
+                   help=f"candidate backend(s) among {', '.join(BACKENDS)} "
+                        "(default: $EMBER_BACKEND or cpu)")
+    p.add_argument("--ref", default="onnxruntime",
+                   help="onnxruntime (default), onnx, an ember backend, a recorded .npz "
+                        "(input:NAME/output:NAME) or an ONNX test directory")
+    p.add_argument("-i", "--input", action="append", default=[], metavar="NAME=FILE.npy",
+                   help="feed an input from a .npy file (repeatable)")
+    p.add_argument("--inputs", metavar="FILE.npz", help="feed inputs from an .npz (keys NAME)")
+    p.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
+                   help="size of a symbolic dimension for random inputs (default 1)")
+    p.add_argument("--range", action="append", default=[], metavar="NAME=LO,HI",
+                   help="value range of a random input (token ids need it)")
+    p.add_argument("--atol", action="append", default=[], metavar="[OUTPUT:]VALUE",
+                   help=f"absolute tolerance, global or per output (default {DEFAULT_ATOL})")
+    p.add_argument("--rtol", action="append", default=[], metavar="[OUTPUT:]VALUE",
+                   help=f"relative tolerance, global or per output (default {DEFAULT_RTOL})")
+    p.add_argument("--check", choices=CHECK_MODES, default="elementwise", dest="mode",
+                   help="elementwise (default), max or mean error against the tolerances")
+    p.add_argument("--bisect", action="store_true",
+                   help="name the first node whose output diverges while its inputs agree")
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
+                   help="intermediates per onnxruntime/onnx run during --bisect "
+                        f"(default {DEFAULT_CHUNK})")
+    p.add_argument("--save-golden", metavar="FILE.npz",
+                   help="record the inputs and the reference's outputs")
+    p.add_argument("--json", metavar="REPORT.json", help="also write the report as JSON")
+    p.set_defaults(command=cmd_check)
+    return p
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """`ember check`: print the report, write --json, return 0 pass / 1 mismatch."""
+    try:
+        dims = {k: int(v) for k, v in _pairs(args.dim, "--dim").items()}
+    except ValueError as exc:
+        raise InputError(f"--dim values must be integers: {exc}") from exc
+    report = check(args.model, args.backend, args.ref,
+                   inputs=load_input_files(_pairs(args.input, "-i"), args.inputs),
+                   seed=args.seed, dims=dims, ranges=parse_ranges(args.range),
+                   atol=_with_default(parse_tolerances(args.atol, "--atol"), DEFAULT_ATOL),
+                   rtol=_with_default(parse_tolerances(args.rtol, "--rtol"), DEFAULT_RTOL),
+                   mode=args.mode, bisect=args.bisect,
+                   save_golden=args.save_golden, chunk=args.chunk)
+    print(report.format())
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                f.write(report.to_json())
+        except OSError as exc:
+            raise CheckError(f"cannot write '{args.json}': {exc}") from exc
+    return report.exit_code
+
+
+def _with_default(parsed: dict[str, float], default: float) -> dict[str, float]:
+    return {"": default, **parsed}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m ember.golden MODEL ...`: the check command on its own (as `ember check`)."""
+    parser = argparse.ArgumentParser(prog="ember")
+    add_check_parser(parser.add_subparsers())
+    args = parser.parse_args(["check", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.command(args)
+    except EmberError as exc:
+        print(f"ember: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

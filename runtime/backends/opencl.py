@@ -44,6 +44,10 @@ class OpenCLBackend(Backend):
         self.device = self._pick_device(device_hint or os.environ.get("EMBER_OPENCL_DEVICE"))
         self.context = cl.Context([self.device])
         self.queue = cl.CommandQueue(self.context)
+        # Pooled buffers: a fresh clCreateBuffer per kernel output costs more than the kernel
+        # on large tensors; freed values return their buffers to the pool.
+        import pyopencl.tools as cl_tools
+        self.allocator = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
         self.cache_dir = cache_dir or default_cache_dir()
         self._programs: dict[str, Any] = {}
         self.compiled_from_source = 0  # programs built from source (not from a cache)
@@ -117,14 +121,16 @@ class OpenCLBackend(Backend):
         return isinstance(value, self.cl_array.Array)
 
     def empty(self, shape, dtype):
-        return self.cl_array.empty(self.queue, tuple(int(d) for d in shape), np.dtype(dtype))
+        return self.cl_array.empty(self.queue, tuple(int(d) for d in shape), np.dtype(dtype),
+                                   allocator=self.allocator)
 
     def to_device(self, value: Any) -> Any:
         if isinstance(value, np.ndarray) and value.dtype in DEVICE_DTYPES:
             # np.require, unlike np.ascontiguousarray, keeps 0-d arrays 0-d
-            return self.cl_array.to_device(self.queue, np.require(value, requirements='C'))
-        if isinstance(value, (np.generic,)) and np.dtype(value.dtype) in DEVICE_DTYPES:
-            return self.cl_array.to_device(self.queue, np.asarray(value))
+            return self.cl_array.to_device(self.queue, np.require(value, requirements="C"),
+                                           allocator=self.allocator)
+        if isinstance(value, np.generic) and np.dtype(value.dtype) in DEVICE_DTYPES:
+            return self.cl_array.to_device(self.queue, np.asarray(value), allocator=self.allocator)
         return value  # sequences, optionals, strings and ml_dtypes stay on the host
 
     def to_host(self, value: Any) -> Any:

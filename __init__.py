@@ -7,12 +7,13 @@
 from ember.errors import (BackendUnavailableError, EmberError, ExecutionError, InputError,
                           InvalidModelError, ModelLoadError, UnsupportedOpError)
 from ember.golden import CheckReport, check
+from ember.native.module import Module
 from ember.runtime.session import InferenceSession, IOInfo, NodeArg, Session, load
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "load", "check", "CheckReport", "Session", "InferenceSession", "IOInfo", "NodeArg",
+    "load", "check", "CheckReport", "Module", "Session", "InferenceSession", "IOInfo", "NodeArg",
     "EmberError", "ModelLoadError", "UnsupportedOpError", "InvalidModelError", "InputError",
     "ExecutionError", "BackendUnavailableError", "__version__",
 ]

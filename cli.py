@@ -13,6 +13,8 @@ import numpy as np
 
 from ember.errors import EmberError, InputError
 from ember.golden import add_check_parser
+from ember.native.convert import add_convert_parser
+from ember.simplifier.cli import add_simplify_parser
 from ember.importer import import_model
 from ember.ir import Model
 from ember.runtime.backends import BACKENDS
@@ -57,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     ops = sub.add_parser("ops", help="print the table of ops each backend implements (markdown)")
     ops.set_defaults(command=cmd_ops)
     add_check_parser(sub)
+    add_convert_parser(sub)
+    add_simplify_parser(sub)
     return parser
 
 

@@ -135,9 +135,7 @@ class Plan:
         self.outer_slots = [(n, slot(n)) for n in self.outer_names]
 
         on_device: set[str] = set()  # values resident on the backend's device
-        shape_like = {name for name, value in graph.initializers.items()
-                      if isinstance(value, np.ndarray) and value.dtype.kind in "iub"
-                      and value.size <= _SHAPE_CONSTANT_MAX}
+        shape_like = shape_constants(graph)
         moved: dict[tuple[str, bool], str] = {}  # (value, to_device) -> name of the moved copy
         steps: list[Step] = []
         self.placement: list[tuple[Node, str]] = []
@@ -182,8 +180,6 @@ class Plan:
             ))
             if device:
                 on_device.update(o for o in node.outputs if o)
-            elif where in ("metadata", "shape"):
-                shape_like.update(o for o in node.outputs if o)
         for name in self.output_names:
             if name not in slots and name not in available:
                 raise InvalidModelError(f"graph output '{name}' is never computed")
@@ -198,15 +194,9 @@ class Plan:
         """'device', or a host placement: 'metadata', 'shape', 'control' or 'fallback'."""
         if self.backend.name == "cpu":
             return "host"
-        if (node.domain, node.op_type) in _METADATA_OPS:
-            return "metadata"
-        if node.implicit_inputs or node.subgraphs():
-            return "control"
-        inputs = [n for n in node.inputs if n]
-        if inputs and all(n in shape_like for n in inputs):
-            return "shape"
-        if not inputs and node.op_type == "Constant" and _is_shape_constant(node):
-            return "shape"
+        where = host_placement(node, shape_like)
+        if where is not None:
+            return where
         if lookup(node.domain, node.op_type, node.version, self.backend.name) is None:
             return "fallback"
         return "device"
@@ -310,6 +300,31 @@ def _describe(node: Node) -> str:
         if node.outputs else ""
     domain = f"{node.domain}::" if node.domain else ""
     return f"node{label} ({domain}{node.op_type}, opset {node.version})"
+
+
+def shape_constants(graph: Graph) -> set[str]:
+    """Initialisers that are shape data (small integer tensors): they stay on the host."""
+    return {name for name, value in graph.initializers.items()
+            if isinstance(value, np.ndarray) and value.dtype.kind in "iub"
+            and value.size <= _SHAPE_CONSTANT_MAX}
+
+
+def host_placement(node: Node, shape_like: set[str]) -> str | None:
+    """Where `node` runs on the host on a device backend whatever kernels the backend has:
+    'metadata' (Shape, Size), 'control' (ops with subgraphs) or 'shape' (arithmetic on shape
+    data); None if it belongs on the device. Adds the outputs of shape work to `shape_like`."""
+    inputs = [n for n in node.inputs if n]
+    if (node.domain, node.op_type) in _METADATA_OPS:
+        where = "metadata"
+    elif node.implicit_inputs or node.subgraphs():
+        return "control"
+    elif (inputs and all(n in shape_like for n in inputs)) or \
+            (not inputs and node.op_type == "Constant" and _is_shape_constant(node)):
+        where = "shape"
+    else:
+        return None
+    shape_like.update(o for o in node.outputs if o)
+    return where
 
 
 def _is_shape_constant(node: Node) -> bool:

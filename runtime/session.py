@@ -165,13 +165,23 @@ def _describe(info: IOInfo) -> str:
     return f"{info.type} {shape}"
 
 
-def load(model: ModelSource | Model, backend: str | None = None) -> Session:
+def load(model: ModelSource | Model, backend: str | None = None, simplify: bool = True
+         ) -> Session:
     """Load an ONNX model (path, bytes, onnx.ModelProto or ember IR) for `backend`.
 
-    `backend` defaults to $EMBER_BACKEND, then "cpu".
+    `backend` defaults to $EMBER_BACKEND, then "cpu". With `simplify` (the default) the graph is
+    simplified for that backend first (constant folding, fusions, expansion of ops the backend
+    lacks; see ember.simplifier); the caller's IR is never modified.
     """
+    backend_name = get_backend(backend).name
     ir = model if isinstance(model, Model) else import_model(model)
-    return Session(ir, backend)
+    if simplify:
+        from ember.simplifier import copy_structure, simplify as simplify_model
+
+        if ir is model:
+            ir = copy_structure(ir)
+        simplify_model(ir, backend=backend_name)
+    return Session(ir, backend_name)
 
 
 class NodeArg:

@@ -1,1 +1,160 @@
-"""(placeholder: being written)"""
+"""The simplifier: graph rewrites that make a model smaller and faster, and that rewrite what a
+backend lacks into what it has.
+
+    from ember.simplifier import simplify
+    model = simplify(import_model("model.onnx"), backend="cpu", skip=("fuse_attention",))
+
+Passes run in order, round after round, until a round changes nothing. Every rewrite keeps
+results: fused ops are ONNX ops with kernels (LayerNormalization, Gelu, Attention) or ai.ember
+ops whose CPU kernels live in `ember.ops.fused`.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from typing import Callable, Iterable
+
+import numpy as np
+
+from ember.errors import EmberError
+from ember.ir import Graph, Model
+from ember.simplifier.context import Context, graphs_of
+from ember.simplifier.passes.constant_folding import constants_to_initializers, fold_constants
+from ember.simplifier.passes.cse import eliminate_common_subexpressions
+from ember.simplifier.passes.dead_code import eliminate_dead_code
+from ember.simplifier.passes.expand_functions import expand_functions
+from ember.simplifier.passes.fold_batchnorm import fold_batchnorm_into_conv
+from ember.simplifier.passes.fuse_activation import fuse_activations, fuse_residual_add
+from ember.simplifier.passes.fuse_attention import fuse_attention, fuse_attention_projections
+from ember.simplifier.passes.fuse_gelu import fuse_gelu
+from ember.simplifier.passes.fuse_gemm import fold_scale_into_matmul, fuse_matmul_add
+from ember.simplifier.passes.fuse_layernorm import fuse_layernorm
+from ember.simplifier.passes.merge_transpose import (gather_through_transpose, merge_reshapes,
+                                                     merge_transposes)
+from ember.simplifier.passes.noop import remove_noops
+from ember.simplifier.passes.shape_inference import infer_shapes
+
+Pass = Callable[[Graph, Context], bool]
+
+# Order matters within a round: shapes first (later passes read them), folding and cleanup,
+# then the pattern fusions from the largest pattern to the smallest (attention and layer
+# norm before the activation fusion would take their pieces), expansion last.
+PASSES: dict[str, Pass] = {
+    "infer_shapes": infer_shapes,
+    "constants_to_initializers": constants_to_initializers,
+    "fold_constants": fold_constants,
+    "remove_noops": remove_noops,
+    "eliminate_common_subexpressions": eliminate_common_subexpressions,
+    "merge_transposes": merge_transposes,
+    "merge_reshapes": merge_reshapes,
+    "gather_through_transpose": gather_through_transpose,
+    "fold_batchnorm_into_conv": fold_batchnorm_into_conv,
+    "fuse_layernorm": fuse_layernorm,
+    "fuse_gelu": fuse_gelu,
+    "fuse_attention": fuse_attention,
+    "fuse_attention_projections": fuse_attention_projections,
+    "fuse_matmul_add": fuse_matmul_add,
+    "fold_scale_into_matmul": fold_scale_into_matmul,
+    "fuse_residual_add": fuse_residual_add,
+    "fuse_activations": fuse_activations,
+    "expand_functions": expand_functions,
+    "eliminate_dead_code": eliminate_dead_code,
+}
+# Op types a pass starts its matches from: a graph without any of them is skipped cheaply.
+_TRIGGERS = {
+    "constants_to_initializers": {"Constant"}, "merge_transposes": {"Transpose"},
+    "merge_reshapes": {"Reshape"}, "gather_through_transpose": {"Gather"},
+    "fold_batchnorm_into_conv": {"BatchNormalization"}, "fuse_layernorm": {"Div"},
+    "fuse_gelu": {"Erf", "Tanh"}, "fuse_attention": {"Softmax"},
+    "fuse_attention_projections": {"Attention"}, "fuse_matmul_add": {"MatMul"},
+    "fold_scale_into_matmul": {"Mul"}, "fuse_residual_add": {"Add"},
+}
+# Passes that only look at the top-level graph (subgraphs keep their own scoping rules).
+_TOP_LEVEL_ONLY = {"infer_shapes"}
+MAX_ROUNDS = 8
+
+
+class UnknownPassError(EmberError):
+    """--skip / skip= named a pass that does not exist."""
+
+
+def simplify(model: Model, backend: str = "cpu", skip: Iterable[str] = (),
+             stats: dict | None = None) -> Model:
+    """Rewrite `model` in place (and return it) until no pass changes anything.
+
+    `backend` decides which fused ops may be created (only ones it has kernels for) and which
+    ops are expanded into their function bodies. `skip` names passes to leave out. If `stats`
+    is given it receives {pass name: rounds in which it changed the graph, "rounds": n,
+    "seconds": t}.
+    """
+    skip = set(skip)
+    unknown = sorted(skip - set(PASSES))
+    if unknown:
+        raise UnknownPassError(f"unknown pass(es) {', '.join(unknown)}; passes are: "
+                               f"{', '.join(PASSES)}")
+    start = time.perf_counter()
+    ctx = Context(model, backend)
+    rounds = 0
+    for rounds in range(1, MAX_ROUNDS + 1):
+        changed = False
+        graphs = list(graphs_of(model.graph))
+        for name, run_pass in PASSES.items():
+            if name in skip:
+                continue
+            for graph in graphs:
+                if name in _TOP_LEVEL_ONLY and graph is not model.graph:
+                    continue
+                trigger = _TRIGGERS.get(name)
+                if trigger and not any(n.op_type in trigger for n in graph.nodes):
+                    continue
+                if run_pass(graph, ctx) and name != "infer_shapes":
+                    ctx.changes[name] = ctx.changes.get(name, 0) + 1
+                    changed = True
+        if not changed:
+            break
+    sort_topologically(model.graph)
+    if stats is not None:
+        stats.update(ctx.changes)
+        stats["rounds"] = rounds
+        stats["seconds"] = time.perf_counter() - start
+    return model
+
+
+def copy_structure(model: Model) -> Model:
+    """A copy of `model` that `simplify` can rewrite without touching the original: graphs,
+    nodes and attribute containers are copied, weight arrays shared (they are never written)."""
+    memo: dict[int, object] = {}
+    for graph in graphs_of(model.graph):
+        for value in graph.initializers.values():
+            memo[id(value)] = value
+        for node in graph.nodes:
+            for value in node.attrs.values():
+                for item in value if isinstance(value, list) else [value]:
+                    if isinstance(item, np.ndarray):
+                        memo[id(item)] = item
+    return copy.deepcopy(model, memo)
+
+
+def sort_topologically(graph: Graph) -> None:
+    """Order nodes producers-first (ONNX requires it; rewrites append their new nodes)."""
+    from ember.runtime.executor import topological_order
+
+    for g in graphs_of(graph):
+        available = {v.name for v in g.inputs} | set(g.initializers) | outer_names(g)
+        ordered = topological_order(g, available)
+        seen = {id(n) for n in ordered}
+        g.nodes = ordered + [n for n in g.nodes if id(n) not in seen]
+
+
+def outer_names(graph: Graph) -> set[str]:
+    """Names `graph` reads that none of its nodes, inputs or initialisers define (captures
+    from enclosing graphs); unlike Graph.free_names this ignores node order."""
+    defined = {v.name for v in graph.inputs} | set(graph.initializers) | {""}
+    for node in graph.nodes:
+        defined.update(node.outputs)
+    read = {name for node in graph.nodes for name in list(node.inputs) + node.implicit_inputs}
+    return read - defined
+
+
+__all__ = ["simplify", "copy_structure", "PASSES", "Context", "UnknownPassError",
+           "sort_topologically"]

@@ -64,5 +64,5 @@ def test_matches_onnxruntime(exported, backend):
 
 def test_opsets_are_as_exported(exported):
     name, path, _ = exported
-    opset = ember.load(path).model.opsets[""]
+    opset = ember.load(path, simplify=False).model.opsets[""]  # fusions may raise it
     assert opset == (17 if name == "lstm_gru" else 18)

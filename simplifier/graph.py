@@ -1,0 +1,192 @@
+"""What the passes share: an index of one graph (producers, consumers, constants, types) and
+the few edits every rewrite needs (alias a value away, add a constant, drop nodes).
+
+An index is built at the start of a pass and describes the graph as it was then; a pass that
+rewrites marks the nodes it consumed in `dead` and never matches them again, so overlapping
+rewrites cannot happen within one sweep.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable
+
+import numpy as np
+
+from ember.ir import Graph, Node, TensorType
+
+
+class GraphIndex:
+    """Producers, consumers, constants and known types of one graph's values."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.producer: dict[str, Node] = {}
+        self.consumers: dict[str, list[Node]] = {}
+        for node in graph.nodes:
+            for out in node.outputs:
+                if out:
+                    self.producer[out] = node
+            for name in _reads(node):
+                self.consumers.setdefault(name, []).append(node)
+        self.outputs = {v.name for v in graph.outputs}
+        self.inputs = {v.name for v in graph.inputs}
+        self.dead: set[int] = set()
+
+    # -- values ---------------------------------------------------------------------------
+    def constant(self, name: str) -> np.ndarray | None:
+        """The value of `name` if it is a constant the caller cannot override, else None."""
+        if name in self.graph.initializers and name not in self.inputs:
+            value = self.graph.initializers[name]
+            return value if isinstance(value, np.ndarray) else None
+        return None
+
+    def scalar(self, name: str) -> float | None:
+        """A constant holding one number (any shape of size 1), as a float."""
+        value = self.constant(name)
+        if value is None or value.size != 1 or value.dtype.kind not in "fiu":
+            return None
+        return float(value.reshape(-1)[0])
+
+    def tensor_type(self, name: str) -> TensorType | None:
+        value = self.constant(name)
+        if value is not None:
+            return TensorType(value.dtype, tuple(value.shape))
+        info = self.graph.value_info.get(name)
+        if info is None:
+            info = next((v for v in itertools.chain(self.graph.inputs, self.graph.outputs)
+                         if v.name == name), None)
+        return info.type if info is not None and isinstance(info.type, TensorType) else None
+
+    def shape(self, name: str) -> tuple | None:
+        t = self.tensor_type(name)
+        return t.shape if t is not None else None
+
+    def static_shape(self, name: str) -> tuple[int, ...] | None:
+        shape = self.shape(name)
+        # A declared input dimension of 0 is not enforced by sessions: treat it as unknown.
+        smallest = 1 if name in self.inputs else 0
+        if shape is None or not all(isinstance(d, int) and d >= smallest for d in shape):
+            return None
+        return tuple(shape)
+
+    def rank(self, name: str) -> int | None:
+        shape = self.shape(name)
+        return None if shape is None else len(shape)
+
+    def dtype(self, name: str) -> np.dtype | None:
+        t = self.tensor_type(name)
+        return None if t is None or t.dtype is None else np.dtype(t.dtype)
+
+    # -- structure ------------------------------------------------------------------------
+    def uses(self, name: str) -> int:
+        """How many times `name` is read (a graph output counts as a read)."""
+        return len(self.consumers.get(name, ())) + (name in self.outputs)
+
+    def only_consumer(self, name: str) -> Node | None:
+        """The single live node reading `name`, when nothing else (graph outputs included)
+        does."""
+        readers = self.consumers.get(name, ())
+        if len(readers) != 1 or name in self.outputs or id(readers[0]) in self.dead:
+            return None
+        return readers[0]
+
+    def single_use_producer(self, name: str, op_type: str | None = None) -> Node | None:
+        """The live producer of `name` when `name` is read only once (so it can be fused)."""
+        node = self.producer.get(name)
+        if node is None or id(node) in self.dead:
+            return None
+        if op_type is not None and (node.domain != "" or node.op_type != op_type):
+            return None
+        if self.uses(name) != 1:
+            return None
+        return node
+
+    def kill(self, *nodes: Node) -> None:
+        self.dead.update(id(n) for n in nodes)
+
+    def alive(self, node: Node) -> bool:
+        return id(node) not in self.dead
+
+
+def _reads(node: Node) -> Iterable[str]:
+    seen = set()
+    for name in list(node.inputs) + list(node.implicit_inputs):
+        if name and name not in seen:
+            seen.add(name)
+            yield name
+
+
+def drop_dead(graph: Graph, index: GraphIndex) -> None:
+    graph.nodes = [n for n in graph.nodes if index.alive(n)]
+
+
+def fresh_name(graph: Graph, base: str, taken: set[str] | None = None) -> str:
+    """A value name not used anywhere in `graph` (nor in `taken`)."""
+    used = taken if taken is not None else all_names(graph)
+    for i in itertools.count():
+        name = f"{base}__s{i}"
+        if name not in used:
+            used.add(name)
+            return name
+    raise AssertionError("unreachable")
+
+
+def all_names(graph: Graph) -> set[str]:
+    names = set(graph.initializers) | {v.name for v in graph.inputs} | \
+        {v.name for v in graph.outputs}
+    for node in graph.iter_nodes():
+        names.update(node.inputs)
+        names.update(node.outputs)
+    return names
+
+
+def add_constant(graph: Graph, base: str, value: Any) -> str:
+    """Store `value` as a new initialiser; returns its name."""
+    name = fresh_name(graph, base)
+    graph.initializers[name] = np.asarray(value)
+    return name
+
+
+def rename_uses(graph: Graph, old: str, new: str) -> None:
+    """Every read of `old` (subgraph captures included) reads `new` instead."""
+    for node in graph.nodes:
+        if old in node.inputs:
+            node.inputs = [new if n == old else n for n in node.inputs]
+        if old in node.implicit_inputs:
+            node.implicit_inputs = [new if n == old else n for n in node.implicit_inputs]
+            for sub in node.subgraphs():
+                _rename_captures(sub, old, new)
+
+
+def _rename_captures(graph: Graph, old: str, new: str) -> None:
+    local = {v.name for v in graph.inputs} | set(graph.initializers)
+    for node in graph.nodes:
+        if old in local:
+            return  # shadowed from here on
+        node.inputs = [new if n == old and n not in local else n for n in node.inputs]
+        if old in node.implicit_inputs:
+            node.implicit_inputs = [new if n == old else n for n in node.implicit_inputs]
+            for sub in node.subgraphs():
+                _rename_captures(sub, old, new)
+        local.update(node.outputs)
+    for out in graph.outputs:
+        if out.name == old and old not in local:
+            out.name = new
+
+
+def alias(graph: Graph, index: GraphIndex, removed: str, kept: str) -> bool:
+    """Make value `removed` (about to lose its producer) be `kept`. When `removed` is a graph
+    output its name must survive: `kept`'s producer is renamed instead, if that is safe.
+    Returns False when neither can be done (the caller then keeps its node)."""
+    if removed not in index.outputs:
+        rename_uses(graph, removed, kept)
+        graph.value_info.pop(removed, None)
+        return True
+    producer = index.producer.get(kept)
+    if producer is None or kept in index.outputs or kept in index.inputs \
+            or kept in graph.initializers:
+        return False
+    producer.outputs = [removed if o == kept else o for o in producer.outputs]
+    rename_uses(graph, kept, removed)
+    index.producer[removed] = producer
+    return True

@@ -1,0 +1,82 @@
+"""Common-subexpression elimination: identical nodes on identical inputs compute once, and
+identical small constants are stored once."""
+from __future__ import annotations
+
+import numpy as np
+
+from ember.ir import Graph, Node
+from ember.simplifier.context import Context
+from ember.simplifier.graph import GraphIndex, alias, drop_dead
+from ember.simplifier.passes.constant_folding import NONDETERMINISTIC
+
+# Constants are compared byte for byte up to this size; larger ones are left alone.
+_MAX_DEDUP_BYTES = 1 << 16
+
+
+def eliminate_common_subexpressions(graph: Graph, ctx: Context) -> bool:
+    changed = _merge_constants(graph)
+    index = GraphIndex(graph)
+    seen: dict[tuple, Node] = {}
+    for node in _topological(graph):
+        key = _node_key(node)
+        if key is None:
+            continue
+        first = seen.get(key)
+        if first is None:
+            seen[key] = node
+            continue
+        if all(alias(graph, index, mine, theirs) for mine, theirs in
+               zip(node.outputs, first.outputs) if mine):
+            index.kill(node)
+            changed = True
+    drop_dead(graph, index)
+    return changed
+
+
+def _topological(graph: Graph) -> list[Node]:
+    from ember.runtime.executor import topological_order
+    from ember.simplifier import outer_names
+
+    available = {v.name for v in graph.inputs} | set(graph.initializers) | outer_names(graph)
+    try:
+        return topological_order(graph, available)
+    except Exception:
+        return list(graph.nodes)
+
+
+def _node_key(node: Node) -> tuple | None:
+    if node.op_type in NONDETERMINISTIC or node.subgraphs() or not node.outputs:
+        return None
+    attrs = []
+    for name, value in sorted(node.attrs.items()):
+        attrs.append((name, _hashable(value)))
+    return (node.domain, node.op_type, node.version, tuple(node.inputs), tuple(attrs),
+            len(node.outputs), tuple(bool(o) for o in node.outputs))
+
+
+def _hashable(value):
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.shape, value.tobytes()
+                if value.dtype != object else tuple(value.reshape(-1)))
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+def _merge_constants(graph: Graph) -> bool:
+    inputs = {v.name for v in graph.inputs}
+    seen: dict[tuple, str] = {}
+    changed = False
+    for name, value in list(graph.initializers.items()):
+        if name in inputs or not isinstance(value, np.ndarray) or value.dtype == object \
+                or value.nbytes > _MAX_DEDUP_BYTES:
+            continue
+        key = (value.dtype.str, value.shape, value.tobytes())
+        first = seen.setdefault(key, name)
+        if first != name and name not in {v.name for v in graph.outputs}:
+            from ember.simplifier.graph import rename_uses
+
+            rename_uses(graph, name, first)
+            del graph.initializers[name]
+            changed = True
+    return changed

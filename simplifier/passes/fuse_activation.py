@@ -1,0 +1,131 @@
+"""Conv / Gemm / MatMul (+ bias) followed by an activation: one ai.ember fused node
+(FusedConv, FusedGemm, FusedMatMul) whose kernel applies the activation in place. And a
+residual Add after a Conv or FusedMatMul (ResNet blocks, transformer residuals) folded into
+the fused node's Z input, before any activation."""
+from __future__ import annotations
+
+from onnx import AttributeProto
+
+from ember.ir import Graph, Node
+from ember.ops.registry import attribute_defaults
+from ember.simplifier.context import Context
+from ember.ops.fused import DOMAIN
+from ember.simplifier.graph import GraphIndex, drop_dead
+
+_FUSED_NAME = {("", "Conv"): "FusedConv", ("", "Gemm"): "FusedGemm",
+               ("", "MatMul"): "FusedMatMul", (DOMAIN, "FusedConv"): "FusedConv",
+               (DOMAIN, "FusedGemm"): "FusedGemm", (DOMAIN, "FusedMatMul"): "FusedMatMul"}
+
+
+def fuse_activations(graph: Graph, ctx: Context) -> bool:
+    index = GraphIndex(graph)
+    changed = False
+    for act in graph.nodes:
+        if act.domain or not index.alive(act) or not act.inputs:
+            continue
+        params = activation_params(act, index)
+        if params is None:
+            continue
+        producer = index.producer.get(act.inputs[0])
+        if producer is None or index.single_use_producer(act.inputs[0]) is None:
+            continue
+        fused_op = _FUSED_NAME.get((producer.domain, producer.op_type))
+        if fused_op is None or producer.attrs.get("activation") or \
+                index.dtype(act.inputs[0]) is None or index.dtype(act.inputs[0]).kind != "f":
+            continue
+        if not ctx.has_kernel(DOMAIN, fused_op, 1):
+            continue
+        graph.nodes.append(_fused(producer, fused_op, act, params))
+        index.kill(producer, act)
+        changed = True
+    drop_dead(graph, index)
+    return changed
+
+
+def activation_params(node: Node, index: GraphIndex) -> list[float] | None:
+    """The fused-activation parameters for an activation node, or None if it is not one."""
+    op = node.op_type
+    if op in ("Relu", "Sigmoid", "Tanh", "HardSwish"):
+        return []
+    if op == "LeakyRelu":
+        return [float(node.attrs.get("alpha", 0.01))]
+    if op == "HardSigmoid":
+        return [float(node.attrs.get("alpha", 0.2)), float(node.attrs.get("beta", 0.5))]
+    if op == "Gelu":
+        approx = node.attrs.get("approximate", "none")
+        return [1.0 if approx in ("tanh", b"tanh") else 0.0]
+    if op == "Clip":
+        if node.version < 11:
+            return [float(node.attrs.get("min", -3.4028234663852886e38)),
+                    float(node.attrs.get("max", 3.4028234663852886e38))]
+        bounds = []
+        for i, default in ((1, float("-inf")), (2, float("inf"))):
+            if len(node.inputs) > i and node.inputs[i]:
+                value = index.scalar(node.inputs[i])
+                if value is None:
+                    return None
+                bounds.append(value)
+            else:
+                bounds.append(default)
+        return bounds
+    return None
+
+
+def _fused(producer: Node, fused_op: str, act: Node | None, params: list[float]) -> Node:
+    attrs = dict(producer.attrs)
+    types = dict(producer.attr_types)
+    if producer.domain == "":
+        defaults, _ = attribute_defaults(producer.domain, producer.op_type, producer.version)
+        for name, value in defaults.items():
+            if value is not None and name not in attrs:
+                attrs[name] = value
+    attrs["activation"] = act.op_type if act is not None else ""
+    types["activation"] = AttributeProto.STRING
+    if params:
+        attrs["activation_params"] = params
+        types["activation_params"] = AttributeProto.FLOATS
+    outputs = [act.outputs[0]] if act is not None else list(producer.outputs)
+    return Node(fused_op, DOMAIN, 1, list(producer.inputs), outputs, attrs=attrs,
+                attr_types=types, name=producer.name)
+
+
+_RESIDUAL_TARGETS = {("", "Conv"): "FusedConv", (DOMAIN, "FusedConv"): "FusedConv",
+                     (DOMAIN, "FusedMatMul"): "FusedMatMul"}
+
+
+def fuse_residual_add(graph: Graph, ctx: Context) -> bool:
+    """Add(product, z) -> the fused product with Z = z, when z has the result's exact shape."""
+    index = GraphIndex(graph)
+    changed = False
+    for add in graph.nodes:
+        if add.domain or add.op_type != "Add" or not index.alive(add) or len(add.inputs) != 2:
+            continue
+        for side in (0, 1):
+            producer = index.single_use_producer(add.inputs[side])
+            z = add.inputs[1 - side]
+            if producer is None or not _takes_residual(producer, index, z, add.outputs[0]):
+                continue
+            fused_op = _RESIDUAL_TARGETS[(producer.domain, producer.op_type)]
+            if not ctx.has_kernel(DOMAIN, fused_op, 1):
+                continue
+            node = _fused(producer, fused_op, None, []) if producer.domain == "" else producer
+            node.inputs = list(producer.inputs) + [""] * (3 - len(producer.inputs)) + [z]
+            node.outputs = [add.outputs[0]]
+            if node is not producer:
+                graph.nodes.append(node)
+                index.kill(producer)
+            index.kill(add)
+            changed = True
+            break
+    drop_dead(graph, index)
+    return changed
+
+
+def _takes_residual(producer: Node, index: GraphIndex, z: str, out: str) -> bool:
+    if (producer.domain, producer.op_type) not in _RESIDUAL_TARGETS:
+        return False
+    if producer.attrs.get("activation") or len(producer.inputs) > 3:
+        return False  # Z is added before the activation, and only once
+    shape, dtype = index.static_shape(producer.outputs[0]), index.dtype(producer.outputs[0])
+    return shape is not None and shape == index.static_shape(z) == index.static_shape(out) \
+        and dtype is not None and dtype.kind == "f" and dtype == index.dtype(z)

@@ -1,0 +1,88 @@
+"""Consecutive layout ops merged: Transpose(Transpose(x)) is one Transpose (or none), a
+Reshape of a Reshape / Flatten / Squeeze / Unsqueeze reshapes x directly, and a scalar Gather
+after a Transpose gathers from x."""
+from __future__ import annotations
+
+from onnx import AttributeProto
+
+from ember.ir import Graph
+from ember.simplifier.context import Context
+from ember.simplifier.graph import GraphIndex, alias, drop_dead
+
+_RESHAPE_LIKE = {"Reshape", "Flatten", "Squeeze", "Unsqueeze"}
+
+
+def merge_transposes(graph: Graph, ctx: Context) -> bool:
+    index = GraphIndex(graph)
+    changed = False
+    for outer in graph.nodes:
+        if outer.domain or outer.op_type != "Transpose" or not index.alive(outer):
+            continue
+        inner = index.single_use_producer(outer.inputs[0], "Transpose")
+        p2, p1 = outer.attrs.get("perm"), inner.attrs.get("perm") if inner else None
+        if inner is None or p1 is None or p2 is None or len(p1) != len(p2):
+            continue
+        perm = [p1[i] for i in p2]  # out[i] = mid[p2[i]] = x[p1[p2[i]]]
+        if perm == sorted(perm):
+            if alias(graph, index, outer.outputs[0], inner.inputs[0]):
+                index.kill(inner, outer)
+                changed = True
+            continue
+        outer.inputs = [inner.inputs[0]]
+        outer.attrs = dict(outer.attrs, perm=perm)
+        index.kill(inner)
+        changed = True
+    drop_dead(graph, index)
+    return changed
+
+
+def merge_reshapes(graph: Graph, ctx: Context) -> bool:
+    index = GraphIndex(graph)
+    changed = False
+    for outer in graph.nodes:
+        if outer.domain or outer.op_type != "Reshape" or not index.alive(outer) or \
+                outer.version < 5 or len(outer.inputs) != 2:
+            continue
+        inner = index.producer.get(outer.inputs[0])
+        if inner is None or inner.domain or inner.op_type not in _RESHAPE_LIKE or \
+                index.single_use_producer(outer.inputs[0]) is None:
+            continue
+        target = index.constant(outer.inputs[1])
+        # 0 in the target copies a dimension of the *intermediate*; with the inner op gone
+        # it would copy x's instead, so only targets without 0 are merged.
+        if target is None or (target == 0).any():
+            continue
+        outer.inputs = [inner.inputs[0], outer.inputs[1]]
+        index.kill(inner)
+        changed = True
+    drop_dead(graph, index)
+    return changed
+
+
+
+def gather_through_transpose(graph: Graph, ctx: Context) -> bool:
+    """Gather(Transpose(x, perm), scalar index, axis=a) -> Gather(x, index, axis=perm[a]) when
+    the axes left over are then already in order (picking the last step of a sequence after
+    a batch/time swap)."""
+    index = GraphIndex(graph)
+    changed = False
+    for gather in graph.nodes:
+        if gather.domain or gather.op_type != "Gather" or not index.alive(gather):
+            continue
+        transpose = index.single_use_producer(gather.inputs[0], "Transpose")
+        indices = index.constant(gather.inputs[1])
+        perm = transpose.attrs.get("perm") if transpose is not None else None
+        if perm is None or indices is None or indices.ndim != 0:
+            continue
+        axis = int(gather.attrs.get("axis", 0)) % len(perm)
+        source_axis = perm[axis]
+        left = [p - (p > source_axis) for i, p in enumerate(perm) if i != axis]
+        if left != sorted(left):
+            continue
+        gather.inputs = [transpose.inputs[0], gather.inputs[1]]
+        gather.attrs = dict(gather.attrs, axis=source_axis)
+        gather.attr_types = dict(gather.attr_types, axis=AttributeProto.INT)
+        index.kill(transpose)
+        changed = True
+    drop_dead(graph, index)
+    return changed

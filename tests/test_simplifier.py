@@ -1,0 +1,521 @@
+"""The simplifier: each pass on a small graph built for it, checked against onnxruntime running
+the original (unsimplified) model, plus IR -> ONNX export and the `simplify` command.
+
+Fused kernels are compared with the unfused graph on random inputs including edge shapes:
+batch 1, odd sizes, and attention masks with padding.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import ember
+from ember.importer import import_model
+from ember.importer.onnx_export import export_model
+from ember.simplifier import PASSES, UnknownPassError, simplify
+from ember.simplifier.cli import add_simplify_parser
+from ember.simplifier.context import Context
+from ember.simplifier.passes.shape_inference import infer_shapes
+
+ort = pytest.importorskip("onnxruntime")
+F = TensorProto.FLOAT
+RNG = np.random.default_rng(0)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+def make_model(nodes, inputs, outputs, inits=(), opset=18, extra_opsets=()):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(inits))
+    opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, v)
+                                                 for d, v in extra_opsets]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8 if opset <= 18 else 10
+    return model
+
+
+def tensor(name, shape, dtype=F):
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def const(name, value):
+    return numpy_helper.from_array(np.asarray(value), name)
+
+
+def ort_outputs(proto, feeds):
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def simplified_matches(proto, feeds, rtol=1e-5, **kwargs):
+    """Simplify, check the result against onnxruntime on the original; returns the IR."""
+    want = ort_outputs(proto, feeds)
+    model = simplify(import_model(proto), **kwargs)
+    got = ember.Session(model).run(feeds)
+    for expected, actual in zip(want, got.values()):
+        scale = float(np.max(np.abs(expected))) if expected.size else 1.0
+        np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
+    if _valid(proto):  # the exported model is valid wherever the original was
+        onnx.checker.check_model(export_model(model), full_check=True)
+    return model
+
+
+def _valid(proto) -> bool:
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except onnx.checker.ValidationError:
+        return False
+    return True
+
+
+def run_pass(proto, name):
+    """One pass (after shape inference) on the top-level graph; returns (changed, model)."""
+    model = import_model(proto)
+    ctx = Context(model)
+    infer_shapes(model.graph, ctx)
+    return PASSES[name](model.graph, ctx), model
+
+
+def ops(model):
+    return [n.op_type for n in model.graph.nodes]
+
+
+def rand(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+# -- export -----------------------------------------------------------------------------------
+
+def test_export_round_trip_is_valid_and_identical():
+    then = helper.make_graph([helper.make_node("Neg", ["a"], ["o"])], "then", [],
+                             [tensor("o", [2, 3])])
+    other = helper.make_graph([helper.make_node("Abs", ["a"], ["o2"])], "else", [],
+                              [tensor("o2", [2, 3])])
+    nodes = [helper.make_node("Relu", ["x"], ["a"]),
+             helper.make_node("ReduceSum", ["a"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other),
+             helper.make_node("Constant", [], ["names"], value=helper.make_tensor(
+                 "v", TensorProto.STRING, [2], [b"a", b"b"]))]
+    proto = make_model(nodes, [tensor("x", [2, 3])],
+                       [tensor("y", [2, 3]), tensor("names", [2], TensorProto.STRING)],
+                       [const("zero", np.float32(0))])
+    exported = export_model(import_model(proto))
+    onnx.checker.check_model(exported, full_check=True)
+    assert [(o.domain, o.version) for o in exported.opset_import] == [("", 18)]
+    feeds = {"x": rand(2, 3)}
+    before, after = ember.load(proto).run(feeds), ember.load(exported).run(feeds)
+    np.testing.assert_array_equal(before["y"], after["y"])
+    np.testing.assert_array_equal(after["names"], np.array(["a", "b"], dtype=object))
+
+
+# -- folding, dead code, CSE, no-ops ---------------------------------------------------------
+
+def test_constant_folding_folds_constants_and_static_shapes():
+    nodes = [helper.make_node("Constant", [], ["c"], value=const("v", rand(3))),
+             helper.make_node("Mul", ["c", "two"], ["c2"]),
+             helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Reshape", ["x", "shape"], ["r"]),
+             helper.make_node("Add", ["r", "c2"], ["y"])]
+    proto = make_model(nodes, [tensor("x", [2, 3])], [tensor("y", [2, 3])],
+                       [const("two", np.float32(2))])
+    model = simplified_matches(proto, {"x": rand(2, 3)})
+    assert ops(model) == ["Add"]
+
+
+def test_constant_folding_is_bounded():
+    nodes = [helper.make_node("ConstantOfShape", ["shape"], ["big"]),
+             helper.make_node("Add", ["x", "big"], ["y"])]
+    proto = make_model(nodes, [tensor("x", [512, 512])], [tensor("y", [512, 512])],
+                       [const("shape", np.array([512, 512], np.int64))])
+    changed, model = run_pass(proto, "fold_constants")
+    assert not changed and "ConstantOfShape" in ops(model)
+
+
+def test_constant_folding_leaves_random_ops_and_overridable_initializers():
+    nodes = [helper.make_node("RandomUniform", [], ["r"], shape=[2]),
+             helper.make_node("Add", ["w", "w"], ["w2"]),
+             helper.make_node("Add", ["r", "w2"], ["y"])]
+    proto = make_model(nodes, [tensor("w", [2])], [tensor("y", [2])],
+                       [const("w", np.ones(2, np.float32))])
+    changed, model = run_pass(proto, "fold_constants")
+    assert not changed and ops(model) == ["RandomUniform", "Add", "Add"]
+
+
+def test_dead_code_and_unused_initializers_are_removed():
+    nodes = [helper.make_node("Relu", ["x"], ["y"]),
+             helper.make_node("Sigmoid", ["x"], ["unused"]),
+             helper.make_node("Add", ["unused", "w"], ["unused2"])]
+    proto = make_model(nodes, [tensor("x", [4])], [tensor("y", [4])],
+                       [const("w", np.ones(4, np.float32))])
+    changed, model = run_pass(proto, "eliminate_dead_code")
+    assert changed and ops(model) == ["Relu"] and not model.graph.initializers
+
+
+def test_common_subexpressions_are_computed_once():
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Relu", ["x"], ["b"]),
+             helper.make_node("Add", ["a", "b"], ["y"])]
+    proto = make_model(nodes, [tensor("x", [3])], [tensor("y", [3])])
+    model = simplified_matches(proto, {"x": rand(3)}, skip=["fuse_activations"])
+    assert ops(model).count("Relu") == 1
+
+
+@pytest.mark.parametrize("node, inits, removable", [
+    (helper.make_node("Identity", ["x"], ["y"]), [], True),
+    (helper.make_node("Dropout", ["x"], ["y"]), [], True),
+    (helper.make_node("Cast", ["x"], ["y"], to=F), [], True),
+    (helper.make_node("Transpose", ["x"], ["y"], perm=[0, 1]), [], True),
+    (helper.make_node("Add", ["x", "zero"], ["y"]), [const("zero", np.float32(0))], True),
+    (helper.make_node("Mul", ["one", "x"], ["y"]), [const("one", np.ones(3, np.float32))], True),
+    (helper.make_node("Div", ["x", "one"], ["y"]), [const("one", np.float32(1))], True),
+    (helper.make_node("Reshape", ["x", "s"], ["y"]), [const("s", np.array([2, 3]))], True),
+    # 1 / x and a zero that broadcasts x to a larger shape are not no-ops
+    (helper.make_node("Div", ["one", "x"], ["y"]), [const("one", np.float32(1))], False),
+])
+def test_noops_are_removed(node, inits, removable):
+    wide = node.input[-1] == "x" and node.op_type == "Div"
+    proto = make_model([node, helper.make_node("Neg", ["y"], ["z"])], [tensor("x", [2, 3])],
+                       [tensor("z", [2, 3])], inits)
+    model = simplified_matches(proto, {"x": rand(2, 3) + (3 if wide else 0)})
+    assert (ops(model) == ["Neg"]) == removable
+
+
+def test_zero_that_broadcasts_is_kept():
+    proto = make_model([helper.make_node("Add", ["x", "zero"], ["y"])], [tensor("x", [3])],
+                       [tensor("y", [2, 3])], [const("zero", np.zeros((2, 3), np.float32))])
+    model = simplified_matches(proto, {"x": rand(3)})
+    assert ops(model) == ["Add"]
+
+
+def test_noop_on_a_graph_output_keeps_the_output_name():
+    proto = make_model([helper.make_node("Relu", ["x"], ["a"]),
+                        helper.make_node("Identity", ["a"], ["y"])],
+                       [tensor("x", [3])], [tensor("y", [3])])
+    model = simplified_matches(proto, {"x": rand(3)})
+    assert ops(model) == ["Relu"] and model.graph.nodes[0].outputs == ["y"]
+
+
+# -- layout merges ----------------------------------------------------------------------------
+
+def test_consecutive_transposes_merge_and_cancel():
+    nodes = [helper.make_node("Transpose", ["x"], ["a"], perm=[1, 2, 0]),
+             helper.make_node("Transpose", ["a"], ["b"], perm=[2, 0, 1]),
+             helper.make_node("Transpose", ["b"], ["c"], perm=[0, 2, 1]),
+             helper.make_node("Transpose", ["c"], ["y"], perm=[1, 0, 2])]
+    proto = make_model(nodes, [tensor("x", [2, 3, 5])], [tensor("y", [5, 2, 3])])
+    changed, model = run_pass(proto, "merge_transposes")
+    assert changed
+    model = simplified_matches(proto, {"x": rand(2, 3, 5)})
+    assert ops(model) == ["Transpose"]
+
+
+def test_consecutive_reshapes_merge():
+    nodes = [helper.make_node("Flatten", ["x"], ["a"], axis=1),
+             helper.make_node("Reshape", ["a", "s"], ["y"])]
+    proto = make_model(nodes, [tensor("x", ["n", 3, 4])], [tensor("y", None)],
+                       [const("s", np.array([-1, 4], np.int64))])
+    changed, model = run_pass(proto, "merge_reshapes")
+    assert changed and ops(model) == ["Reshape"]
+    simplified_matches(proto, {"x": rand(5, 3, 4)})
+
+
+@pytest.mark.parametrize("perm, axis, fused", [([1, 0, 2], 1, True), ([1, 0, 2], 0, True),
+                                               ([2, 0, 1], 0, True), ([0, 2, 1], 0, False),
+                                               ([2, 1, 0], 1, False)])
+def test_scalar_gather_after_transpose_reads_the_source(perm, axis, fused):
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=perm),
+             helper.make_node("Gather", ["t", "i"], ["y"], axis=axis)]
+    proto = make_model(nodes, [tensor("x", [2, 3, 5])], [tensor("y", None)],
+                       [const("i", np.array(-1, np.int64))])
+    model = simplified_matches(proto, {"x": rand(2, 3, 5)})
+    assert (ops(model) == ["Gather"]) == fused
+
+
+# -- fusions ----------------------------------------------------------------------------------
+
+def test_batchnorm_folds_into_conv():
+    c = 5
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "g", "beta", "m", "v"], ["y"],
+                              epsilon=1e-3)]
+    inits = [const("w", rand(c, 3, 3, 3)), const("b", rand(c)), const("g", rand(c)),
+             const("beta", rand(c)), const("m", rand(c)),
+             const("v", np.abs(rand(c)) + 0.5)]
+    proto = make_model(nodes, [tensor("x", [1, 3, 7, 9])], [tensor("y", [1, c, 7, 9])], inits)
+    model = simplified_matches(proto, {"x": rand(1, 3, 7, 9)})
+    assert ops(model) == ["Conv"]
+
+
+@pytest.mark.parametrize("a_shape, fused", [([1, 7], "Gemm"), ([3, 7], "Gemm"),
+                                            ([1, 5, 7], "FusedMatMul"),
+                                            ([2, 3, 5, 7], "FusedMatMul")])
+def test_matmul_add_becomes_gemm_or_fused_matmul(a_shape, fused):
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["m"]),
+             helper.make_node("Add", ["bias", "m"], ["y"])]
+    out = a_shape[:-1] + [9]
+    proto = make_model(nodes, [tensor("a", a_shape)], [tensor("y", out)],
+                       [const("w", rand(7, 9)), const("bias", rand(9))])
+    model = simplified_matches(proto, {"a": rand(*a_shape)})
+    assert ops(model) == [fused]
+
+
+ACTIVATIONS = [
+    ("Relu", {}, []), ("LeakyRelu", {"alpha": 0.2}, []), ("Sigmoid", {}, []), ("Tanh", {}, []),
+    ("HardSigmoid", {"alpha": 0.3, "beta": 0.4}, []), ("HardSwish", {}, []),
+    ("Clip", {}, [("lo", np.float32(-0.5)), ("hi", np.float32(0.7))]),
+]
+
+
+@pytest.mark.parametrize("act, attrs, bounds", ACTIVATIONS, ids=[a[0] for a in ACTIVATIONS])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_conv_activation_fuses_and_matches(act, attrs, bounds, batch):
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 0, 1, 0], strides=[2, 1]),
+             helper.make_node(act, ["c"] + [n for n, _ in bounds], ["y"], **attrs)]
+    inits = [const("w", rand(4, 3, 3, 2)), const("b", rand(4))] + \
+        [const(n, v) for n, v in bounds]
+    proto = make_model(nodes, [tensor("x", [batch, 3, 9, 5])], [tensor("y", None)], inits)
+    model = simplified_matches(proto, {"x": rand(batch, 3, 9, 5)})
+    assert ops(model) == ["FusedConv"] and model.graph.nodes[0].domain == "ai.ember"
+
+
+@pytest.mark.parametrize("act, attrs, bounds", ACTIVATIONS[:3] + ACTIVATIONS[-1:],
+                         ids=[a[0] for a in ACTIVATIONS[:3] + ACTIVATIONS[-1:]])
+def test_gemm_and_matmul_activation_fuse_and_match(act, attrs, bounds):
+    nodes = [helper.make_node("Gemm", ["a", "w", "c"], ["g"], transB=1),
+             helper.make_node(act, ["g"] + [n for n, _ in bounds], ["y1"], **attrs),
+             helper.make_node("MatMul", ["x3", "w2"], ["m"]),
+             helper.make_node("Add", ["m", "c"], ["mb"]),
+             helper.make_node(act, ["mb"] + [n for n, _ in bounds], ["y2"], **attrs)]
+    inits = [const("w", rand(11, 7)), const("c", rand(11)), const("w2", rand(7, 11))] + \
+        [const(n, v) for n, v in bounds]
+    proto = make_model(nodes, [tensor("a", [1, 7]), tensor("x3", [2, 5, 7])],
+                       [tensor("y1", None), tensor("y2", None)], inits)
+    model = simplified_matches(proto, {"a": rand(1, 7), "x3": rand(2, 5, 7)})
+    assert sorted(ops(model)) == ["FusedGemm", "FusedMatMul"]
+
+
+def test_residual_add_and_relu_fuse_into_conv():
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["x", "c"], ["s"]),
+             helper.make_node("Relu", ["s"], ["y"])]
+    proto = make_model(nodes, [tensor("x", [1, 4, 5, 7])], [tensor("y", [1, 4, 5, 7])],
+                       [const("w", rand(4, 4, 3, 3))])
+    model = simplified_matches(proto, {"x": rand(1, 4, 5, 7)})
+    assert ops(model) == ["FusedConv"] and len(model.graph.nodes[0].inputs) == 4
+
+
+@pytest.mark.parametrize("a_shape", [[1, 1, 7], [2, 5, 7]])
+def test_layer_scale_folds_and_residual_fuses_into_matmul(a_shape):
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["m"]),
+             helper.make_node("Add", ["m", "bias"], ["mb"]),
+             helper.make_node("Mul", ["mb", "gamma"], ["scaled"]),
+             helper.make_node("Add", ["a", "scaled"], ["y"])]
+    inits = [const("w", rand(7, 7)), const("bias", rand(7)), const("gamma", rand(7))]
+    proto = make_model(nodes, [tensor("a", a_shape)], [tensor("y", a_shape)], inits)
+    model = simplified_matches(proto, {"a": rand(*a_shape)})
+    assert ops(model) == ["FusedMatMul"] and len(model.graph.nodes[0].inputs) == 4
+
+
+def decomposed_layernorm(x_shape, affine=True, square="Pow"):
+    axes = const("axes", np.array([-1], np.int64))
+    nodes = [helper.make_node("ReduceMean", ["x", "axes"], ["mean"]),
+             helper.make_node("Sub", ["x", "mean"], ["d"]),
+             helper.make_node("Pow", ["d", "two"], ["sq"]) if square == "Pow" else
+             helper.make_node("Mul", ["d", "d"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq", "axes"], ["var"]),
+             helper.make_node("Add", ["var", "eps"], ["ve"]),
+             helper.make_node("Sqrt", ["ve"], ["std"]),
+             helper.make_node("Div", ["d", "std"], ["n" if affine else "y"])]
+    inits = [axes, const("two", np.float32(2)), const("eps", np.float32(1e-5))]
+    if affine:
+        nodes += [helper.make_node("Mul", ["n", "gamma"], ["ng"]),
+                  helper.make_node("Add", ["ng", "beta"], ["y"])]
+        inits += [const("gamma", rand(x_shape[-1])), const("beta", rand(x_shape[-1]))]
+    return make_model(nodes, [tensor("x", x_shape)], [tensor("y", x_shape)], inits)
+
+
+@pytest.mark.parametrize("shape, affine, square", [([1, 7], True, "Pow"),
+                                                   ([2, 3, 9], False, "Mul")])
+def test_layernorm_pattern_fuses(shape, affine, square):
+    proto = decomposed_layernorm(shape, affine, square)
+    model = simplified_matches(proto, {"x": rand(*shape) * 3 + 1})
+    assert ops(model) == ["LayerNormalization"]
+
+
+def gelu_erf(shape):
+    nodes = [helper.make_node("Div", ["x", "sqrt2"], ["u"]),
+             helper.make_node("Erf", ["u"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["a"]),
+             helper.make_node("Mul", ["x", "a"], ["xa"]),
+             helper.make_node("Mul", ["xa", "half"], ["y"])]
+    inits = [const("sqrt2", np.float32(np.sqrt(2))), const("one", np.float32(1)),
+             const("half", np.float32(0.5))]
+    return make_model(nodes, [tensor("x", shape)], [tensor("y", shape)], inits)
+
+
+def gelu_tanh(shape):
+    nodes = [helper.make_node("Pow", ["x", "three"], ["x3"]),
+             helper.make_node("Mul", ["c", "x3"], ["cx3"]),
+             helper.make_node("Add", ["x", "cx3"], ["s"]),
+             helper.make_node("Mul", ["k", "s"], ["t_in"]),
+             helper.make_node("Tanh", ["t_in"], ["t"]),
+             helper.make_node("Add", ["t", "one"], ["a"]),
+             helper.make_node("Mul", ["half", "a"], ["ha"]),
+             helper.make_node("Mul", ["x", "ha"], ["y"])]
+    inits = [const("three", np.float32(3)), const("c", np.float32(0.044715)),
+             const("k", np.float32(np.sqrt(2 / np.pi))), const("one", np.float32(1)),
+             const("half", np.float32(0.5))]
+    return make_model(nodes, [tensor("x", shape)], [tensor("y", shape)], inits)
+
+
+@pytest.mark.parametrize("build", [gelu_erf, gelu_tanh])
+def test_gelu_patterns_fuse_raising_the_opset(build):
+    proto = build([1, 5, 3])
+    model = simplified_matches(proto, {"x": rand(1, 5, 3) * 3})
+    assert ops(model) == ["Gelu"] and model.opsets[""] == 20
+    assert [o.version for o in export_model(model).opset_import if o.domain == ""] == [20]
+
+
+def test_gelu_is_left_alone_when_the_opset_cannot_be_raised():
+    proto = gelu_erf([4])
+    # an op whose meaning changed after opset 18 (Split's num_outputs arrived in 18 - fine;
+    # DFT's axis became an input in 20) blocks the raise
+    proto.graph.node.append(helper.make_node("DFT", ["x2"], ["f"]))
+    proto.graph.input.append(tensor("x2", [1, 8, 1]))
+    proto.graph.output.append(tensor("f", None))
+    model = simplify(import_model(proto))
+    assert "Gelu" not in ops(model) and model.opsets[""] == 18
+
+
+def attention_model(batch, heads, seq, head, masked=True, scale_op="Div"):
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["qk"]),
+             helper.make_node(scale_op, ["qk", "c"], ["scaled"])]
+    scores = "scaled"
+    if masked:
+        nodes.append(helper.make_node("Add", ["scaled", "mask"], ["masked"]))
+        scores = "masked"
+    nodes += [helper.make_node("Softmax", [scores], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "v"], ["y"])]
+    c = np.float32(np.sqrt(head)) if scale_op == "Div" else np.float32(0.3)
+    shape = [batch, heads, seq, head]
+    inputs = [tensor(n, shape) for n in "qkv"]
+    if masked:
+        inputs.append(tensor("mask", [batch, 1, 1, seq]))
+    return make_model(nodes, inputs, [tensor("y", shape)], [const("c", c)])
+
+
+def padding_mask(batch, seq):
+    mask = np.zeros((batch, 1, 1, seq), np.float32)
+    mask[0, ..., seq - 2:] = -10000.0  # the first sequence is padded at the end
+    return mask
+
+
+@pytest.mark.parametrize("batch, heads, seq, head, masked, scale_op", [
+    (1, 1, 1, 4, True, "Div"), (2, 3, 7, 5, True, "Div"), (1, 2, 5, 8, False, "Mul")])
+def test_attention_pattern_fuses_and_matches(batch, heads, seq, head, masked, scale_op):
+    proto = attention_model(batch, heads, seq, head, masked, scale_op)
+    feeds = {n: rand(batch, heads, seq, head) for n in "qkv"}
+    if masked:
+        feeds["mask"] = padding_mask(batch, seq) if seq > 2 else np.zeros(
+            (batch, 1, 1, seq), np.float32)
+    model = simplified_matches(proto, feeds)
+    assert ops(model) == ["Attention"] and model.opsets[""] == 23
+
+
+def packed_attention_model(batch, seq, heads, head):
+    hidden = heads * head
+    nodes = [helper.make_node("Reshape", ["x", "s5"], ["r"]),
+             helper.make_node("Transpose", ["r"], ["packed"], perm=[2, 0, 3, 1, 4])]
+    for i, name in enumerate("qkv"):
+        nodes += [helper.make_node("Slice", ["packed", f"st{i}", f"st{i + 1}", "ax0"],
+                                   [f"s{name}"]),
+                  helper.make_node("Squeeze", [f"s{name}", "ax0"], [name])]
+    nodes += attention_model(batch, heads, seq, head).graph.node
+    nodes += [helper.make_node("Transpose", ["y"], ["yt"], perm=[0, 2, 1, 3]),
+              helper.make_node("Reshape", ["yt", "s3"], ["out"])]
+    inits = [const("s5", np.array([batch, seq, 3, heads, head], np.int64)),
+             const("s3", np.array([batch, seq, hidden], np.int64)),
+             const("ax0", np.array([0], np.int64)),
+             const("c", np.float32(np.sqrt(head)))] + \
+        [const(f"st{i}", np.array([i], np.int64)) for i in range(4)]
+    return make_model(nodes, [tensor("x", [batch, seq, 3 * hidden]),
+                              tensor("mask", [batch, 1, 1, seq])],
+                      [tensor("out", [batch, seq, hidden])], inits)
+
+
+@pytest.mark.parametrize("batch, seq, heads, head", [(1, 5, 2, 4), (2, 7, 3, 5)])
+def test_packed_qkv_attention_becomes_split_and_3d_attention(batch, seq, heads, head):
+    proto = packed_attention_model(batch, seq, heads, head)
+    feeds = {"x": rand(batch, seq, 3 * heads * head), "mask": padding_mask(batch, seq)}
+    model = simplified_matches(proto, feeds)
+    assert sorted(ops(model)) == ["Attention", "Split"]
+
+
+# -- expansion for backends without a kernel ---------------------------------------------------
+
+class _LacksHardSwishAndGelu(Context):
+    def has_kernel(self, domain, op_type, version):
+        return op_type not in ("HardSwish", "Gelu")
+
+
+@pytest.mark.parametrize("op, attrs, opset", [("HardSwish", {}, 18),
+                                              ("Gelu", {"approximate": "tanh"}, 20)])
+def test_ops_a_backend_lacks_expand_into_their_function_body(op, attrs, opset):
+    proto = make_model([helper.make_node(op, ["x"], ["y"], **attrs)], [tensor("x", [2, 5])],
+                       [tensor("y", [2, 5])], opset=opset)
+    model = import_model(proto)
+    ctx = _LacksHardSwishAndGelu(model, backend="device-without-them")
+    infer_shapes(model.graph, ctx)
+    assert PASSES["expand_functions"](model.graph, ctx)
+    assert op not in ops(model) and len(model.graph.nodes) >= 1
+    feeds = {"x": rand(2, 5) * 4}
+    np.testing.assert_allclose(ember.Session(model).run(feeds)["y"],
+                               ort_outputs(proto, feeds)[0], rtol=1e-5, atol=1e-6)
+
+
+# -- API and command line ---------------------------------------------------------------------
+
+def test_unknown_pass_is_an_ember_error():
+    proto = make_model([helper.make_node("Relu", ["x"], ["y"])], [tensor("x", [3])],
+                       [tensor("y", [3])])
+    with pytest.raises(UnknownPassError, match="fuse_gelu"):
+        simplify(import_model(proto), skip=["no_such_pass"])
+    assert issubclass(UnknownPassError, ember.EmberError)
+
+
+def test_skip_turns_a_pass_off():
+    proto = gelu_erf([3])
+    model = simplify(import_model(proto), skip=["fuse_gelu"])
+    assert "Gelu" not in ops(model)
+
+
+def test_simplify_command_writes_model_and_prints_table(tmp_path, capsys):
+    path, out = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    proto = decomposed_layernorm([2, 6])
+    onnx.save(proto, path)
+    parser = argparse.ArgumentParser()
+    add_simplify_parser(parser.add_subparsers())
+    args = parser.parse_args(["simplify", str(path), "-o", str(out), "--skip", "fuse_gelu"])
+    assert args.command(args) == 0
+    text = capsys.readouterr().out
+    assert "LayerNormalization" in text and "total" in text
+    assert "largest output difference on random inputs" in text
+    onnx.checker.check_model(onnx.load(out), full_check=True)
+    feeds = {"x": rand(2, 6)}
+    np.testing.assert_allclose(ember.load(str(out)).run(feeds)["y"],
+                               ort_outputs(proto, feeds)[0], rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_copy_structure_leaves_the_original_untouched():
+    from ember.simplifier import copy_structure
+
+    proto = gelu_erf([3])
+    original = import_model(proto)
+    simplified = simplify(copy_structure(original))
+    assert ops(simplified) == ["Gelu"] and len(original.graph.nodes) == 5
+    assert original.opsets[""] == 18

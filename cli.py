@@ -11,14 +11,15 @@ from typing import Sequence
 
 import numpy as np
 
-from ember.errors import EmberError, InputError
+from ember.errors import EmberError
 from ember.golden import add_check_parser
 from ember.native.convert import add_convert_parser
 from ember.simplifier.cli import add_simplify_parser
 from ember.importer import import_model
+from ember.inputs import load_input_files, make_inputs, parse_dims, parse_pairs
 from ember.ir import Model
 from ember.runtime.backends import BACKENDS
-from ember.runtime.session import IOInfo, Session
+from ember.runtime.session import IOInfo, Session, load
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                                                      "(default: $EMBER_BACKEND or cpu)")
     run.add_argument("-o", "--output", metavar="OUT.npz", help="save all outputs to an .npz file")
     run.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
+    run.add_argument("--no-simplify", action="store_true",
+                     help="run the graph as imported, without the simplifier's rewrites")
     run.set_defaults(command=cmd_run)
 
     info = sub.add_parser("info", help="describe a model: opsets, inputs, outputs, ops")
@@ -64,61 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _pairs(items: list[str], flag: str) -> dict[str, str]:
-    pairs = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise InputError(f"{flag} expects NAME=VALUE, got '{item}'")
-        pairs[name] = value
-    return pairs
-
-
-def random_input(info: IOInfo, dims: dict[str, int], rng: np.random.Generator) -> np.ndarray:
-    """A random array matching an input's declared dtype and shape."""
-    if info.dtype is None or info.shape is None:
-        raise InputError(f"input '{info.name}' ({info.type}) has no declared tensor type/shape; "
-                         "feed it with -i NAME=FILE.npy")
-    shape = []
-    for d in info.shape:
-        if isinstance(d, int) and d > 0:
-            shape.append(d)
-        elif isinstance(d, str) and d in dims:
-            shape.append(dims[d])
-        else:
-            shape.append(1)
-    dtype = np.dtype(info.dtype)
-    if dtype == bool:
-        return rng.random(shape) < 0.5
-    if dtype.kind in "iu":
-        return rng.integers(0, 10, size=shape).astype(dtype)
-    if dtype == object:
-        return np.array(rng.choice(["a", "b", "c"], size=shape), dtype=object)
-    return rng.standard_normal(shape).astype(dtype)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    session = Session(import_model(args.model), args.backend)
+    session = load(args.model, args.backend, simplify=not args.no_simplify)
     load_ms = (time.perf_counter() - t0) * 1e3
-    files = _pairs(args.input, "-i")
-    try:
-        dims = {k: int(v) for k, v in _pairs(args.dim, "--dim").items()}
-    except ValueError as exc:
-        raise InputError(f"--dim values must be integers: {exc}") from exc
-    rng = np.random.default_rng(args.seed)
-    feeds = {}
-    for info in session.inputs:
-        if info.name in files:
-            try:
-                feeds[info.name] = np.load(files.pop(info.name), allow_pickle=False)
-            except (OSError, ValueError) as exc:
-                raise InputError(f"cannot read input '{info.name}': {exc}") from exc
-        else:
-            feeds[info.name] = random_input(info, dims, rng)
-    if files:
-        raise InputError(f"unknown input name(s) {', '.join(files)}; the model's inputs are "
-                         f"{', '.join(i.name for i in session.inputs)}")
+    feeds = make_inputs(session.inputs, load_input_files(parse_pairs(args.input, "-i")),
+                        dims=parse_dims(args.dim), seed=args.seed)
     t0 = time.perf_counter()
     outputs = session.run(feeds)
     run_ms = (time.perf_counter() - t0) * 1e3

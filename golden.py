@@ -30,6 +30,7 @@ import numpy as np
 from ember.errors import EmberError, InputError
 from ember.importer import ModelSource, import_model, read_model_proto
 from ember.ir import Model, OptionalType, SequenceType
+from ember.inputs import load_input_files, make_inputs, parse_dims, parse_pairs, parse_ranges
 from ember.runtime.backends import BACKENDS, resolve_backend_name
 from ember.runtime.session import IOInfo, Session
 
@@ -342,105 +343,6 @@ def value_stats(value: Any) -> ValueStats:
             stats.min, stats.max = float(v.min()), float(v.max())
             stats.mean, stats.std = float(v.mean(dtype=np.float64)), float(v.std(dtype=np.float64))
     return stats
-
-
-# -- inputs ------------------------------------------------------------------------------------
-
-def load_input_files(files: Mapping[str, str] | None = None, npz: str | None = None
-                     ) -> dict[str, np.ndarray]:
-    """Inputs from `-i NAME=FILE.npy` pairs and an `--inputs FILE.npz` (keys NAME or input:NAME)."""
-    feeds: dict[str, np.ndarray] = {}
-    if npz:
-        try:
-            with np.load(npz, allow_pickle=False) as data:
-                for key in data.files:
-                    if key.startswith("output:"):
-                        continue
-                    feeds[key[len("input:"):] if key.startswith("input:") else key] = data[key]
-        except (OSError, ValueError) as exc:
-            raise InputError(f"cannot read inputs from '{npz}': {exc}") from exc
-    for name, path in (files or {}).items():
-        try:
-            feeds[name] = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise InputError(f"cannot read input '{name}' from '{path}': {exc}") from exc
-    return feeds
-
-
-def make_inputs(inputs: Sequence[IOInfo], given: Mapping[str, Any] | None = None,
-                dims: Mapping[str, int] | None = None,
-                ranges: Mapping[str, tuple[float, float]] | None = None,
-                seed: int = 0) -> dict[str, Any]:
-    """Feeds for every model input: `given` ones as they are, the others random from the declared
-    dtype and shape (`dims` sizes symbolic dimensions, default 1; `ranges` bounds the values:
-    integers draw from [LO, HI), floats uniformly from [LO, HI); default N(0, 1) and [0, 10))."""
-    given, dims, ranges = dict(given or {}), dict(dims or {}), dict(ranges or {})
-    known = {i.name for i in inputs}
-    unknown = sorted((set(given) | set(ranges)) - known)
-    if unknown:
-        raise InputError(f"unknown input name(s) {', '.join(unknown)}; the model's inputs are "
-                         f"{', '.join(i.name for i in inputs) or 'none'}")
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for info in inputs:
-        if info.name in given:
-            feeds[info.name] = _as_declared(info, given[info.name])
-        else:
-            feeds[info.name] = random_input(info, dims, ranges.get(info.name), rng)
-    return feeds
-
-
-def random_input(info: IOInfo, dims: Mapping[str, int], value_range: tuple[float, float] | None,
-                 rng: np.random.Generator) -> np.ndarray:
-    """A random array of an input's declared dtype and shape."""
-    if info.dtype is None or info.shape is None:
-        raise InputError(f"input '{info.name}' ({info.type}) declares no tensor type and shape; "
-                         "feed it with -i NAME=FILE.npy or --inputs FILE.npz")
-    shape = [d if isinstance(d, int) and d > 0 else int(dims.get(d, 1)) if isinstance(d, str)
-             else 1 for d in info.shape]
-    dtype = np.dtype(info.dtype)
-    if dtype == bool:
-        return rng.random(shape) < 0.5
-    if dtype == object:
-        return np.array(rng.choice(["a", "b", "c"], size=shape), dtype=object)
-    if dtype.kind in "iu":
-        lo, hi = value_range or (0, 10)
-        return rng.integers(int(lo), int(hi), size=shape).astype(dtype)
-    if value_range is not None:
-        return rng.uniform(value_range[0], value_range[1], size=shape).astype(dtype)
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def _as_declared(info: IOInfo, value: Any) -> Any:
-    """Recorded strings come back as fixed-width unicode; the model wants object arrays."""
-    if isinstance(value, np.ndarray) and value.dtype.kind == "U" and info.dtype == object:
-        return value.astype(object)
-    return value
-
-
-def parse_ranges(items: Sequence[str]) -> dict[str, tuple[float, float]]:
-    """`--range NAME=LO,HI` -> {NAME: (LO, HI)}."""
-    ranges = {}
-    for name, text in _pairs(items, "--range").items():
-        lo, sep, hi = text.partition(",")
-        try:
-            bounds = (float(lo), float(hi))
-        except ValueError:
-            bounds = None
-        if not sep or bounds is None or not bounds[0] < bounds[1]:
-            raise InputError(f"--range expects NAME=LO,HI with LO < HI, got '{name}={text}'")
-        ranges[name] = bounds
-    return ranges
-
-
-def _pairs(items: Sequence[str], flag: str) -> dict[str, str]:
-    pairs = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise InputError(f"{flag} expects NAME=VALUE, got '{item}'")
-        pairs[name] = value
-    return pairs
 
 
 # -- references --------------------------------------------------------------------------------
@@ -1148,12 +1050,9 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """`ember check`: print the report, write --json, return 0 pass / 1 mismatch."""
-    try:
-        dims = {k: int(v) for k, v in _pairs(args.dim, "--dim").items()}
-    except ValueError as exc:
-        raise InputError(f"--dim values must be integers: {exc}") from exc
+    dims = parse_dims(args.dim)
     report = check(args.model, args.backend, args.ref,
-                   inputs=load_input_files(_pairs(args.input, "-i"), args.inputs),
+                   inputs=load_input_files(parse_pairs(args.input, "-i"), args.inputs),
                    seed=args.seed, dims=dims, ranges=parse_ranges(args.range),
                    atol=_with_default(parse_tolerances(args.atol, "--atol"), DEFAULT_ATOL),
                    rtol=_with_default(parse_tolerances(args.rtol, "--rtol"), DEFAULT_RTOL),

@@ -383,25 +383,19 @@ class QLinearConv(_ConvBase):
 
 @register("ConvTranspose", versions=[1, 11, 22])
 class ConvTranspose(_ConvBase):
-    def run(self, x, w, b=None):
-        n = x.ndim - 2
-        if n < 1 or w.ndim != x.ndim:
-            raise self.fail(f"bad input/weight ranks {x.shape}, {w.shape}")
-        G = self.group
-        N, C = x.shape[:2]
-        if C != w.shape[0] or C % G:
-            raise self.fail(f"input channels {C} do not match weight {w.shape} / group {G}")
-        Mg = w.shape[1]
-        M = Mg * G
-        kernel = list(w.shape[2:])
+    def geometry(self, x_shape, w_shape):
+        """(kernel, strides, dilations, pads begin, pads end, output spatial shape) for these
+        input and weight shapes, resolving auto_pad, output_padding and output_shape."""
+        n = len(x_shape) - 2
+        kernel = list(w_shape[2:])
         if getattr(self, "kernel_shape", None) is not None and len(self.kernel_shape):
             if [int(k) for k in self.kernel_shape] != kernel:
                 raise self.fail(f"kernel_shape {list(self.kernel_shape)} does not match "
-                                f"weight shape {w.shape}")
+                                f"weight shape {tuple(w_shape)}")
         strides = ints(getattr(self, "strides", None), n, 1)
         dilations = ints(getattr(self, "dilations", None), n, 1)
         opad = ints(getattr(self, "output_padding", None), n, 0)
-        in_sp = x.shape[2:]
+        in_sp = x_shape[2:]
         natural = [s * (i - 1) + op + (k - 1) * d + 1
                    for s, i, op, k, d in zip(strides, in_sp, opad, kernel, dilations)]
         auto_pad = getattr(self, "auto_pad", "NOTSET") or "NOTSET"
@@ -428,7 +422,20 @@ class ConvTranspose(_ConvBase):
                 p = ints(getattr(self, "pads", None), 2 * n, 0)
                 begin, end = p[:n], p[n:]
             out_sp = [natural[i] - begin[i] - end[i] for i in range(n)]
+        return kernel, strides, dilations, begin, end, out_sp
 
+    def run(self, x, w, b=None):
+        n = x.ndim - 2
+        if n < 1 or w.ndim != x.ndim:
+            raise self.fail(f"bad input/weight ranks {x.shape}, {w.shape}")
+        G = self.group
+        N, C = x.shape[:2]
+        if C != w.shape[0] or C % G:
+            raise self.fail(f"input channels {C} do not match weight {w.shape} / group {G}")
+        Mg = w.shape[1]
+        M = Mg * G
+        kernel, strides, dilations, begin, end, out_sp = self.geometry(x.shape, w.shape)
+        in_sp = x.shape[2:]
         dt = compute_dtype(x.dtype)
         K = math.prod(kernel)
         L = math.prod(in_sp)

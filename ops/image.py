@@ -206,8 +206,10 @@ class Resize11(_ResizeBase):
             raise self.fail(f"unsupported keep_aspect_ratio_policy '{self.policy}'")
         self.aa = bool(getattr(self, "antialias", 0) or 0) and self.mode != "nearest"
 
-    def run(self, x, roi=None, scales=None, sizes=None):
-        r = x.ndim
+    def target(self, shape: tuple[int, ...], roi, scales, sizes):
+        """(output shape, per-axis scales, roi as (starts, ends) or None) for an input of
+        `shape`, from the scales or sizes input, `axes` and keep_aspect_ratio_policy."""
+        r = len(shape)
         axes_attr = getattr(self, "axes", None)
         if axes_attr is None:
             axes = list(range(r))
@@ -223,21 +225,21 @@ class Resize11(_ResizeBase):
         if (scales is None) == (sizes is None):
             raise self.fail("exactly one of 'scales' and 'sizes' must be given")
         full_scales = [1.0] * r
-        out_shape = list(x.shape)
+        out_shape = list(shape)
         if scales is not None:
-            sc = np.asarray(scales, dtype=np.float64).reshape(-1)
+            sc = np.asarray(scales).reshape(-1)
             if sc.size != k:
                 raise self.fail(f"scales has {sc.size} entries, expected {k}")
-            if np.any(sc <= 0):
+            if np.any(sc.astype(np.float64) <= 0):
                 raise self.fail("scales must be positive")
             for i, a in enumerate(axes):
-                full_scales[a] = float(scales.reshape(-1)[i])
-                out_shape[a] = int(np.float64(scales.reshape(-1)[i]) * x.shape[a])
+                full_scales[a] = float(sc[i])
+                out_shape[a] = int(np.float64(sc[i]) * shape[a])
         else:
             sz = np.asarray(sizes, dtype=np.int64).reshape(-1)
             if sz.size != k:
                 raise self.fail(f"sizes has {sz.size} entries, expected {k}")
-            ratios = [sz[i] / x.shape[a] if x.shape[a] else 1.0 for i, a in enumerate(axes)]
+            ratios = [sz[i] / shape[a] if shape[a] else 1.0 for i, a in enumerate(axes)]
             if self.policy == "stretch":
                 for i, a in enumerate(axes):
                     full_scales[a] = float(ratios[i])
@@ -246,7 +248,7 @@ class Resize11(_ResizeBase):
                 s = min(ratios) if self.policy == "not_larger" else max(ratios)
                 for a in axes:
                     full_scales[a] = float(s)
-                    out_shape[a] = int(math.floor(s * x.shape[a] + 0.5))
+                    out_shape[a] = int(math.floor(s * shape[a] + 0.5))
         roi_pair = None
         if self.ct == "tf_crop_and_resize":
             starts, ends = [0.0] * r, [1.0] * r
@@ -257,11 +259,18 @@ class Resize11(_ResizeBase):
                 for i, a in enumerate(axes):
                     starts[a], ends[a] = rv[i], rv[k + i]
             roi_pair = (starts, ends)
-        return resize_nd(x, out_shape, full_scales, mode=self.mode, ct=self.ct,
-                         nearest_mode=self.nearest, cubic_a=float(self.cubic_coeff_a),
-                         exclude_outside=bool(self.exclude_outside),
-                         extrapolation_value=float(self.extrapolation_value),
-                         antialias=self.aa, roi=roi_pair)
+        return out_shape, full_scales, roi_pair
+
+    def options(self, roi_pair) -> dict:
+        """The keyword arguments of resize_nd that come from the attributes."""
+        return dict(mode=self.mode, ct=self.ct, nearest_mode=self.nearest,
+                    cubic_a=float(self.cubic_coeff_a), exclude_outside=bool(self.exclude_outside),
+                    extrapolation_value=float(self.extrapolation_value), antialias=self.aa,
+                    roi=roi_pair)
+
+    def run(self, x, roi=None, scales=None, sizes=None):
+        out_shape, full_scales, roi_pair = self.target(x.shape, roi, scales, sizes)
+        return resize_nd(x, out_shape, full_scales, **self.options(roi_pair))
 
 
 def _upsample(impl: _ResizeBase, x: np.ndarray, scales) -> np.ndarray:

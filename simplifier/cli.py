@@ -65,14 +65,12 @@ def op_count_table(before: dict[str, int], after: dict[str, int]) -> str:
 
 
 def _difference_line(original: Model, simplified: Model, args: argparse.Namespace) -> str:
-    from ember.cli import _pairs, random_input
+    from ember.inputs import make_inputs, parse_dims
     from ember.runtime.session import Session
 
     try:
-        dims = {k: int(v) for k, v in _pairs(args.dim, "--dim").items()}
         plain, fused = Session(original), Session(simplified)
-        rng = np.random.default_rng(args.seed)
-        feeds = {info.name: random_input(info, dims, rng) for info in plain.inputs}
+        feeds = make_inputs(plain.inputs, dims=parse_dims(args.dim), seed=args.seed)
         want, got = plain.run(feeds), fused.run(feeds)
     except (EmberError, ValueError) as exc:
         return f"outputs not compared on random inputs: {exc}"

@@ -230,40 +230,6 @@ class ConvTransposeCL(ConvTranspose):
         super().setup()
         self._wpack = CachedPack()
 
-    def geometry_t(self, x, w):
-        """(kernel, strides, dilations, begin, out_sp), as ConvTranspose.run resolves them."""
-        n = x.ndim - 2
-        kernel_ = list(w.shape[2:])
-        strides = ints(getattr(self, "strides", None), n, 1)
-        dilations = ints(getattr(self, "dilations", None), n, 1)
-        opad = ints(getattr(self, "output_padding", None), n, 0)
-        in_sp = x.shape[2:]
-        natural = [s * (i - 1) + op + (k - 1) * d + 1
-                   for s, i, op, k, d in zip(strides, in_sp, opad, kernel_, dilations)]
-        auto_pad = getattr(self, "auto_pad", "NOTSET") or "NOTSET"
-        auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-        oshape = getattr(self, "output_shape", None)
-        if oshape is not None and len(oshape):
-            out_sp = [int(v) for v in oshape][-n:]
-        elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-            out_sp = [i * s for i, s in zip(in_sp, strides)]
-        else:
-            out_sp = None
-        if out_sp is not None:
-            begin = []
-            for i in range(n):
-                total = natural[i] - out_sp[i]
-                half = total // 2
-                begin.append(half if auto_pad == "SAME_UPPER" else total - half)
-        else:
-            if auto_pad == "VALID":
-                begin, end = [0] * n, [0] * n
-            else:
-                p = ints(getattr(self, "pads", None), 2 * n, 0)
-                begin, end = p[:n], p[n:]
-            out_sp = [natural[i] - begin[i] - end[i] for i in range(n)]
-        return kernel_, strides, dilations, begin, out_sp
-
     def run(self, x, w, b=None):
         args = [x, w] if b is None else [x, w, b]
         if x.dtype not in self.dtypes or w.dtype != x.dtype or \
@@ -274,10 +240,7 @@ class ConvTransposeCL(ConvTranspose):
         N, C = x.shape[:2]
         if C != w.shape[0] or C % G:
             return self.run_on_cpu(*args)  # the CPU kernel raises the proper error
-        kernel_, strides, dilations, begin, out_sp = self.geometry_t(x, w)
-        kshape = getattr(self, "kernel_shape", None)
-        if kshape is not None and len(kshape) and [int(k) for k in kshape] != kernel_:
-            return self.run_on_cpu(*args)
+        kernel_, strides, dilations, begin, _, out_sp = self.geometry(x.shape, w.shape)
         Cg, Mg = C // G, w.shape[1]
         M = Mg * G
         K = math.prod(kernel_)

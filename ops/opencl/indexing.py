@@ -441,57 +441,8 @@ class Resize11CL(_ResizeCL, IM.Resize11):
     def run(self, x, roi=None, scales=None, sizes=None):
         if not on_device(x):
             return self.run_on_cpu(x, roi, scales, sizes)
-        r = x.ndim
-        axes_attr = getattr(self, "axes", None)
-        if axes_attr is None:
-            axes = list(range(r))
-        else:
-            axes = [a + r if a < 0 else a for a in axes_attr]
-            if any(not 0 <= a < r for a in axes) or len(set(axes)) != len(axes):
-                raise self.fail(f"invalid axes {list(axes_attr)} for rank {r}")
-        k = len(axes)
-        scales = None if scales is not None and scales.size == 0 else scales
-        sizes = None if sizes is not None and sizes.size == 0 else sizes
-        if (scales is None) == (sizes is None):
-            raise self.fail("exactly one of 'scales' and 'sizes' must be given")
-        full_scales, out_shape = [1.0] * r, list(x.shape)
-        if scales is not None:
-            sc = np.asarray(scales).reshape(-1)
-            if sc.size != k:
-                raise self.fail(f"scales has {sc.size} entries, expected {k}")
-            if np.any(sc.astype(np.float64) <= 0):
-                raise self.fail("scales must be positive")
-            for i, a in enumerate(axes):
-                full_scales[a] = float(sc[i])
-                out_shape[a] = int(np.float64(sc[i]) * x.shape[a])
-        else:
-            sz = np.asarray(sizes, dtype=np.int64).reshape(-1)
-            if sz.size != k:
-                raise self.fail(f"sizes has {sz.size} entries, expected {k}")
-            ratios = [sz[i] / x.shape[a] if x.shape[a] else 1.0 for i, a in enumerate(axes)]
-            if self.policy == "stretch":
-                for i, a in enumerate(axes):
-                    full_scales[a], out_shape[a] = float(ratios[i]), int(sz[i])
-            else:
-                s = min(ratios) if self.policy == "not_larger" else max(ratios)
-                for a in axes:
-                    full_scales[a] = float(s)
-                    out_shape[a] = int(math.floor(s * x.shape[a] + 0.5))
-        roi_pair = None
-        if self.ct == "tf_crop_and_resize":
-            starts, ends = [0.0] * r, [1.0] * r
-            if roi is not None and roi.size:
-                rv = np.asarray(roi, dtype=np.float64).reshape(-1)
-                if rv.size != 2 * k:
-                    raise self.fail(f"roi has {rv.size} entries, expected {2 * k}")
-                for i, a in enumerate(axes):
-                    starts[a], ends[a] = rv[i], rv[k + i]
-            roi_pair = (starts, ends)
-        out = self.resize(x, out_shape, full_scales, mode=self.mode, ct=self.ct,
-                          nearest_mode=self.nearest, cubic_a=float(self.cubic_coeff_a),
-                          exclude_outside=bool(self.exclude_outside),
-                          extrapolation_value=float(self.extrapolation_value),
-                          antialias=self.aa, roi=roi_pair)
+        out_shape, full_scales, roi_pair = self.target(x.shape, roi, scales, sizes)
+        out = self.resize(x, out_shape, full_scales, **self.options(roi_pair))
         return self.run_on_cpu(x, roi, scales, sizes) if out is None else out
 
 

@@ -1,0 +1,116 @@
+"""Model inputs for the command line: read from files, or random from the declared types and
+shapes (shared by `ember run`, `ember check` and `ember simplify`)."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ember.errors import InputError
+from ember.runtime.session import IOInfo
+
+
+def load_input_files(files: Mapping[str, str] | None = None, npz: str | None = None
+                     ) -> dict[str, np.ndarray]:
+    """Inputs from `-i NAME=FILE.npy` pairs and an `--inputs FILE.npz` (keys NAME or input:NAME)."""
+    feeds: dict[str, np.ndarray] = {}
+    if npz:
+        try:
+            with np.load(npz, allow_pickle=False) as data:
+                for key in data.files:
+                    if key.startswith("output:"):
+                        continue
+                    feeds[key[len("input:"):] if key.startswith("input:") else key] = data[key]
+        except (OSError, ValueError) as exc:
+            raise InputError(f"cannot read inputs from '{npz}': {exc}") from exc
+    for name, path in (files or {}).items():
+        try:
+            feeds[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise InputError(f"cannot read input '{name}' from '{path}': {exc}") from exc
+    return feeds
+
+
+def make_inputs(inputs: Sequence[IOInfo], given: Mapping[str, Any] | None = None,
+                dims: Mapping[str, int] | None = None,
+                ranges: Mapping[str, tuple[float, float]] | None = None,
+                seed: int = 0) -> dict[str, Any]:
+    """Feeds for every model input: `given` ones as they are, the others random from the declared
+    dtype and shape (`dims` sizes symbolic dimensions, default 1; `ranges` bounds the values:
+    integers draw from [LO, HI), floats uniformly from [LO, HI); default N(0, 1) and [0, 10))."""
+    given, dims, ranges = dict(given or {}), dict(dims or {}), dict(ranges or {})
+    known = {i.name for i in inputs}
+    unknown = sorted((set(given) | set(ranges)) - known)
+    if unknown:
+        raise InputError(f"unknown input name(s) {', '.join(unknown)}; the model's inputs are "
+                         f"{', '.join(i.name for i in inputs) or 'none'}")
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for info in inputs:
+        if info.name in given:
+            feeds[info.name] = _as_declared(info, given[info.name])
+        else:
+            feeds[info.name] = random_input(info, dims, ranges.get(info.name), rng)
+    return feeds
+
+
+def random_input(info: IOInfo, dims: Mapping[str, int], value_range: tuple[float, float] | None,
+                 rng: np.random.Generator) -> np.ndarray:
+    """A random array of an input's declared dtype and shape."""
+    if info.dtype is None or info.shape is None:
+        raise InputError(f"input '{info.name}' ({info.type}) declares no tensor type and shape; "
+                         "feed it with -i NAME=FILE.npy or --inputs FILE.npz")
+    shape = [d if isinstance(d, int) and d > 0 else int(dims.get(d, 1)) if isinstance(d, str)
+             else 1 for d in info.shape]
+    dtype = np.dtype(info.dtype)
+    if dtype == bool:
+        return rng.random(shape) < 0.5
+    if dtype == object:
+        return np.array(rng.choice(["a", "b", "c"], size=shape), dtype=object)
+    if dtype.kind in "iu":
+        lo, hi = value_range or (0, 10)
+        return rng.integers(int(lo), int(hi), size=shape).astype(dtype)
+    if value_range is not None:
+        return rng.uniform(value_range[0], value_range[1], size=shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _as_declared(info: IOInfo, value: Any) -> Any:
+    """Recorded strings come back as fixed-width unicode; the model wants object arrays."""
+    if isinstance(value, np.ndarray) and value.dtype.kind == "U" and info.dtype == object:
+        return value.astype(object)
+    return value
+
+
+def parse_dims(items: Sequence[str]) -> dict[str, int]:
+    """`--dim NAME=VALUE` -> {NAME: VALUE} for symbolic dimensions."""
+    try:
+        return {name: int(value) for name, value in parse_pairs(items, "--dim").items()}
+    except ValueError as exc:
+        raise InputError(f"--dim values must be integers: {exc}") from exc
+
+
+def parse_ranges(items: Sequence[str]) -> dict[str, tuple[float, float]]:
+    """`--range NAME=LO,HI` -> {NAME: (LO, HI)}."""
+    ranges = {}
+    for name, text in parse_pairs(items, "--range").items():
+        lo, sep, hi = text.partition(",")
+        try:
+            bounds = (float(lo), float(hi))
+        except ValueError:
+            bounds = None
+        if not sep or bounds is None or not bounds[0] < bounds[1]:
+            raise InputError(f"--range expects NAME=LO,HI with LO < HI, got '{name}={text}'")
+        ranges[name] = bounds
+    return ranges
+
+
+def parse_pairs(items: Sequence[str], flag: str) -> dict[str, str]:
+    """`NAME=VALUE` command-line items -> {NAME: VALUE}."""
+    pairs = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise InputError(f"{flag} expects NAME=VALUE, got '{item}'")
+        pairs[name] = value
+    return pairs

@@ -197,12 +197,12 @@ def assert_outputs_match(expected: list, actual: list, rtol: float, atol: float,
         np.testing.assert_allclose(act, exp, rtol=out_rtol, atol=atol, err_msg=label)
 
 
-def run_case(case: Case, backend: str = "cpu"):
+def run_case(case: Case, backend: str = "cpu", simplify: bool = True):
     """Load the case's model in ember and check every data set; raises on mismatch.
     Returns the session (its .placement tells where each node ran)."""
     import ember
 
-    session = ember.load(case.model_path, backend=backend)
+    session = ember.load(case.model_path, backend=backend, simplify=simplify)
     for inputs, expected in case.data_sets:
         result = session.run(inputs)
         actual = [result[o.name] for o in session.outputs]

@@ -47,11 +47,13 @@ DEVICE_OPS = {"Conv", "MatMul", "Gemm", "BatchNormalization", "LayerNormalizatio
               "InstanceNormalization", "GroupNormalization", "Softmax"}
 
 
-@pytest.mark.parametrize("backend", present_backends())
-def test_matches_onnxruntime(exported, backend):
+@pytest.mark.parametrize("backend,simplify",
+                         [("cpu", False)] + [(b, True) for b in present_backends()],
+                         ids=lambda v: {False: "raw", True: "simplified"}.get(v, v))
+def test_matches_onnxruntime(exported, backend, simplify):
     name, path, inputs = exported
     want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, inputs)
-    session = ember.load(path, backend=backend)
+    session = ember.load(path, backend=backend, simplify=simplify)
     got = session.run(inputs)
     if backend != "cpu":
         on_cpu = [(node, op) for node, op, where in session.placement

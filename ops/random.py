@@ -3,9 +3,12 @@
 A node with a `seed` attribute owns a generator seeded once when the model is loaded, so a freshly
 loaded model produces the same sequence of outputs run after run (successive runs of one
 session draw successive values, as onnxruntime does). Without a seed, values come from fresh
-OS entropy.
+OS entropy, unless EMBER_RANDOM_SEED is set: then unseeded nodes are seeded with it, for
+reproducible runs (the tests set it).
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -15,7 +18,8 @@ from ember.ops.tensor import STRING, cast_array, is_floatlike, onnx_dtype
 
 def _generator(seed) -> np.random.Generator:
     if seed is None:
-        return np.random.default_rng()
+        fixed = os.environ.get("EMBER_RANDOM_SEED")
+        return np.random.default_rng(int(fixed) if fixed else None)
     seed = float(seed)
     if seed.is_integer() and seed >= 0:
         return np.random.default_rng(int(seed))

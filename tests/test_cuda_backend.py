@@ -11,7 +11,7 @@ Two modes, one set of tests:
   every node the backend places on the device runs there on "device" arrays, and results
   match the CPU. CUDA C cannot run in it; tests/test_cuda_sources.py compiles that code.
 
-Every node case runs, with the CPU's expected failures (tests/xfail_cpu.txt) as non-strict
+Every node case runs, with the CPU's expected failures (tests/xfail_cpu.txt) as strict
 xfails. In both modes EMBER_CUDA_STRICT=1 is set, so a shared kernel meeting something cupy
 lacks fails instead of quietly falling back to the CPU.
 """
@@ -98,7 +98,7 @@ def cuda_main(cuda):
 
 def _param(case_dir: str):
     name = os.path.basename(case_dir)
-    marks = [pytest.mark.xfail(strict=False, reason=XFAILS[name])] if name in XFAILS else []
+    marks = [pytest.mark.xfail(strict=True, reason=XFAILS[name])] if name in XFAILS else []
     return pytest.param(case_dir, id=name, marks=marks)
 
 

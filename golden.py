@@ -32,7 +32,7 @@ from ember.importer import ModelSource, import_model, read_model_proto
 from ember.ir import Model, OptionalType, SequenceType
 from ember.inputs import load_input_files, make_inputs, parse_dims, parse_pairs, parse_ranges
 from ember.runtime.backends import BACKENDS, resolve_backend_name
-from ember.runtime.session import IOInfo, Session
+from ember.runtime.session import Session
 
 DEFAULT_ATOL = 1e-4
 DEFAULT_RTOL = 1e-3

@@ -138,7 +138,6 @@ def conv_nd(x, w, group, kernel, strides, dilations, begin, end, bias=None, cach
     `cache` is a dict the caller keeps for as long as w and bias stay the same constants; the
     bias-augmented weight matrix is remembered there.
     """
-    n = len(kernel)
     N, C = x.shape[:2]
     M = w.shape[0]
     Cg, Mg = C // group, M // group

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.ops._dtypes import is_narrow_float, widen
+from ember.ops._dtypes import widen
 from ember.ops.registry import OpImpl, register
 
 

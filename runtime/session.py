@@ -5,7 +5,6 @@ written for onnxruntime runs by changing the import.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -14,7 +13,7 @@ import numpy as np
 from ember.errors import InputError
 from ember.importer import ModelSource, import_model
 from ember.ir import Dim, Model, OptionalType, SequenceType, TensorType, ValueInfo
-from ember.runtime.backends import BACKENDS, get_backend
+from ember.runtime.backends import get_backend
 from ember.runtime.executor import Plan
 
 

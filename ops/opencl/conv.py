@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from ember.ops.conv import Conv, ConvTranspose, ints, out_size
+from ember.ops.conv import Conv, ConvTranspose, out_size
 from ember.ops.opencl._common import FLOAT_TYPES, backend, c_type, kernel, launch
 from ember.ops.opencl.linalg import CachedPack, RM, block_n, gemm_packed, pack_a, pack_b, scratch
 from ember.ops.registry import register

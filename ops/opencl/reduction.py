@@ -346,25 +346,30 @@ _reduce_classes("logsumexp", (ReduceLogSumExp1, ReduceLogSumExp18))
 # --------------------------------------------------------------------------------------------
 # ArgMax / ArgMin
 
-@lru_cache(maxsize=None)
-def _arg_source(ctype: str, largest: bool, last: bool, ls: int, is_float: bool = True) -> str:
-    """Kernel `argreduce` over x viewed as [outer, n, inner]: y[o*inner + i] = the index of the
-    extreme along n. NaN beats everything (numpy's argmax/argmin return the first NaN); ties go
-    to the lower (or, with select_last_index, the higher) index, so the tree order is free."""
+def _better(largest: bool, last: bool, is_float: bool = True) -> str:
+    """C condition: element (va, ia) beats the best so far (vb, ib). NaN beats everything
+    (numpy's argmax/argmin return the first NaN); ties go to the lower (or, with
+    select_last_index, the higher) index, so the reduction order is free."""
     cmp = ">" if largest else "<"
     tie = ">" if last else "<"
-    better = (f"((isnan(va) && !isnan(vb)) || (!isnan(vb) && va {cmp} vb) || "
-              f"((va == vb || (isnan(va) && isnan(vb))) && ia {tie} ib))")
     if not is_float:
-        better = f"(va {cmp} vb || (va == vb && ia {tie} ib))"
-    if ls:
+        return f"(va {cmp} vb || (va == vb && ia {tie} ib))"
+    return (f"((isnan(va) && !isnan(vb)) || (!isnan(vb) && va {cmp} vb) || "
+            f"((va == vb || (isnan(va) && isnan(vb))) && ia {tie} ib))")
+
+
+def _argbest(better: str, ls: int) -> str:
+    """C statements leaving in `bidx` the index of the best of the n elements of `row`: one
+    work-group per row with a local-memory tree when `ls`, else serially with stride `inner`."""
+    if not ls:
         return f"""
-#define T {ctype}
-#define LS {ls}
-__kernel void argreduce(__global const T *x, __global long *y, const long n, const long inner) {{
-    const long o = get_group_id(0); const int lid = get_local_id(0);
+    T best = row[0]; long bidx = 0;
+    for (long j = 1; j < n; ++j) {{
+        const T va = row[j * inner], vb = best; const long ia = j, ib = bidx;
+        if ({better}) {{ best = va; bidx = j; }}
+    }}"""
+    return f"""
     __local T bv[LS]; __local long bi[LS];
-    __global const T *row = x + o * n;
     T best = row[0]; long bidx = 0;
     for (long j = lid; j < n; j += LS) {{
         const T va = row[j], vb = best; const long ia = j, ib = bidx;
@@ -379,22 +384,32 @@ __kernel void argreduce(__global const T *x, __global long *y, const long n, con
         }}
         barrier(CLK_LOCAL_MEM_FENCE);
     }}
-    if (lid == 0) y[o] = bi[0];
-}}
-"""
+    bidx = bi[0];"""
+
+
+# Row addressing for x viewed as [outer, n, inner]: a work-group per row (inner == 1), or a
+# work-item per (outer, inner) pair.
+_ROW_PER_GROUP = "const long o = get_group_id(0); const int lid = get_local_id(0);\n" \
+                 "    __global const T *row = x + o * n;"
+_ROW_PER_ITEM = "const long g = get_global_id(0); if (g >= total) return;\n" \
+                "    const long o = g / inner, i = g % inner;\n" \
+                "    __global const T *row = x + o * n * inner + i;"
+
+
+@lru_cache(maxsize=None)
+def _arg_source(ctype: str, largest: bool, last: bool, ls: int, is_float: bool = True) -> str:
+    """Kernel `argreduce` over x viewed as [outer, n, inner]: y[o*inner + i] = the index of the
+    extreme along n."""
+    head = _ROW_PER_GROUP if ls else _ROW_PER_ITEM
+    store = "if (lid == 0) y[o] = bidx;" if ls else "y[g] = bidx;"
     return f"""
 #define T {ctype}
+#define LS {max(ls, 1)}
 __kernel void argreduce(__global const T *x, __global long *y, const long n, const long inner,
                         const long total) {{
-    const long g = get_global_id(0); if (g >= total) return;
-    const long o = g / inner, i = g % inner;
-    __global const T *col = x + o * n * inner + i;
-    T best = col[0]; long bidx = 0;
-    for (long j = 1; j < n; ++j) {{
-        const T va = col[j * inner], vb = best; const long ia = j, ib = bidx;
-        if ({better}) {{ best = va; bidx = j; }}
-    }}
-    y[g] = bidx;
+    {head}
+    {_argbest(_better(largest, last, is_float), ls)}
+    {store}
 }}
 """
 
@@ -426,7 +441,8 @@ class _ArgCL:
         if ls > 1:
             knl = kernel(_arg_source(c_type(data.dtype), self.largest, self.last, ls, fl),
                          "argreduce")
-            launch(knl, outer * ls, data, y, _i64(n), _i64(inner), local_size=(ls,))
+            launch(knl, outer * ls, data, y, _i64(n), _i64(inner), _i64(y.size),
+                   local_size=(ls,))
         else:
             knl = kernel(_arg_source(c_type(data.dtype), self.largest, self.last, 0, fl),
                          "argreduce")
@@ -498,49 +514,21 @@ __kernel void softmax(__global const T *x, __global T *y, const long n, const lo
 
 
 def _hardmax_source(ctype: str, ls: int) -> str:
-    # first index of the maximum (numpy argmax: a NaN counts as the maximum)
-    better = "((isnan(va) && !isnan(vb)) || (!isnan(vb) && va > vb) || " \
-             "((va == vb || (isnan(va) && isnan(vb))) && ia < ib))"
-    if ls:
-        return f"""
-#define T {ctype}
-#define LS {ls}
-__kernel void softmax(__global const T *x, __global T *y, const long n, const long inner,
-                      const long total) {{
-    const long o = get_group_id(0); const int lid = get_local_id(0);
-    __local T bv[LS]; __local long bi[LS];
-    __global const T *xr = x + o * n; __global T *yr = y + o * n;
-    T best = xr[0]; long bidx = 0;
-    for (long j = lid; j < n; j += LS) {{
-        const T va = xr[j], vb = best; const long ia = j, ib = bidx;
-        if ({better}) {{ best = va; bidx = j; }}
-    }}
-    bv[lid] = best; bi[lid] = bidx;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int s = LS / 2; s > 0; s >>= 1) {{
-        if (lid < s) {{
-            const T va = bv[lid + s], vb = bv[lid]; const long ia = bi[lid + s], ib = bi[lid];
-            if ({better}) {{ bv[lid] = va; bi[lid] = ia; }}
-        }}
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }}
-    bidx = bi[0];
-    for (long j = lid; j < n; j += LS) yr[j] = (T)(j == bidx);
-}}
-"""
+    """Kernel `softmax` (the name the softmax family launches) writing Hardmax: one at the
+    first index of each row's maximum, zero elsewhere."""
+    head = _ROW_PER_GROUP if ls else _ROW_PER_ITEM
+    yrow = "y + o * n" if ls else "y + o * n * inner + i"
+    write = "for (long j = lid; j < n; j += LS) yr[j] = (T)(j == bidx);" if ls else \
+        "for (long j = 0; j < n; ++j) yr[j * inner] = (T)(j == bidx);"
     return f"""
 #define T {ctype}
+#define LS {max(ls, 1)}
 __kernel void softmax(__global const T *x, __global T *y, const long n, const long inner,
                       const long total) {{
-    const long g = get_global_id(0); if (g >= total) return;
-    const long o = g / inner, i = g % inner;
-    __global const T *xr = x + o * n * inner + i; __global T *yr = y + o * n * inner + i;
-    T best = xr[0]; long bidx = 0;
-    for (long j = 1; j < n; ++j) {{
-        const T va = xr[j * inner], vb = best; const long ia = j, ib = bidx;
-        if ({better}) {{ best = va; bidx = j; }}
-    }}
-    for (long j = 0; j < n; ++j) yr[j * inner] = (T)(j == bidx);
+    {head}
+    __global T *yr = {yrow};
+    {_argbest(_better(True, False), ls)}
+    {write}
 }}
 """
 

@@ -159,7 +159,8 @@ class _ScatterNDBase(OpImpl):
     def _reduction(self) -> str:
         return getattr(self, "reduction", None) or "none"
 
-    def run(self, data, indices, updates):
+    def check_shapes(self, data, indices, updates) -> int:
+        """Validate the three shapes against each other; returns k, the index tuple length."""
         if indices.ndim < 1:
             raise self.fail("indices must have rank >= 1")
         k = indices.shape[-1]
@@ -168,6 +169,10 @@ class _ScatterNDBase(OpImpl):
         expected = indices.shape[:-1] + data.shape[k:]
         if updates.shape != expected:
             raise self.fail(f"updates shape {updates.shape}, expected {expected}")
+        return k
+
+    def run(self, data, indices, updates):
+        k = self.check_shapes(data, indices, updates)
         idx = _fix_indices(self, indices.reshape(-1, k),
                            np.array(data.shape[:k], dtype=np.int64))
         upd = updates.reshape((idx.shape[0],) + data.shape[k:])

@@ -150,14 +150,7 @@ class _ScatterNDCL:
         if not on_device(data, indices, updates) or indices.dtype not in INDEX_TYPES \
                 or not typed or updates.dtype != data.dtype:
             return self.run_on_cpu(data, indices, updates)
-        if indices.ndim < 1:
-            raise self.fail("indices must have rank >= 1")
-        k = indices.shape[-1]
-        if k > data.ndim:
-            raise self.fail(f"index tuples of length {k} exceed the data rank {data.ndim}")
-        expected = indices.shape[:-1] + data.shape[k:]
-        if updates.shape != expected:
-            raise self.fail(f"updates shape {updates.shape}, expected {expected}")
+        k = self.check_shapes(data, indices, updates)
         out = copy_window(view(data), data.dtype)
         count, inner = math.prod(indices.shape[:-1]), math.prod(data.shape[k:])
         if count == 0 or inner == 0:

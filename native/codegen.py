@@ -437,7 +437,7 @@ class CodeGenerator:
         scans = [self.locals.new("scan") for _ in range(n_scan)]
         step = [self.locals.new("step") for _ in range(n_scan)]
         lines = [f"# Loop{_label(node)}"] + fn_lines
-        lines.append(f"{limit} = rt.trip_limit({self._value(scope, trip)})" if trip
+        lines.append(f"{limit} = rt.trip_limit(self.host({self._value(scope, trip)}))" if trip
                      else f"{limit} = None")
         lines.append(f"{keep} = self.truth({self._value(scope, cond)})" if cond
                      else f"{keep} = True")

@@ -32,7 +32,7 @@ def convert_and_import(model_path, out_dir):
 
 
 def executor_outputs(model_path, feeds):
-    session = ember.load(model_path)
+    session = ember.load(model_path, simplify=False)  # the module mirrors the imported graph
     result = session.run(feeds)
     return session, [result[o.name] for o in session.outputs]
 

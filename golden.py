@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -1070,19 +1069,3 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _with_default(parsed: dict[str, float], default: float) -> dict[str, float]:
     return {"": default, **parsed}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m ember.golden MODEL ...`: the check command on its own (as `ember check`)."""
-    parser = argparse.ArgumentParser(prog="ember")
-    add_check_parser(parser.add_subparsers())
-    args = parser.parse_args(["check", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.command(args)
-    except EmberError as exc:
-        print(f"ember: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

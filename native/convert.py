@@ -99,19 +99,3 @@ def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or summary")
     p.set_defaults(command=cmd_convert)
     return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m ember.native.convert MODEL -o DIR` until the lead wires it into cli.py."""
-    parser = argparse.ArgumentParser(prog="ember")
-    add_convert_parser(parser.add_subparsers(dest="cmd", required=True))
-    args = parser.parse_args(["convert"] + list(sys.argv[1:] if argv is None else argv))
-    try:
-        return args.command(args)
-    except EmberError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

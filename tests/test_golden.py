@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from ember import golden
+from ember.cli import main as cli_main
 from ember.errors import EmberError
 from ember.importer import import_model
 from ember.ops import registry
@@ -93,9 +94,9 @@ def ort_outputs(path, feeds) -> dict:
 
 
 def run_cli(args, tmp_path, capsys):
-    """golden.main in this process (so a patched registry applies); returns (rc, report, out)."""
+    """`ember check` in this process (so a patched registry applies); returns (rc, report, out)."""
     report = tmp_path / "report.json"
-    rc = golden.main([*map(str, args), "--json", str(report)])
+    rc = cli_main(["check", *map(str, args), "--json", str(report)])
     out = capsys.readouterr()
     data = json.loads(report.read_text()) if report.exists() else None
     return rc, data, out
@@ -286,7 +287,7 @@ def test_integer_inputs_take_ranges(tmp_path):
     path = str(tmp_path / "emb.onnx")
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     save = tmp_path / "g.npz"
-    assert golden.main([path, "--dim", "n=300", "--range", "ids=40,50",
+    assert cli_main(["check", path, "--dim", "n=300", "--range", "ids=40,50",
                         "--save-golden", str(save)]) == 0
     with np.load(save) as data:
         ids, emb = data["input:ids"], data["output:emb"]

@@ -338,7 +338,7 @@ def test_checked_in_examples_do_not_drift(name, tmp_path):
         with open(checked_in, "rb") as a, open(tmp_path / filename, "rb") as b:
             assert a.read() == b.read(), (
                 f"models/native/{name}/{filename} is stale; regenerate with "
-                f"python -m ember.native models/{name}.onnx -o models/native/{name}")
+                f"ember convert models/{name}.onnx -o models/native/{name}")
 
 
 def test_cli_converts_and_reports_bad_models(tmp_path):
@@ -358,7 +358,7 @@ def test_progress_shows_on_a_terminal(tmp_path):
     import pty
 
     leader, follower = pty.openpty()
-    proc = subprocess.run([sys.executable, "-m", "ember.native",
+    proc = subprocess.run([sys.executable, "-m", "ember", "convert",
                            os.path.join(REPO, "models", "mlp.onnx"), "-o", str(tmp_path / "mlp")],
                           stdout=subprocess.PIPE, stderr=follower, text=True)
     os.close(follower)

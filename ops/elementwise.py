@@ -76,11 +76,31 @@ def _erf_big(z):  # |z| > 1 (and NaN, which propagates): sign(z) * (1 - erfc(|z|
     return np.copysign(e, z, out=e)
 
 
+# float32: one odd/even rational approximation on [-4, 4] (erf is +-1 in float32 beyond), as
+# Eigen and XLA use; relative error below 5e-7 everywhere, and no branches to gather.
+_ERF32_P = np.array([-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+                     -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+                     -1.60960333262415e-02], np.float32)
+_ERF32_Q = np.array([-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+                     -7.37332916720468e-03, -1.42647390514189e-02], np.float32)
+
+
+def _erf_float32(x: np.ndarray) -> np.ndarray:
+    z = np.clip(x, np.float32(-4), np.float32(4))
+    z2 = z * z
+    num = _poly(_ERF32_P, z2)
+    num *= z
+    num /= _poly(_ERF32_Q, z2)
+    return num
+
+
 def erf(x: np.ndarray) -> np.ndarray:
     """Vectorised erf in x's dtype (float32 or float64), accurate to that dtype's precision."""
     x = np.asarray(x)
     if x.ndim == 0:
         return erf(x.reshape(1)).reshape(())
+    if x.dtype == np.float32:
+        return _erf_float32(x)
     with np.errstate(all="ignore"):
         small = np.abs(x) <= 1.0
         n = np.count_nonzero(small)

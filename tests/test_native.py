@@ -343,13 +343,15 @@ def test_checked_in_examples_do_not_drift(name, tmp_path):
 
 def test_cli_converts_and_reports_bad_models(tmp_path):
     env = dict(os.environ, PYTHONPATH="")
-    ok = subprocess.run([sys.executable, "-m", "ember", "convert", os.path.join(REPO, "models", "cnn.onnx"),
+    ok = subprocess.run([sys.executable, "-m", "ember", "convert",
+                         os.path.join(REPO, "models", "cnn.onnx"),
                          "-o", str(tmp_path / "cnn")], capture_output=True, text=True, env=env)
     assert ok.returncode == 0, ok.stderr
     assert ok.stderr == ""  # no progress when stderr is not a terminal
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model")
-    fail = subprocess.run([sys.executable, "-m", "ember", "convert", str(bad), "-o", str(tmp_path / "x")],
+    fail = subprocess.run([sys.executable, "-m", "ember", "convert", str(bad),
+                           "-o", str(tmp_path / "x")],
                           capture_output=True, text=True, env=env)
     assert fail.returncode == 2 and "not a valid ONNX model" in fail.stderr
 

@@ -24,8 +24,8 @@ from ember.errors import InvalidModelError, UnsupportedOpError
 from ember.ir import Graph, MapType, Model, Node, OptionalType, SequenceType, TensorType
 from ember.native.safetensors import can_store
 from ember.ops.registry import since_version
-from ember.runtime.executor import (host_placement, missing_ops, shape_constants,
-                                    topological_order)
+from ember.runtime.executor import (host_placement, missing_ops, needed_nodes,
+                                    shape_constants)
 
 # Arrays up to this many elements are written into the code as literals; larger ones go to
 # the weights file.
@@ -145,18 +145,6 @@ def type_literal(t: Any) -> str:
 
 class UnsupportedConversion(InvalidModelError):
     """The model cannot be converted to a native module (the reason says why)."""
-
-
-def needed_nodes(graph: Graph, outputs: list[str], available: set[str]) -> list[Node]:
-    """The executor's node order, without nodes no output depends on (as Plan does)."""
-    ordered = topological_order(graph, available)
-    needed, kept = set(outputs), []
-    for node in reversed(ordered):
-        if any(out in needed for out in node.outputs if out):
-            kept.append(node)
-            needed.update(n for n in node.inputs if n)
-            needed.update(node.implicit_inputs)
-    return kept[::-1]
 
 
 def host_placements(graph: Graph, nodes: list[Node]) -> dict[int, str]:

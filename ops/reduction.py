@@ -43,21 +43,21 @@ class _Reduce(OpImpl):
         else:
             self.noop = bool(getattr(self, "noop_with_empty_axes", 0) or 0)
 
-    def run(self, data, axes=None):
-        rank = data.ndim
+    def reduced_axes(self, rank: int, axes=None) -> tuple[int, ...]:
+        """The axes to reduce, from the attribute (old opsets) or the `axes` input."""
         if self.axes_from_input:
             if axes is None or np.size(axes) == 0:
                 # empty axes: all axes, or (noop) a reduction over the empty set of axes,
                 # which still applies the non-reducing steps (square, log, abs ...)
-                axes = () if self.noop else tuple(range(rank))
-            else:
-                axes = _normalize_axes(np.asarray(axes).reshape(-1).tolist(), rank, self.fail)
-        else:
-            axes = self.axes
-            if not axes:
-                axes = tuple(range(rank))
-            else:
-                axes = _normalize_axes(axes, rank, self.fail)
+                return () if self.noop else tuple(range(rank))
+            return _normalize_axes(np.asarray(axes).reshape(-1).tolist(), rank, self.fail)
+        if not self.axes:
+            return tuple(range(rank))
+        return _normalize_axes(self.axes, rank, self.fail)
+
+    def run(self, data, axes=None):
+        rank = data.ndim
+        axes = self.reduced_axes(rank, axes)
         if rank == 0:
             out = np.asarray(self.reduce(data, (), True)).reshape(())
         else:

@@ -95,6 +95,17 @@ _METADATA_OPS = {("", "Shape"), ("", "Size")}
 _SHAPE_CONSTANT_MAX = 1024
 
 
+def needed_nodes(graph: Graph, outputs: Sequence[str], available: set[str]) -> list[Node]:
+    """The nodes `outputs` depend on, in execution order; `available` are the values given."""
+    needed, kept = set(outputs), []
+    for node in reversed(topological_order(graph, available)):
+        if any(out in needed for out in node.outputs if out):
+            kept.append(node)
+            needed.update(n for n in node.inputs if n)
+            needed.update(node.implicit_inputs)
+    return kept[::-1]
+
+
 class Plan:
     """A graph compiled for repeated execution on one backend.
 
@@ -126,7 +137,7 @@ class Plan:
             return slots[name]
 
         available = set(self.input_names) | set(graph.initializers) | set(self.outer_names)
-        nodes = self._needed(topological_order(graph, available), available)
+        nodes = needed_nodes(graph, self.output_names, available)
         constants = {slot(name): value for name, value in graph.initializers.items()}
         for value in constants.values():
             if isinstance(value, np.ndarray) and value.flags.writeable:
@@ -200,17 +211,6 @@ class Plan:
         if lookup(node.domain, node.op_type, node.version, self.backend.name) is None:
             return "fallback"
         return "device"
-
-    def _needed(self, ordered: list[Node], available: set[str]) -> list[Node]:
-        """Drop nodes that no requested output depends on."""
-        needed = set(self.output_names)
-        kept = []
-        for node in reversed(ordered):
-            if any(out in needed for out in node.outputs if out):
-                kept.append(node)
-                needed.update(n for n in node.inputs if n)
-                needed.update(node.implicit_inputs)
-        return kept[::-1]
 
     def _bind(self, node: Node, impl: type[OpImpl]) -> OpImpl:
         attrs = {}

@@ -27,7 +27,7 @@ from ember.ops.reduction import (
     ReduceL2_1, ReduceL2_18, ReduceLogSum1, ReduceLogSum18, ReduceLogSumExp1, ReduceLogSumExp18,
     ReduceMax1, ReduceMax18, ReduceMean1, ReduceMean18, ReduceMin1, ReduceMin18, ReduceProd1,
     ReduceProd18, ReduceSum1, ReduceSum13, ReduceSumSquare1, ReduceSumSquare18, Softmax1,
-    Softmax13, _normalize_axes)
+    Softmax13)
 from ember.ops.registry import register
 
 MAX_LOCAL = 256  # work-group size for row reductions (a power of two)
@@ -306,14 +306,7 @@ class _ReduceCL:
         if data.dtype not in self.dtypes and data.dtype not in _INT_OPS.get(self.op, ()):
             return self.run_on_cpu(data, axes) if self.axes_from_input else self.run_on_cpu(data)
         rank = data.ndim
-        if self.axes_from_input:
-            if axes is None or np.size(axes) == 0:
-                axes = () if self.noop else tuple(range(rank))
-            else:
-                axes = _normalize_axes(np.asarray(axes).reshape(-1).tolist(), rank, self.fail)
-        else:
-            axes = _normalize_axes(self.axes, rank, self.fail) if self.axes \
-                else tuple(range(rank))
+        axes = self.reduced_axes(rank, axes)
         if rank == 0:
             axes = ()
         if self.keepdims or rank == 0:

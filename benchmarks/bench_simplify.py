@@ -6,7 +6,10 @@ tool takes; then the CPU speed of BERT-base and ResNet-50 unsimplified vs simpli
 
 Models come from .cache/torch-models-<torch version>/ (models/export_torch_models.py and
 benchmarks/simplify_models.py write them; --speed needs the *_full models built with
-`--full-size`). onnxsim is optional (pip install onnxsim); without it its column reads "-".
+`--full-size`, and `--full-size --raw` for the *_full_raw ones). onnxsim is optional (pip
+install onnxsim); without it its column reads "-". The speed table gives each model's median
+run time unsimplified and simplified, their ratio, the interquartile range of the ratios of
+alternating pairs of runs, and the least CPU time of each.
 On a shared machine run the speed part with OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1: CPU
 time of a single-threaded BLAS is then a stable measure even while other processes load the
 cores (multi-threaded BLAS spins, and wall time mostly measures the neighbours).
@@ -29,6 +32,8 @@ from ember.simplifier import simplify  # noqa: E402
 
 TIMING_RUNS = 3  # each tool's time is its best of three (first calls pay for lazy imports)
 MODELS = ["resnet", "mobilenet", "vit", "convnext", "bert", "distilbert", "gpt2", "lstm_gru"]
+# and each dynamo model exported with `--raw` (no exporter optimiser), where built
+MODELS_RAW = [f"{name}_raw" for name in MODELS if name != "lstm_gru"]
 
 
 def cache_dir() -> str:
@@ -63,12 +68,24 @@ def onnxsim_nodes(path: str) -> tuple[int | None, float | None]:
     return (len(simplified.graph.node) if ok else None), min(seconds)
 
 
+def original_outputs(path: str, inputs: dict) -> dict:
+    """The unsimplified model's outputs: onnxruntime's where installed, else ember's own with
+    simplification off."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return ember.load(path, simplify=False).run(inputs)
+    onnxruntime.set_default_logger_severity(3)  # its constant folder warns about CastLike
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, inputs)))
+
+
 def compare(name: str) -> dict:
     path = os.path.join(cache_dir(), f"{name}.onnx")
     inputs = dict(np.load(os.path.join(cache_dir(), f"{name}.inputs.npz")))
-    before = import_model(path)
-    nodes_before = len(before.graph.nodes)
-    reference = ember.load(before).run(inputs)
+    nodes_before = len(import_model(path).graph.nodes)
+    reference = original_outputs(path, inputs)
     ember_seconds = []
     for _ in range(TIMING_RUNS):
         model = import_model(path)
@@ -84,12 +101,12 @@ def compare(name: str) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'model':<11} {'before':>6} {'onnxsim':>7} {'ember':>6} {'max rel diff':>12} "
+    print(f"{'model':<15} {'before':>6} {'onnxsim':>7} {'ember':>6} {'max rel diff':>12} "
           f"{'onnxsim s':>9} {'ember s':>8}")
     for r in rows:
         sim = "-" if r["onnxsim"] is None else str(r["onnxsim"])
         sim_s = "-" if r["onnxsim_s"] is None else f"{r['onnxsim_s']:.3f}"
-        print(f"{r['model']:<11} {r['before']:>6} {sim:>7} {r['ember']:>6} {r['diff']:>12.2e} "
+        print(f"{r['model']:<15} {r['before']:>6} {sim:>7} {r['ember']:>6} {r['diff']:>12.2e} "
               f"{sim_s:>9} {r['ember_s']:>8.3f}")
 
 
@@ -101,13 +118,20 @@ def run_times(session, inputs: dict) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+# The speed models: the exporter's default output, whose own optimiser (onnxscript's) has
+# already folded BatchNorm and constants, and the `--raw` export without it, as unsimplified
+# models come (BatchNorm layers kept, weights transposed at run time, shape plumbing).
+SPEED_MODELS = ["bert_full", "bert_full_raw", "resnet_full", "resnet_full_raw"]
+
+
 def speed(name: str, repeats: int) -> None:
-    path = os.path.join(cache_dir(), f"{name}_full.onnx")
+    path = os.path.join(cache_dir(), f"{name}.onnx")
     if not os.path.exists(path):
+        flags = "--full-size" + (" --raw" if name.endswith("_raw") else "")
         print(f"{name}: {path} missing; build it with models/export_torch_models.py "
-              f"{cache_dir()} --only {name} --full-size")
+              f"{cache_dir()} --only {name.split('_')[0]} {flags}")
         return
-    inputs = dict(np.load(os.path.join(cache_dir(), f"{name}_full.inputs.npz")))
+    inputs = dict(np.load(os.path.join(cache_dir(), f"{name}.inputs.npz")))
     plain = ember.Session(import_model(path))
     fused = ember.Session(simplify(import_model(path)))
     diff = relative_difference(fused.run(inputs), plain.run(inputs))
@@ -115,19 +139,29 @@ def speed(name: str, repeats: int) -> None:
     for _ in range(repeats):  # alternate so drift in machine load hits both alike
         plain_times.append(run_times(plain, inputs))
         fused_times.append(run_times(fused, inputs))
-    # medians of wall time, minima of CPU time (the least disturbed run)
+    # medians of wall time, minima of CPU time (the least disturbed run), and the spread of
+    # the per-pair wall ratios (each unsimplified run against the simplified run after it)
     a_wall, b_wall = (float(np.median([w for w, _ in t])) for t in (plain_times, fused_times))
     a_cpu, b_cpu = (min(c for _, c in t) for t in (plain_times, fused_times))
-    print(f"{name}_full: unsimplified {1e3 * a_wall:.0f} ms wall / {1e3 * a_cpu:.0f} ms CPU, "
-          f"simplified {1e3 * b_wall:.0f} ms wall / {1e3 * b_cpu:.0f} ms CPU; speed-up "
-          f"{a_wall / b_wall:.2f}x wall, {a_cpu / b_cpu:.2f}x CPU; max rel diff {diff:.1e}")
+    pairs = [a[0] / b[0] for a, b in zip(plain_times, fused_times)]
+    low, high = np.percentile(pairs, [25, 75])
+    print(f"{name:<16} {len(plain.model.graph.nodes):>5} -> {len(fused.model.graph.nodes):<4} "
+          f"{1e3 * a_wall:>7.1f} {1e3 * b_wall:>7.1f} {a_wall / b_wall:>6.2f}x "
+          f"[{low:.2f}-{high:.2f}] {1e3 * a_cpu:>7.0f} {1e3 * b_cpu:>7.0f} "
+          f"{a_cpu / b_cpu:>5.2f}x {diff:>9.1e}")
+
+
+def print_speed_header() -> None:
+    print(f"{'model':<16} {'nodes':>13} {'ms':>7} {'ms simp':>7} {'wall':>7} {'pair IQR':>11} "
+          f"{'CPU ms':>7} {'simp':>7} {'CPU':>6} {'max diff':>9}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(
+        name for pair in zip(MODELS, MODELS_RAW + [None]) for name in pair if name))
     parser.add_argument("--speed", action="store_true", help="also time BERT-base and ResNet-50")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=11)
     args = parser.parse_args(argv)
     rows = []
     for name in args.models.split(","):
@@ -138,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(compare(name))
     print_table(rows)
     if args.speed:
-        for name in ("bert", "resnet"):
+        print_speed_header()
+        for name in SPEED_MODELS:
             speed(name, args.repeats)
     return 0
 

@@ -2,18 +2,16 @@
 models/export_torch_models.py: a ConvNeXt (depthwise 7x7 convs, channels-last LayerNorm,
 layer scale) and a DistilBERT (BERT without segment embeddings or pooler, half the depth).
 
-    python benchmarks/simplify_models.py [OUT_DIR]
+    python benchmarks/simplify_models.py [OUT_DIR] [--raw]
 
 writes convnext.onnx and distilbert.onnx (+ .inputs.npz) with the same exporter settings
 (dynamo, opset 18) into OUT_DIR (default .cache/torch-models-<torch version>).
 """
 from __future__ import annotations
 
-import contextlib
-import io
+import argparse
 import os
 import sys
-import warnings
 
 import numpy as np
 
@@ -86,30 +84,25 @@ def specs() -> dict:
     }
 
 
-def export(name: str, out_dir: str) -> str:
+def export(name: str, out_dir: str, raw: bool = False) -> str:
     factory, inputs, output_names = specs()[name]
-    torch.manual_seed(0)
-    module = factory().eval()
-    path = os.path.join(out_dir, f"{name}.onnx")
-    os.makedirs(out_dir, exist_ok=True)
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(module, tuple(torch.from_numpy(v) for v in inputs.values()),
-                                    dynamo=True, opset_version=18, input_names=list(inputs),
-                                    output_names=output_names, external_data=False)
-        program.save(path, external_data=False)
-    np.savez(os.path.join(out_dir, f"{name}.inputs.npz"), **inputs)
-    return path
+    path = os.path.join(out_dir, f"{name}{'_raw' if raw else ''}.onnx")
+    return base.export_module(factory, inputs, output_names, "dynamo", raw, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", nargs="?")
+    parser.add_argument("--raw", action="store_true",
+                        help="without the exporter's optimiser (NAME_raw), as in "
+                             "models/export_torch_models.py")
+    args = parser.parse_args(argv)
     if torch is None:
         print("torch is not installed", file=sys.stderr)
         return 2
-    out_dir = argv[0] if argv else os.path.join(REPO, ".cache", f"torch-models-{torch.__version__}")
+    out_dir = args.out_dir or os.path.join(REPO, ".cache", f"torch-models-{torch.__version__}")
     for name in specs():
-        print("wrote", export(name, out_dir))
+        print("wrote", export(name, out_dir, args.raw))
     return 0
 
 

@@ -1,11 +1,17 @@
 """Export test models from PyTorch (when torch is installed; torch is never a runtime dependency).
 
-    python models/export_torch_models.py [OUT_DIR] [--only NAME ...] [--full-size]
+    python models/export_torch_models.py [OUT_DIR] [--only NAME ...] [--full-size] [--raw]
 
 Every architecture is written here in plain torch with seeded random weights, so nothing is
 downloaded. Transformers and CNNs go through the dynamo exporter (opset 18); the recurrent model
 through the classic TorchScript exporter (opset 17). Default sizes are small enough for tests;
 `--full-size` builds ResNet-50 at 224x224 and BERT-base at sequence 128 for the benchmarks.
+`--raw` turns the dynamo exporter's own graph optimiser off (`optimize=False`): the model keeps
+its BatchNormalization layers and the exporter's shape plumbing, as an unsimplified model does
+(the ONNX model zoo's ResNet-50 has its BatchNormalization layers too); it is written NAME_raw.
+BatchNorm layers get seeded random statistics and affine parameters, as trained ones have: with
+PyTorch's initial values (mean 0, variance 1, scale 1, shift 0) a folded BatchNorm would be
+nearly the identity and a folding bug could go unnoticed.
 Each model is written as NAME.onnx together with NAME.inputs.npz, the inputs to test it with.
 """
 from __future__ import annotations
@@ -247,25 +253,43 @@ def model_specs(full_size: bool = False) -> dict:
     }
 
 
-def export(name: str, out_dir: str, full_size: bool = False) -> str:
+def randomize_batchnorm(module) -> None:
+    """Seeded, trained-looking statistics and affine parameters for every BatchNorm layer."""
+    with torch.no_grad():
+        for layer in module.modules():
+            if isinstance(layer, nn.modules.batchnorm._BatchNorm):
+                layer.running_mean.uniform_(-0.5, 0.5)
+                layer.running_var.uniform_(0.5, 2.0)
+                layer.weight.uniform_(0.5, 1.5)
+                layer.bias.uniform_(-0.5, 0.5)
+
+
+def export(name: str, out_dir: str, full_size: bool = False, raw: bool = False) -> str:
     factory, inputs, output_names, exporter = model_specs(full_size)[name]
+    suffix = ("_full" if full_size else "") + ("_raw" if raw and exporter == "dynamo" else "")
+    return export_module(factory, inputs, output_names, exporter, raw,
+                         os.path.join(out_dir, f"{name}{suffix}.onnx"))
+
+
+def export_module(factory, inputs: dict, output_names: list[str], exporter: str, raw: bool,
+                  path: str) -> str:
+    """Build `factory()` with seed 0, export it to `path` and its inputs next to it."""
     torch.manual_seed(0)
     module = factory().eval()
+    randomize_batchnorm(module)
     args = tuple(torch.from_numpy(v) for v in inputs.values())
-    suffix = "_full" if full_size else ""
-    path = os.path.join(out_dir, f"{name}{suffix}.onnx")
-    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
             program = torch.onnx.export(module, args, dynamo=True, opset_version=18,
                                         input_names=list(inputs), output_names=output_names,
-                                        external_data=False)
+                                        external_data=False, optimize=not raw)
             program.save(path, external_data=False)
         else:
             torch.onnx.export(module, args, path, dynamo=False, opset_version=17,
                               input_names=list(inputs), output_names=output_names)
-    np.savez(os.path.join(out_dir, f"{name}{suffix}.inputs.npz"), **inputs)
+    np.savez(path[:-len(".onnx")] + ".inputs.npz", **inputs)
     return path
 
 
@@ -274,12 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", nargs="?", default=DEFAULT_OUT)
     parser.add_argument("--only", nargs="*", help="names to export (default: all)")
     parser.add_argument("--full-size", action="store_true")
+    parser.add_argument("--raw", action="store_true",
+                        help="dynamo models without the exporter's optimiser (NAME_raw)")
     args = parser.parse_args(argv)
     if torch is None:
         print("torch is not installed: pip install torch==2.13.0 onnxscript", file=sys.stderr)
         return 2
     for name in args.only or model_specs(args.full_size):
-        print("wrote", export(name, args.out_dir, args.full_size))
+        print("wrote", export(name, args.out_dir, args.full_size, args.raw))
     return 0
 
 

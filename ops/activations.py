@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from ember.ops._dtypes import widen
-from ember.ops.elementwise import back, erf, unary
+from ember.ops.elementwise import back, blocks, erf, erf_float32_block, unary
 from ember.ops.registry import OpImpl, register
 
 
@@ -33,6 +33,41 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 def softplus(x: np.ndarray) -> np.ndarray:
     """log(1 + exp(x)) without overflow."""
     return np.logaddexp(x.dtype.type(0), x)
+
+
+def gelu(w: np.ndarray, tanh: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    """0.5 * w * (1 + erf(w / sqrt(2))), or with tanh's approximation, written into `out` (a
+    fresh array if None; C-contiguous; `w` itself is allowed), block by block."""
+    if out is None:
+        out = np.empty(w.shape, w.dtype)
+    block = _gelu_tanh_block if tanh else \
+        _gelu_erf32_block if w.dtype == np.float32 else _gelu_erf_block
+    for w_block, out_block in blocks(w, out):
+        block(w_block, out_block)
+    return out
+
+
+def _gelu_erf32_block(w, out):
+    half_one_plus_erf = w * np.float32(math.sqrt(0.5))
+    erf_float32_block(half_one_plus_erf, half_one_plus_erf)
+    half_one_plus_erf *= np.float32(0.5)  # 0.5 * (1 + erf) == 0.5 + 0.5 * erf, exactly
+    half_one_plus_erf += np.float32(0.5)
+    np.multiply(w, half_one_plus_erf, out=out)
+
+
+def _gelu_erf_block(w, out):
+    np.multiply(0.5 * w, 1 + erf(w * math.sqrt(0.5)), out=out)
+
+
+def _gelu_tanh_block(w, out):
+    t = w * w
+    t *= w
+    t *= 0.044715
+    t += w
+    t *= math.sqrt(2 / math.pi)
+    np.tanh(t, out=t)
+    t += 1
+    np.multiply(0.5 * w, t, out=out)
 
 
 def _relu(x):
@@ -120,10 +155,7 @@ class Gelu(_FloatActivation):
         self.tanh = approximate == "tanh"
 
     def formula(self, w):
-        if self.tanh:
-            inner = math.sqrt(2 / math.pi) * (w + 0.044715 * w ** 3)
-            return 0.5 * w * (1 + np.tanh(inner))
-        return 0.5 * w * (1 + erf(w * math.sqrt(0.5)))
+        return gelu(w, self.tanh)
 
 
 @register("Swish", versions=[24])

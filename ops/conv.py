@@ -314,9 +314,16 @@ class Conv(_ConvBase):
     def run(self, x, w, b=None):
         kernel, strides, dilations, begin, end = self.geometry(x, w)
         dt = compute_dtype(x.dtype)
-        wc, cache = self.cached_weight(w, lambda a: (np.ascontiguousarray(a, dtype=dt), {}), b)
+        # a bias computed at run time (writable; constants are read-only, and device arrays
+        # don't say) is added afterwards: folding it into the weight matrix, conv_nd's way
+        # with a constant bias, would copy the whole weight on every run
+        late_bias = b is not None and getattr(b.flags, "writeable", True)
+        wc, cache = self.cached_weight(w, lambda a: (np.ascontiguousarray(a, dtype=dt), {}),
+                                       None if late_bias else b)
         out = conv_nd(x.astype(dt, copy=False), wc, self.group, kernel, strides, dilations,
-                      begin, end, bias=b, cache=cache)
+                      begin, end, bias=None if late_bias else b, cache=cache)
+        if late_bias:
+            out = _add_bias(out, b.astype(dt, copy=False))
         return out.astype(x.dtype, copy=False)
 
 

@@ -10,16 +10,17 @@ Z, the residual, has exactly the shape of the result.
 "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Gelu"; "" for none) and `activation_params`
 holds its float parameters in the ONNX attribute order (Clip: min, max; LeakyRelu: alpha;
 HardSigmoid: alpha, beta; Gelu: 1.0 for the tanh approximation). The activation is applied in
-place on the freshly computed product, so fusion saves a pass over memory and an allocation.
+place on the freshly computed product, together with the bias and the residual, a block of
+rows at a time: fusion saves the separate ops' allocations and their passes over the whole
+product.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
 from ember.ops.conv import Conv
-from ember.ops.elementwise import erf
+from ember.ops.activations import gelu
+from ember.ops.elementwise import BLOCK
 from ember.ops.linalg import Gemm7, matmul
 from ember.ops.registry import OpImpl, register
 
@@ -28,40 +29,81 @@ ACTIVATIONS = ("", "Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid"
                "Gelu")
 
 
-def apply_activation(y: np.ndarray, name: str, params: list[float]) -> np.ndarray:
-    """`name`(y), computed in place where the dtype allows."""
+def activate_in_place(y: np.ndarray, name: str, params: list[float]) -> None:
+    """y = `name`(y), written into y (a writable float array)."""
+    t = y.dtype.type
     if not name:
-        return y
-    if y.dtype.kind != "f":
-        y = y.astype(np.float32)  # activations are defined on floats only
+        return
     if name == "Relu":
-        return np.maximum(y, 0, out=y)
-    if name == "LeakyRelu":
-        alpha = params[0] if params else 0.01
-        return np.where(y < 0, y * y.dtype.type(alpha), y)
-    if name == "Clip":
+        np.maximum(y, 0, out=y)
+    elif name == "LeakyRelu":
+        np.multiply(y, t(params[0] if params else 0.01), out=y, where=y < 0)
+    elif name == "Clip":
         lo, hi = (params + [-np.inf, np.inf][len(params):])[:2]
-        return np.clip(y, lo, hi, out=y)
-    if name == "Sigmoid":
-        return _sigmoid(y)
-    if name == "Tanh":
-        return np.tanh(y, out=y)
-    if name == "HardSigmoid":
+        np.clip(y, lo, hi, out=y)
+    elif name == "Sigmoid":
+        with np.errstate(over="ignore"):
+            np.negative(y, out=y)
+            np.exp(y, out=y)
+            y += 1
+            np.reciprocal(y, out=y)
+    elif name == "Tanh":
+        np.tanh(y, out=y)
+    elif name == "HardSigmoid":
         alpha, beta = (params + [0.2, 0.5][len(params):])[:2]
-        return np.clip(y * y.dtype.type(alpha) + y.dtype.type(beta), 0, 1)
-    if name == "HardSwish":
-        return y * np.clip(y * y.dtype.type(1 / 6) + y.dtype.type(0.5), 0, 1)
-    if name == "Gelu":
-        if params and params[0]:
-            inner = y.dtype.type(math.sqrt(2 / math.pi)) * (y + y.dtype.type(0.044715) * y ** 3)
-            return y.dtype.type(0.5) * y * (1 + np.tanh(inner))
-        return y.dtype.type(0.5) * y * (1 + erf(y * y.dtype.type(math.sqrt(0.5))))
-    raise ValueError(f"unknown fused activation {name!r}")
+        y *= t(alpha)
+        y += t(beta)
+        np.clip(y, 0, 1, out=y)
+    elif name == "HardSwish":
+        gate = y * t(1 / 6)
+        gate += t(0.5)
+        np.clip(gate, 0, 1, out=gate)
+        y *= gate
+    elif name == "Gelu":
+        gelu(y, tanh=bool(params and params[0]), out=y)
+    else:
+        raise ValueError(f"unknown fused activation {name!r}")
 
 
-def _sigmoid(y: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return np.reciprocal(1 + np.exp(-y), out=y)
+def epilogue(y: np.ndarray, bias: np.ndarray | None, z: np.ndarray | None, activation: str,
+             params: list[float]) -> np.ndarray:
+    """activation(y + bias + z), with `bias` broadcast over y's last axis and `z` of y's shape.
+
+    On a fresh C-contiguous float `y` (the usual case) it all happens in y, a block of rows at a
+    time, so a block stays in cache through the three steps. Anything else (integer products,
+    a bias of another shape) takes whole-array steps.
+    """
+    row = None
+    if bias is not None and y.ndim and bias.size == y.shape[-1] and y.ndim >= bias.ndim \
+            and all(d == 1 for d in bias.shape[:-1]):
+        row = bias.reshape(-1).astype(y.dtype, copy=False)
+    if y.dtype.kind != "f" or y.ndim == 0 or not y.flags.c_contiguous or \
+            not y.flags.writeable or (bias is not None and row is None) or \
+            (z is not None and z.dtype != y.dtype):
+        return _epilogue_whole(y, bias, z, activation, params)
+    n = y.shape[-1]
+    rows = y.reshape(-1, n)
+    z_rows = None if z is None else np.ascontiguousarray(z).reshape(-1, n)
+    per = max(1, BLOCK // max(n, 1))
+    for lo in range(0, rows.shape[0], per):
+        block = rows[lo:lo + per]
+        if row is not None:
+            block += row
+        if z_rows is not None:
+            block += z_rows[lo:lo + per]
+        activate_in_place(block, activation, params)
+    return y
+
+
+def _epilogue_whole(y, bias, z, activation, params):
+    dtype = y.dtype
+    if bias is not None:
+        y = y + bias
+    if z is not None:
+        y = y + z
+    work = y.astype(dtype if dtype.kind == "f" else np.float32)  # a copy we may write into
+    activate_in_place(work, activation, params)
+    return work.astype(dtype, copy=False)
 
 
 class _Activated:
@@ -76,9 +118,10 @@ class _Activated:
         self.activation_args = [float(v) for v in (getattr(self, "activation_params", None)
                                                    or [])]
 
-    def activate(self, y):
-        out = apply_activation(y, self.activation_name, self.activation_args)
-        return out.astype(y.dtype, copy=False)
+    def finish(self, y, bias=None, z=None):
+        if z is not None and z.shape != y.shape:
+            raise self.fail(f"residual Z has shape {z.shape}, the result {y.shape}")
+        return epilogue(y, bias, z, self.activation_name, self.activation_args)
 
 
 @register("FusedConv", versions=[1], domain=DOMAIN)
@@ -88,7 +131,7 @@ class FusedConv(Conv, _Activated):
         self._activation_setup()
 
     def run(self, x, w, b=None, z=None):
-        return self.activate(_add_residual(self, super().run(x, w, b), z))
+        return self.finish(super().run(x, w, b), z=z)
 
 
 @register("FusedGemm", versions=[1], domain=DOMAIN)
@@ -101,7 +144,7 @@ class FusedGemm(Gemm7, _Activated):
         self._activation_setup()
 
     def run(self, a, b, c=None):
-        return self.activate(super().run(a, b, c))
+        return self.finish(super().run(a, b, c))
 
 
 @register("FusedMatMul", versions=[1], domain=DOMAIN)
@@ -112,22 +155,4 @@ class FusedMatMul(OpImpl, _Activated):
     def run(self, a, b, bias=None, z=None):
         if a.ndim == 0 or b.ndim == 0 or a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
             raise self.fail(f"shapes {a.shape} and {b.shape} are not aligned")
-        y = matmul(a, b)
-        if bias is not None:
-            if y.dtype.kind == "f" and y.flags.writeable and \
-                    np.broadcast_shapes(y.shape, bias.shape) == y.shape:
-                y += bias.astype(y.dtype, copy=False)
-            else:
-                y = (y + bias).astype(a.dtype, copy=False)
-        return self.activate(_add_residual(self, y, z))
-
-
-def _add_residual(op: OpImpl, y: np.ndarray, z: np.ndarray | None) -> np.ndarray:
-    if z is None:
-        return y
-    if z.shape != y.shape:
-        raise op.fail(f"residual Z has shape {z.shape}, the result {y.shape}")
-    if y.flags.writeable and y.dtype == z.dtype:
-        y += z
-        return y
-    return (y + z).astype(y.dtype, copy=False)
+        return self.finish(matmul(a, b), bias, z)

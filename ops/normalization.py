@@ -46,6 +46,16 @@ def _channel_shape(param: np.ndarray, rank: int) -> np.ndarray:
 # BatchNormalization
 
 
+def batchnorm_inference(x, scale, b, mean, var, eps):
+    """(x - mean) * scale / sqrt(var + eps) + b (parameters broadcastable to x) as
+    x * k + (b - mean * k): one multiply into a fresh array and one add in place."""
+    k = scale / np.sqrt(var + eps)
+    shift = (b - mean * k).astype(x.dtype, copy=False)
+    y = np.multiply(x, k.astype(x.dtype, copy=False))
+    y += shift
+    return y
+
+
 @register("BatchNormalization", versions=[1, 6, 7, 9])
 class BatchNormalization1(OpImpl):
     """Inference form (spatial=1 per-channel, spatial=0 per-activation); the optional training
@@ -66,7 +76,7 @@ class BatchNormalization1(OpImpl):
         eps = np.asarray(self.epsilon, dtype=dt)
         s, bb = self._shape(scale, x), self._shape(b, x)
         m, v = self._shape(mean, x), self._shape(var, x)
-        y = ((x - m) * (s / np.sqrt(v + eps)) + bb).astype(dt, copy=False)
+        y = batchnorm_inference(x, s, bb, m, v, eps)
         if self.n_outputs <= 1:
             return y
         axes = tuple(i for i in range(x.ndim) if i != 1) if self.spatial else (0,)
@@ -87,9 +97,7 @@ class BatchNormalization14(OpImpl):
         s, bb = _channel_shape(scale, rank), _channel_shape(b, rank)
         if not self.training_mode:
             m, v = _channel_shape(mean, rank), _channel_shape(var, rank)
-            inv = (s / np.sqrt(v + np.asarray(self.epsilon, dtype=v.dtype))).astype(dt, copy=False)
-            y = ((x - m.astype(dt, copy=False)) * inv + bb.astype(dt, copy=False))
-            y = y.astype(dt, copy=False)
+            y = batchnorm_inference(x, s, bb, m, v, np.asarray(self.epsilon, dtype=v.dtype))
             if self.n_outputs > 1:
                 return y, mean, var
             return y

@@ -319,6 +319,34 @@ def test_layer_scale_folds_and_residual_fuses_into_matmul(a_shape):
     assert ops(model) == ["FusedMatMul"] and len(model.graph.nodes[0].inputs) == 4
 
 
+LARGE_ACTIVATIONS = ACTIVATIONS + [("Gelu", {}, []), ("Gelu", {"approximate": "tanh"}, [])]
+
+
+@pytest.mark.parametrize("act, attrs, bounds", LARGE_ACTIVATIONS,
+                         ids=[a[0] + str(a[1].get("approximate", "")) for a in LARGE_ACTIVATIONS])
+def test_fused_kernels_match_across_blocks(act, attrs, bounds):
+    # outputs of ~100k elements with row counts and widths that don't divide the kernels'
+    # block size, so the blocked epilogue (bias, residual, activation) meets partial blocks
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["m"]),
+             helper.make_node("Add", ["m", "bias"], ["mb"]),
+             helper.make_node("Add", ["mb", "r"], ["s"]),
+             helper.make_node(act, ["s"] + [n for n, _ in bounds], ["y1"], **attrs),
+             helper.make_node("Conv", ["x", "k"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c", "x"], ["cs"]),
+             helper.make_node(act, ["cs"] + [n for n, _ in bounds], ["y2"], **attrs)]
+    inits = [const("w", rand(37, 131)), const("bias", rand(131)), const("k", rand(6, 6, 3, 3))] \
+        + [const(n, v) for n, v in bounds]
+    feeds = {"a": rand(3, 271, 37), "r": rand(3, 271, 131), "x": rand(2, 6, 67, 61)}
+    proto = make_model(nodes, [tensor(n, list(v.shape)) for n, v in feeds.items()],
+                       [tensor("y1", None), tensor("y2", None)], inits, opset=20)
+    model = simplified_matches(proto, feeds)
+    assert sorted(ops(model)) == ["FusedConv", "FusedMatMul"]
+    # the unfused ops (Gelu and Erf run block by block too) against onnxruntime as well
+    unfused = ember.load(proto, simplify=False).run(feeds)
+    for expected, actual in zip(ort_outputs(proto, feeds), unfused.values()):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
 def decomposed_layernorm(x_shape, affine=True, square="Pow"):
     axes = const("axes", np.array([-1], np.int64))
     nodes = [helper.make_node("ReduceMean", ["x", "axes"], ["mean"]),

@@ -1,6 +1,7 @@
 """Models exported from PyTorch run in ember and match onnxruntime to 1e-4 relative.
 
-Built by models/export_torch_models.py into a cache folder; skipped where torch is absent
+Built by models/export_torch_models.py into a cache folder (both as exported by default and
+with `--raw`); skipped where torch is absent
 (.ci/run installs it). Tolerance: |ember - ort| <= 1e-4 * (|ort| + max|ort|), i.e. 1e-4
 relative, measured against the output's scale so values near zero are not held to 1e-4 of
 themselves.
@@ -23,7 +24,10 @@ sys.path.insert(0, os.path.join(REPO, "models"))
 import export_torch_models  # noqa: E402
 
 CACHE = os.path.join(REPO, ".cache", f"torch-models-{torch.__version__}")
-NAMES = list(export_torch_models.model_specs())
+SPECS = export_torch_models.model_specs()
+# each model as exported by default, and each dynamo model also exported raw (the exporter's
+# optimiser off: BatchNorm layers, run-time weight transposes and shape plumbing left in)
+NAMES = list(SPECS) + [f"{name}_raw" for name, spec in SPECS.items() if spec[3] == "dynamo"]
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -31,7 +35,7 @@ def exported(request):
     name = request.param
     path = os.path.join(CACHE, f"{name}.onnx")
     if not os.path.exists(path):
-        export_torch_models.export(name, CACHE)
+        export_torch_models.export(name.removesuffix("_raw"), CACHE, raw=name.endswith("_raw"))
     inputs = dict(np.load(os.path.join(CACHE, f"{name}.inputs.npz")))
     return name, path, inputs
 

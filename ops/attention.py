@@ -54,9 +54,8 @@ class _Attention(OpImpl):
         self.left = int(getattr(self, "left_window_size", -1) if self.has_window else -1)
         self.right = int(getattr(self, "right_window_size", -1) if self.has_window else -1)
 
-    def _to_4d(self, x, heads, what):
-        if x.ndim == 4:
-            return x
+    def split_heads(self, x, heads, what) -> tuple[int, int, int, int]:
+        """(batch, sequence, heads, head size) of a 3-D input (batch, sequence, hidden)."""
         if x.ndim != 3:
             raise self.fail(f"{what} must be 3-D or 4-D, got shape {x.shape}")
         if not heads:
@@ -64,7 +63,12 @@ class _Attention(OpImpl):
         b, s, hidden = x.shape
         if hidden % heads:
             raise self.fail(f"{what} hidden size {hidden} is not divisible by {heads} heads")
-        return x.reshape(b, s, heads, hidden // heads).transpose(0, 2, 1, 3)
+        return b, s, heads, hidden // heads
+
+    def _to_4d(self, x, heads, what):
+        if x.ndim == 4:
+            return x
+        return x.reshape(self.split_heads(x, heads, what)).transpose(0, 2, 1, 3)
 
     def run(self, Q, K, V, attn_mask=None, past_key=None, past_value=None,
             nonpad_kv_seqlen=None):

@@ -37,7 +37,7 @@ def activate_in_place(y: np.ndarray, name: str, params: list[float]) -> None:
     if name == "Relu":
         np.maximum(y, 0, out=y)
     elif name == "LeakyRelu":
-        np.multiply(y, t(params[0] if params else 0.01), out=y, where=y < 0)
+        np.copyto(y, y * t(params[0] if params else 0.01), where=y < 0)
     elif name == "Clip":
         lo, hi = (params + [-np.inf, np.inf][len(params):])[:2]
         np.clip(y, lo, hi, out=y)
@@ -78,7 +78,7 @@ def epilogue(y: np.ndarray, bias: np.ndarray | None, z: np.ndarray | None, activ
             and all(d == 1 for d in bias.shape[:-1]):
         row = bias.reshape(-1).astype(y.dtype, copy=False)
     if y.dtype.kind != "f" or y.ndim == 0 or not y.flags.c_contiguous or \
-            not y.flags.writeable or (bias is not None and row is None) or \
+            not getattr(y.flags, "writeable", True) or (bias is not None and row is None) or \
             (z is not None and z.dtype != y.dtype):
         return _epilogue_whole(y, bias, z, activation, params)
     n = y.shape[-1]
@@ -106,8 +106,9 @@ def _epilogue_whole(y, bias, z, activation, params):
     return work.astype(dtype, copy=False)
 
 
-class _Activated:
-    """Mixin: reads the activation attributes once."""
+class _Activated(OpImpl):
+    """Base of the fused ops: reads the activation attributes once, applies the epilogue. (An
+    OpImpl, so that the CUDA backend's shadow classes rebind its methods to cupy too.)"""
 
     def _activation_setup(self):
         self.activation_name = getattr(self, "activation", "") or ""
@@ -148,11 +149,11 @@ class FusedGemm(Gemm7, _Activated):
 
 
 @register("FusedMatMul", versions=[1], domain=DOMAIN)
-class FusedMatMul(OpImpl, _Activated):
+class FusedMatMul(_Activated):
     def setup(self):
         self._activation_setup()
 
     def run(self, a, b, bias=None, z=None):
         if a.ndim == 0 or b.ndim == 0 or a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
             raise self.fail(f"shapes {a.shape} and {b.shape} are not aligned")
-        return self.finish(matmul(a, b), bias, z)
+        return self.finish(np.asarray(matmul(a, b)), bias, z)  # vector . vector: a scalar

@@ -37,6 +37,13 @@ def _mean_var(x: np.ndarray, axes: tuple[int, ...]):
     return mean, d, var
 
 
+def _apply(ufunc, y: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """ufunc(y, p), in y (a fresh array) when the result has y's shape and dtype."""
+    if np.result_type(y, p) == y.dtype and np.broadcast_shapes(y.shape, p.shape) == y.shape:
+        return ufunc(y, p, out=y)
+    return ufunc(y, p)
+
+
 def _channel_shape(param: np.ndarray, rank: int) -> np.ndarray:
     """A per-channel vector (C,) shaped to broadcast against (N, C, D1, ...)."""
     return param.reshape((1, -1) + (1,) * (rank - 2))
@@ -143,9 +150,10 @@ class LayerNormalization17(OpImpl):
         axes = tuple(range(axis, x.ndim))
         mean, d, var = _mean_var(work, axes)
         inv = np.reciprocal(np.sqrt(var + np.asarray(self.epsilon, dtype=sd)))
-        y = (d * inv).astype(dt, copy=False) * scale
+        d *= inv  # d is a fresh array: normalise, scale and shift it in place
+        y = _apply(np.multiply, d.astype(dt, copy=False), scale)
         if b is not None:
-            y = y + b
+            y = _apply(np.add, y, b)
         y = y.astype(dt, copy=False)
         if self.n_outputs == 1:
             return y

@@ -205,3 +205,40 @@ def test_describe_and_transfers(cuda_main):
     s = np.array(["a"], dtype=object)
     assert cuda.to_device(s) is s  # strings stay on the host
     cuda.synchronize()
+
+
+def test_fused_ops_run_on_device(cuda_main):
+    # the simplifier fuses for the backend it simplifies for: on CUDA too, Conv + residual +
+    # Relu and MatMul + bias + Gelu become ai.ember ops that run on the device
+    from onnx import TensorProto, helper, numpy_helper
+
+    import ember
+
+    cuda = cuda_main
+    rng = np.random.default_rng(1)
+    weights = {"k": rng.standard_normal((4, 4, 3, 3)), "w": rng.standard_normal((9, 5)),
+               "bias": rng.standard_normal(5)}
+    nodes = [helper.make_node("Conv", ["x", "k"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c", "x"], ["s"]),
+             helper.make_node("Relu", ["s"], ["y"]),
+             helper.make_node("MatMul", ["a", "w"], ["m"]),
+             helper.make_node("Add", ["m", "bias"], ["mb"]),
+             helper.make_node("Gelu", ["mb"], ["g"])]
+    graph = helper.make_graph(
+        nodes, "fused",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 6, 7]),
+         helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, 3, 9])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "g")],
+        [numpy_helper.from_array(v.astype(np.float32), n) for n, v in weights.items()])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    feeds = {"x": rng.standard_normal((2, 4, 6, 7), dtype=np.float32),
+             "a": rng.standard_normal((2, 3, 9), dtype=np.float32)}
+    before = cuda.fallbacks
+    session = ember.load(proto, backend="cuda")
+    fused = {op: where for _, op, where in session.placement if op.startswith("Fused")}
+    assert fused == {"FusedConv": "device", "FusedMatMul": "device"}, session.placement
+    want = ember.load(proto, backend="cpu", simplify=False).run(feeds)
+    got = session.run(feeds)
+    for name in want:
+        assert_close_relative(got[name], want[name])
+    assert cuda.fallbacks == before

@@ -47,7 +47,8 @@ def assert_close_relative(actual: np.ndarray, expected: np.ndarray, rtol: float 
 
 
 # Ops whose every node must run on the device when the model runs on a device backend.
-DEVICE_OPS = {"Conv", "MatMul", "Gemm", "BatchNormalization", "LayerNormalization",
+DEVICE_OPS = {"Conv", "MatMul", "Gemm", "BatchNormalization", "LayerNormalization", "Attention",
+              "FusedConv", "FusedGemm", "FusedMatMul",
               "InstanceNormalization", "GroupNormalization", "Softmax"}
 
 

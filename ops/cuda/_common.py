@@ -188,8 +188,13 @@ def _int_matmul_cuda(a, b):
     return cp.matmul(a.astype(cp.int64), b.astype(cp.int64))
 
 
-# CPU helpers replaced in the shared kernels, where the CPU code uses a numpy feature cupy lacks.
-HELPER_OVERRIDES = {("ember.ops.linalg", "_int_matmul"): _int_matmul_cuda}
+# CPU helpers and constants replaced in the shared kernels: where the CPU code uses a numpy
+# feature cupy lacks, and the block size of the CPU's cache-blocked loops (GELU, erf, the fused
+# epilogue), which on a GPU would only multiply kernel launches: there one block is the array.
+_WHOLE_ARRAY = 1 << 62
+HELPER_OVERRIDES = {("ember.ops.linalg", "_int_matmul"): _int_matmul_cuda,
+                    ("ember.ops.elementwise", "BLOCK"): _WHOLE_ARRAY,
+                    ("ember.ops.fused", "BLOCK"): _WHOLE_ARRAY}
 
 
 def _module_globals(modname: str) -> dict:
@@ -208,9 +213,9 @@ def _module_globals(modname: str) -> dict:
                     if getattr(mod, key, None) is value:
                         g[key] = _LazyXP(path, key)
                         break
-        for (mod, key), fn in HELPER_OVERRIDES.items():
+        for (mod, key), value in HELPER_OVERRIDES.items():
             if mod == modname:
-                g[key] = fn
+                g[key] = value
     return g
 
 

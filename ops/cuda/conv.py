@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 from ember.ops import conv as cpu_conv
+from ember.ops import fused as cpu_fused
 from ember.ops import pool as cpu_pool
 from ember.ops.cuda._common import (C_TYPES, FLOAT_TYPES, cupy, launch, native_kernels,
-                                    raw_kernel, shared_class)
+                                    raw_kernel, rebind, shared_class)
 from ember.ops.registry import register
 
 _IM2COL = r"""
@@ -132,6 +133,20 @@ class ConvCUDA(shared_class(cpu_conv.Conv)):
         if b is not None:
             y += b.reshape(1, M, 1, 1)
         return y
+
+
+@register("FusedConv", versions=[1], domain=cpu_fused.DOMAIN, backend="cuda")
+class FusedConvCUDA(ConvCUDA):
+    """The native Conv above, then the fused epilogue (residual, activation) over cupy."""
+    _activation_setup = cpu_fused.FusedConv._activation_setup
+    finish = rebind(cpu_fused.FusedConv.finish)
+
+    def setup(self):
+        super().setup()
+        self._activation_setup()
+
+    def run(self, x, w, b=None, z=None):
+        return self.finish(super().run(x, w, b), z=z)
 
 
 class _Pool2D:

@@ -4,23 +4,24 @@ Where an op is plain array code, its CUDA kernel is the CPU kernel itself over t
 namespace: elementwise math and activations, MatMul/Gemm/Einsum (cupy.matmul/einsum: cuBLAS),
 reductions and softmax, normalisations, data movement (reshape, transpose, slice, concat,
 gather/scatter, pad...), pooling and convolution, resize/grid-sample, RNNs, DFT/windows,
-(de)quantisation, attention. Ops with a native CUDA C kernel (the other
-modules in this package) are registered first and keep their versions.
+(de)quantisation, attention, and the simplifier's ai.ember fused Conv/Gemm/MatMul. Ops with a
+native CUDA C kernel (the other modules in this package) are registered first and keep their
+versions.
 
 Every op of the listed families runs here except those in EXCLUDED (host-only semantics:
 strings, random numbers, data-dependent output shapes computed with Python loops, ...).
 """
 from __future__ import annotations
 
-from ember.ops import (activations, attention, conv, elementwise, image, indexing, linalg, loss,
-                       normalization, pool, quantize, reduction, rnn, shape, signal, tensor)
+from ember.ops import (activations, attention, conv, elementwise, fused, image, indexing, linalg,
+                       loss, normalization, pool, quantize, reduction, rnn, shape, signal, tensor)
 from ember.ops.cuda import conv as _native_conv  # noqa: F401  (native kernels register first)
 from ember.ops.cuda import elementwise as _native_elementwise  # noqa: F401
 from ember.ops.cuda._common import register_shared
 from ember.ops.registry import OpImpl
 
 FAMILIES = (elementwise, activations, linalg, reduction, normalization, shape, tensor, indexing,
-            pool, conv, attention, loss, image, rnn, signal, quantize)
+            pool, conv, attention, loss, image, rnn, signal, quantize, fused)
 
 # Ops of those families that stay on the host.
 EXCLUDED = frozenset({

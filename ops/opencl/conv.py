@@ -5,9 +5,10 @@ leading spatial axes having size 1).
   in linalg.py (no separate packing pass; a cached per-geometry table of window origins
   replaces per-element index arithmetic, 1.3-2x faster than carrying counters), into a reused
   scratch buffer; the weights are packed once (cached while they are the same constant), and
-  the GEMM adds the bias in its epilogue. Groups run as batches of the
-  same GEMM. Grouped convolutions whose groups are too small for a GEMM block (depthwise,
-  ResNeXt-like with few output channels per group) use a direct kernel instead.
+  the GEMM adds the bias in its epilogue (and, for ai.ember::FusedConv, the residual and the
+  activation: `conv_device`). Groups run as batches of the same GEMM. Grouped convolutions
+  whose groups are too small for a GEMM block (depthwise, ResNeXt-like with few output
+  channels per group) use a direct kernel instead, which has the same fused epilogue.
 * ConvTranspose: the GEMM makes the columns W^T x (per group), then a gather kernel (col2im,
   no atomics) sums each output pixel's taps and adds the bias.
 
@@ -22,7 +23,8 @@ import numpy as np
 
 from ember.ops.conv import Conv, ConvTranspose, out_size
 from ember.ops.opencl._common import FLOAT_TYPES, backend, c_type, kernel, launch
-from ember.ops.opencl.linalg import CachedPack, RM, block_n, gemm_packed, pack_a, pack_b, scratch
+from ember.ops.opencl.linalg import (NO_ACTIVATION, RM, CachedPack, activation_source, block_n,
+                                     gemm_packed, pack_a, pack_b, scratch)
 from ember.ops.registry import register
 
 
@@ -67,43 +69,6 @@ __kernel void im2col(const int Cg, const int ID, const int IH, const int IW, con
   }
 }
 
-/* Direct convolution, one output element per work-item (small groups, depthwise) */
-__kernel void conv_direct(const int C, const int M, const int Cg, const int Mg,
-                          const int ID, const int IH, const int IW,
-                          const int OD, const int OH, const int OW,
-                          const int PD, const int PH, const int PW,
-                          __global const T* restrict x, __global const T* restrict w,
-                          __global const T* restrict bias, const int has_bias,
-                          __global T* restrict y) {
-  const int l = get_global_id(0), m = get_global_id(1), n = get_global_id(2);
-  const int L = OD * OH * OW;
-  if (l >= L) return;
-  const int zw = l % OW, q = l / OW;
-  const int zh = q % OH, zd = q / OH;
-  const int g = m / Mg;
-  T acc = has_bias ? bias[m] : (T)0;
-  const long S = (long)ID * IH * IW;
-  for (int c = 0; c < Cg; c++) {
-    __global const T* xs = x + ((long)n * C + g * Cg + c) * S;
-    __global const T* ws = w + ((long)m * Cg + c) * KK;
-    for (int td = 0; td < KD; td++) {
-      const int id = zd * SD - PD + td * DD;
-      if ((uint)id >= (uint)ID) continue;
-      for (int th = 0; th < KH; th++) {
-        const int ih = zh * SH - PH + th * DH;
-        if ((uint)ih >= (uint)IH) continue;
-        __global const T* row = xs + ((long)id * IH + ih) * IW;
-        __global const T* wr = ws + (td * KH + th) * KW;
-        for (int tw = 0; tw < KW; tw++) {
-          const int iw = zw * SW - PW + tw * DW;
-          if ((uint)iw < (uint)IW) acc += row[iw] * wr[tw];
-        }
-      }
-    }
-  }
-  y[((long)n * M + m) * L + l] = acc;
-}
-
 /* ConvTranspose: output pixel (n, m, o) sums cols[n*G + g][mg*KK + t][i] over the taps t whose
    input position i = (o + pad - t*dil) / stride is integral and inside the input */
 __kernel void col2im(const int M, const int G, const int Mg,
@@ -145,10 +110,64 @@ __kernel void col2im(const int M, const int G, const int Mg,
 """
 
 
+_DIRECT = """
+/* Direct convolution, one output element per work-item (small groups, depthwise), with the
+   fused epilogue: act(conv + bias + z), z (when has_z) laid out like y */
+__kernel void conv_direct(const int C, const int M, const int Cg, const int Mg,
+                          const int ID, const int IH, const int IW,
+                          const int OD, const int OH, const int OW,
+                          const int PD, const int PH, const int PW,
+                          __global const T* restrict x, __global const T* restrict w,
+                          __global const T* restrict bias, const int has_bias,
+                          __global T* restrict y,
+                          __global const T* restrict z, const int has_z,
+                          const T p0, const T p1) {
+  const int l = get_global_id(0), m = get_global_id(1), n = get_global_id(2);
+  const int L = OD * OH * OW;
+  if (l >= L) return;
+  const int zw = l % OW, q = l / OW;
+  const int zh = q % OH, zd = q / OH;
+  const int g = m / Mg;
+  T acc = has_bias ? bias[m] : (T)0;
+  const long S = (long)ID * IH * IW;
+  for (int c = 0; c < Cg; c++) {
+    __global const T* xs = x + ((long)n * C + g * Cg + c) * S;
+    __global const T* ws = w + ((long)m * Cg + c) * KK;
+    for (int td = 0; td < KD; td++) {
+      const int id = zd * SD - PD + td * DD;
+      if ((uint)id >= (uint)ID) continue;
+      for (int th = 0; th < KH; th++) {
+        const int ih = zh * SH - PH + th * DH;
+        if ((uint)ih >= (uint)IH) continue;
+        __global const T* row = xs + ((long)id * IH + ih) * IW;
+        __global const T* wr = ws + (td * KH + th) * KW;
+        for (int tw = 0; tw < KW; tw++) {
+          const int iw = zw * SW - PW + tw * DW;
+          if ((uint)iw < (uint)IW) acc += row[iw] * wr[tw];
+        }
+      }
+    }
+  }
+  const long o = ((long)n * M + m) * L + l;
+  if (has_z) acc += z[o];
+  y[o] = ACT(acc);
+}
+
+"""
+
+
 def _conv_kernel(name, dtype, kernel_, strides, dilations):
     src = (f"typedef {c_type(dtype)} T;\n#define RN {block_n(dtype)}\n"
            + _defines(kernel_, strides, dilations) + _IM2COL)
     return kernel(src, name)
+
+
+def _direct_kernel(dtype, kernel_, strides, dilations, act: str):
+    """conv_direct with activation code `act` (a program per geometry and activation used)."""
+    src = (f"typedef {c_type(dtype)} T;\n" + _defines(kernel_, strides, dilations)
+           + (activation_source(act, dtype) + "#define ACT(v) act(v, p0, p1)\n" if act else
+              "#define ACT(v) (v)\n") + _DIRECT)
+    return kernel(src, "conv_direct")
 
 
 _TABLES: dict = {}
@@ -185,41 +204,56 @@ class ConvCL(Conv):
         self._wpack = CachedPack()
 
     def run(self, x, w, b=None):
-        if x.dtype not in self.dtypes or w.dtype != x.dtype or \
-                (b is not None and b.dtype != x.dtype) or not 1 <= x.ndim - 2 <= 3:
-            return self.run_on_cpu(*([x, w] if b is None else [x, w, b]))
-        kernel_, strides, dilations, begin, end = self.geometry(x, w)
-        outs = out_size(x.shape[2:], kernel_, strides, dilations, begin, end)
-        N, C = x.shape[:2]
-        M = w.shape[0]
-        G = self.group
-        Cg, Mg = C // G, M // G
-        L = math.prod(outs)
-        K = math.prod(kernel_)
-        if b is not None and tuple(b.shape) != (M,):
-            raise self.fail(f"bias of shape {b.shape}, expected ({M},)")
-        if N == 0 or M == 0 or L == 0 or Cg == 0:
-            return self.run_on_cpu(*([x, w] if b is None else [x, w, b]))
-        dt = x.dtype
-        isp, osp, pad = as3d(x.shape[2:], 1), as3d(outs, 1), as3d(begin, 0)
-        y = backend().empty((N, M, *outs), dt)
-        if G > 1 and (Cg == 1 or Mg < RM):
-            knl = _conv_kernel("conv_direct", dt, kernel_, strides, dilations)
-            launch(knl, (L, M, N), *_i32(C, M, Cg, Mg, *isp, *osp, *pad), x, w,
-                   b if b is not None else w, np.int32(b is not None), y)
-            return y
-        RN = block_n(dt)
-        CK = Cg * K
-        Lb = -(-L // RN)
-        bp = scratch("B", N * G * Lb * CK * RN, dt)
-        knl = _conv_kernel("im2col", dt, kernel_, strides, dilations)
-        tab = _window_table(osp, as3d(strides, 1), pad, RN)
-        launch(knl, (CK, Lb, N * G), *_i32(Cg, *isp, L), tab, x, bp)
-        ap = self._wpack.get(w, None, lambda: pack_a(w, Mg, CK, CK, 1, G, Mg * CK))
-        bt = np.arange(N * G)
-        gemm_packed(ap, bp, Mg, L, CK, bt % G, bt, dt, out=y,
-                    c=b, cm=1, cn=0, beta=1.0, cb=Mg)
+        y = conv_device(self, x, w, b)
+        return self.run_on_cpu(*([x, w] if b is None else [x, w, b])) if y is None else y
+
+
+def conv_device(op, x, w, b=None, z=None, act=NO_ACTIVATION):
+    """act(Conv(x, w, b) + z) on the device for `op` (a Conv or FusedConv kernel with a
+    `_wpack` CachedPack), `z` of the result's shape (checked by the caller); None for what
+    only the CPU kernel runs (the caller falls back)."""
+    if x.dtype not in FLOAT_TYPES or w.dtype != x.dtype or \
+            (b is not None and b.dtype != x.dtype) or (z is not None and z.dtype != x.dtype) \
+            or not 1 <= x.ndim - 2 <= 3:
+        return None
+    kernel_, strides, dilations, begin, end = op.geometry(x, w)
+    outs = out_size(x.shape[2:], kernel_, strides, dilations, begin, end)
+    N, C = x.shape[:2]
+    M = w.shape[0]
+    G = op.group
+    Cg, Mg = C // G, M // G
+    L = math.prod(outs)
+    K = math.prod(kernel_)
+    if b is not None and tuple(b.shape) != (M,):
+        raise op.fail(f"bias of shape {b.shape}, expected ({M},)")
+    if z is not None and tuple(z.shape) != (N, M, *outs):
+        raise op.fail(f"residual Z has shape {tuple(z.shape)}, the result {(N, M, *outs)}")
+    if N == 0 or M == 0 or L == 0 or Cg == 0:
+        return None
+    dt = x.dtype
+    tp = dt.type
+    code, p0, p1 = act
+    isp, osp, pad = as3d(x.shape[2:], 1), as3d(outs, 1), as3d(begin, 0)
+    y = backend().empty((N, M, *outs), dt)
+    if G > 1 and (Cg == 1 or Mg < RM):
+        knl = _direct_kernel(dt, kernel_, strides, dilations, code)
+        launch(knl, (L, M, N), *_i32(C, M, Cg, Mg, *isp, *osp, *pad), x, w,
+               b if b is not None else w, np.int32(b is not None), y,
+               z if z is not None else w, np.int32(z is not None), tp(p0), tp(p1))
         return y
+    RN = block_n(dt)
+    CK = Cg * K
+    Lb = -(-L // RN)
+    bp = scratch("B", N * G * Lb * CK * RN, dt)
+    knl = _conv_kernel("im2col", dt, kernel_, strides, dilations)
+    tab = _window_table(osp, as3d(strides, 1), pad, RN)
+    launch(knl, (CK, Lb, N * G), *_i32(Cg, *isp, L), tab, x, bp)
+    ap = op._wpack.get(w, None, lambda: pack_a(w, Mg, CK, CK, 1, G, Mg * CK))
+    bt = np.arange(N * G)
+    # batch bt = n*G + g writes y[n, g*Mg:(g+1)*Mg], at bt * Mg * L: z, shaped like y, lines up
+    gemm_packed(ap, bp, Mg, L, CK, bt % G, bt, dt, out=y,
+                c=b, cm=1, cn=0, beta=1.0, cb=Mg, z=z, act=act)
+    return y
 
 
 @register("ConvTranspose", versions=ConvTranspose.versions, backend="opencl")

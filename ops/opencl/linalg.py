@@ -8,7 +8,11 @@ The GEMM is register blocked over packed panels (the layout BLAS micro-kernels u
 * `gemm`: one work-item per RM x RN output block keeps RM x NV accumulators of VN-wide vectors
   in registers; per k it loads NV vectors of B and broadcasts RM scalars of A. Panels are zero
   padded, so the inner loop has no guards; only the final store is guarded at the edges.
-  The epilogue applies alpha, and beta * C (any C broadcastable to (M, N): Gemm's C, a conv bias).
+  The epilogue applies alpha, and beta * C (any C broadcastable to (M, N): Gemm's C, a conv bias),
+  then adds a residual Z of the output's layout and applies an activation (the ai.ember fused
+  ops, ops/opencl/fused.py) to the accumulators before the single store: one pass over the
+  output instead of the separate ops' passes. The activation is a compile-time choice (a few
+  program variants, only those used get built); its parameters are kernel arguments.
 
 Measured on PoCL (2-core AVX-512 CPU, 1024^3 float32, idle machine): this kernel with RM=8,
 VN=16, NV=2 (8x32 blocks) ~180 GFLOP/s, numpy ~270; 6x32 160, 12x32 / 4x64 / 8x48 ~180 (8x32
@@ -26,6 +30,7 @@ import threading
 
 import numpy as np
 
+from ember.ops.elementwise import _ERF32_P, _ERF32_Q
 from ember.ops.linalg import Gemm1, Gemm7, MatMul
 from ember.ops.opencl._common import FLOAT_TYPES, backend, c_type, kernel, launch
 from ember.ops.registry import register
@@ -43,7 +48,77 @@ def block_n(dtype) -> int:
     return 2 * vec_width(dtype)
 
 
-def _gemm_source(dtype) -> str:
+# Activation code -> body of `X act(X x, T p0, T p1)`, for X the scalar type T or a vector type:
+# OpenCL C applies the operators, the vector ternary and the math builtins per component, so one
+# text serves both. NaN propagates like numpy's (the comparisons are false for NaN). The order
+# of operations follows the CPU kernels in ops/fused.py.
+ACTIVATION_BODIES = {
+    "": "return x;",
+    "Relu": "return x < (X)0 ? (X)0 : x;",
+    "LeakyRelu": "return x < (X)0 ? x * p0 : x;",  # p0 = alpha
+    # np.clip(x, lo, hi) is min(max(x, lo), hi): hi wins when lo > hi
+    "Clip": "X t = x < (X)p0 ? (X)p0 : x; return t > (X)p1 ? (X)p1 : t;",
+    # exp of a non-positive number only: no overflow for large |x|
+    "Sigmoid": "X e = exp(-fabs(x)); X s = (X)1 / ((X)1 + e); return x >= (X)0 ? s : e * s;",
+    "Tanh": "return tanh(x);",
+    "HardSigmoid": "X t = x * p0 + p1; t = t < (X)0 ? (X)0 : t; return t > (X)1 ? (X)1 : t;",
+    "HardSwish": "X g = x * SIXTH + (X)0.5; g = g < (X)0 ? (X)0 : g; g = g > (X)1 ? (X)1 : g; "
+                 "return x * g;",
+    "Gelu": "return (X)0.5 * x * ((X)1 + erf(x * SQRT_HALF));",  # float64; float32: below
+    # 0.5 * (1 + tanh(u)) == sigmoid(2u), as in the Gelu kernel of ops/opencl/activations.py
+    "GeluTanh": "X u = GELU_2C * (x + GELU_A * x * x * x); X e = exp(-fabs(u)); "
+                "X s = (X)1 / ((X)1 + e); return x * (u >= (X)0 ? s : e * s);",
+}
+
+
+def _literal(value: float) -> str:
+    return f"((T){float(value).hex()})"  # exact
+
+
+def _horner(coefs, var: str) -> str:
+    acc = _literal(coefs[0])
+    for c in coefs[1:]:
+        acc = f"({acc} * {var} + {_literal(c)})"
+    return acc
+
+
+# float32 Gelu: the CPU kernel's erf (ops/elementwise.py: a rational approximation on [-4, 4],
+# relative error < 5e-7) in the CPU kernel's order, 0.5 * (1 + erf) as 0.5 + 0.5 * erf. Plain
+# arithmetic that stays in vector registers: on PoCL, erf() in the epilogue of a 1024^3 GEMM
+# (17 ms) added ~14 ms, this ~1.5 ms (as much as Relu or Z alone).
+_GELU32 = ("X z = x * SQRT_HALF; z = z < (X)-4 ? (X)-4 : z; z = z > (X)4 ? (X)4 : z; "
+           "X z2 = z * z; X e = z * " + _horner(_ERF32_P, "z2") + " / "
+           + _horner(_ERF32_Q, "z2") + "; return x * (e * (X)0.5 + (X)0.5);")
+
+
+def activation_source(act: str, dtype, vector: str | None = None) -> str:
+    """OpenCL C (after `typedef ... T`, T the C type of `dtype`) defining `T act(T x, T p0,
+    T p1)` and, given a vector type name, `vector act_v(vector x, T p0, T p1)`, for activation
+    code `act` (see `activation_code`)."""
+    consts = (f"#define SIXTH {_literal(1 / 6)}\n#define SQRT_HALF {_literal(math.sqrt(0.5))}\n"
+              f"#define GELU_2C {_literal(2 * math.sqrt(2 / math.pi))}\n"
+              f"#define GELU_A {_literal(0.044715)}\n")
+    body = _GELU32 if act == "Gelu" and np.dtype(dtype) == np.float32 else ACTIVATION_BODIES[act]
+    out = [consts, f"T act(T x, const T p0, const T p1) {{ typedef T X; {body} }}"]
+    if vector:
+        out.append(f"{vector} act_v({vector} x, const T p0, const T p1) "
+                   f"{{ typedef {vector} X; {body} }}")
+    return "\n".join(out) + "\n"
+
+
+def activation_code(name: str, params) -> tuple[str, float, float]:
+    """(code for `activation_source`, p0, p1) for a fused op's activation name and parameters,
+    with the defaults of ops/fused.py."""
+    params = [float(v) for v in params or []]
+    if name == "Gelu":
+        return ("GeluTanh" if params and params[0] else "Gelu"), 0.0, 0.0
+    defaults = {"LeakyRelu": [0.01], "Clip": [-math.inf, math.inf], "HardSigmoid": [0.2, 0.5]}
+    full = (params + defaults.get(name, [])[len(params):] + [0.0, 0.0])[:2]
+    return name, full[0], full[1]
+
+
+def _gemm_source(dtype, act: str = "") -> str:
+    """The GEMM kernel with activation `act` in its epilogue (packA/packB: `_pack_source`)."""
     T = c_type(dtype)
     VN = vec_width(dtype)
     NV = 2
@@ -64,11 +139,15 @@ def _gemm_source(dtype) -> str:
     for i in range(RM):
         fast.append(f"    {{ __global T* o = out + (long)(m0 + {i}) * out_rs + n0;")
         fast.append(f"      __global const T* ci = Cin + (long)(m0 + {i}) * cm + n0 * cn;")
+        fast.append(f"      __global const T* zi = zout + (long)(m0 + {i}) * N + n0;")
         fast.append(f"      const {V} cr = ({V})(c_row ? beta * ci[0] : (T)0);")
         for j in range(NV):
             fast.append(f"      {{ {V} v = ({V})(alpha) * c{i}_{j};")
             fast.append(f"        if (c_row) v += cr; else if (c_full) v += ({V})(beta) * "
                         f"vload{VN}({j}, ci);")
+            fast.append(f"        if (has_z) v += vload{VN}({j}, zi);")
+            if act:
+                fast.append("        v = act_v(v, p0, p1);")
             fast.append(f"        vstore{VN}(v, {j}, o); }}")
         fast.append("    }")
     fast = "\n".join(fast)
@@ -76,6 +155,59 @@ def _gemm_source(dtype) -> str:
 #define RM {RM}
 #define RN {RN}
 typedef {T} T;
+{activation_source(act, dtype, V) if act else ""}
+/* Cout[bt] = alpha * Ap[aidx[bt]] @ Bp[bidx[bt]] (+ beta * Cin[m*cm + n*cn] when has_c)
+   (+ Z[bt][m][n] when has_z, Z contiguous (batches, M, N)), then the activation */
+__kernel void gemm(const int M, const int N, const int K,
+                   __global const int* aidx, __global const int* bidx,
+                   __global const T* restrict Ap, __global const T* restrict Bp,
+                   __global T* restrict Cout, const T alpha,
+                   __global const T* restrict Cin, const long cm, const long cn, const long cb,
+                   const T beta,
+                   const int has_c, const long out_rs,
+                   __global const T* restrict Zin, const int has_z, const T p0, const T p1) {{
+  const int mb = get_global_id(0), nb = get_global_id(1), bt = get_global_id(2);
+  const int Mb = (M + RM - 1) / RM, Nb = (N + RN - 1) / RN;
+  __global const T* ap = Ap + ((long)aidx[bt] * Mb + mb) * K * RM;
+  __global const {V}* bv = (__global const {V}*)(Bp + ((long)bidx[bt] * Nb + nb) * K * RN);
+{decl}
+  {V} a; {" ".join(f"{V} b{j};" for j in range(NV))}
+  for (int k = 0; k < K; k++) {{
+{step}
+    ap += RM; bv += {NV};
+  }}
+  const int m0 = mb * RM, n0 = nb * RN;
+  if (has_c) Cin += (long)aidx[bt] * cb;
+  __global T* out = Cout + (long)bt * M * out_rs;
+  __global const T* zout = Zin + (long)bt * M * N;
+  if (m0 + RM <= M && n0 + RN <= N && (!has_c || cn <= 1)) {{
+    const int c_row = has_c && cn == 0, c_full = has_c && cn == 1;
+{fast}
+    return;
+  }}
+  T t[RM * RN];
+{store}
+  for (int i = 0; i < RM; i++) {{
+    const int m = m0 + i;
+    if (m >= M) break;
+    for (int j = 0; j < RN; j++) {{
+      const int n = n0 + j;
+      if (n >= N) break;
+      T v = alpha * t[i * RN + j];
+      if (has_c) v += beta * Cin[m * cm + n * cn];
+      if (has_z) v += zout[(long)m * N + n];
+      out[(long)m * out_rs + n] = {"act(v, p0, p1)" if act else "v"};
+    }}
+  }}
+}}
+"""
+
+
+def _pack_source(dtype) -> str:
+    return f"""
+#define RM {RM}
+#define RN {block_n(dtype)}
+typedef {c_type(dtype)} T;
 
 __kernel void packA(const int M, const int K, const long sm, const long sk, const long sb,
                     __global const T* A, __global T* Ap) {{
@@ -105,52 +237,13 @@ __kernel void packB(const int N, const int K, const long sk, const long sn, cons
   }}
 }}
 
-/* Cout[bt] = alpha * Ap[aidx[bt]] @ Bp[bidx[bt]] (+ beta * Cin[m*cm + n*cn] when HAS_C) */
-__kernel void gemm(const int M, const int N, const int K,
-                   __global const int* aidx, __global const int* bidx,
-                   __global const T* restrict Ap, __global const T* restrict Bp,
-                   __global T* restrict Cout, const T alpha,
-                   __global const T* restrict Cin, const long cm, const long cn, const long cb,
-                   const T beta,
-                   const int has_c, const long out_rs) {{
-  const int mb = get_global_id(0), nb = get_global_id(1), bt = get_global_id(2);
-  const int Mb = (M + RM - 1) / RM, Nb = (N + RN - 1) / RN;
-  __global const T* ap = Ap + ((long)aidx[bt] * Mb + mb) * K * RM;
-  __global const {V}* bv = (__global const {V}*)(Bp + ((long)bidx[bt] * Nb + nb) * K * RN);
-{decl}
-  {V} a; {" ".join(f"{V} b{j};" for j in range(NV))}
-  for (int k = 0; k < K; k++) {{
-{step}
-    ap += RM; bv += {NV};
-  }}
-  const int m0 = mb * RM, n0 = nb * RN;
-  if (has_c) Cin += (long)aidx[bt] * cb;
-  __global T* out = Cout + (long)bt * M * out_rs;
-  if (m0 + RM <= M && n0 + RN <= N && (!has_c || cn <= 1)) {{
-    const int c_row = has_c && cn == 0, c_full = has_c && cn == 1;
-{fast}
-    return;
-  }}
-  T t[RM * RN];
-{store}
-  for (int i = 0; i < RM; i++) {{
-    const int m = m0 + i;
-    if (m >= M) break;
-    for (int j = 0; j < RN; j++) {{
-      const int n = n0 + j;
-      if (n >= N) break;
-      T v = alpha * t[i * RN + j];
-      if (has_c) v += beta * Cin[m * cm + n * cn];
-      out[(long)m * out_rs + n] = v;
-    }}
-  }}
-}}
 """
 
 
-def gemm_kernels(dtype):
-    src = _gemm_source(dtype)
-    return kernel(src, "packA"), kernel(src, "packB"), kernel(src, "gemm")
+def gemm_kernels(dtype, act: str = ""):
+    """packA, packB, and the GEMM with activation code `act` (a program per activation used)."""
+    pack = _pack_source(dtype)
+    return kernel(pack, "packA"), kernel(pack, "packB"), kernel(_gemm_source(dtype, act), "gemm")
 
 
 def pack_a(a, M, K, sm, sk, batches=1, sb=0, role=None):
@@ -215,11 +308,13 @@ def index_table(values) -> object:
 
 
 def gemm_packed(ap, bp, M, N, K, aidx, bidx, dtype, out=None, alpha=1.0, c=None, cm=0, cn=0,
-                beta=0.0, cb=0, out_row_stride=None):
-    """Output batches len(aidx): out[bt] = alpha * A[aidx[bt]] @ B[bidx[bt]] (+ beta * C, offset by
-    aidx[bt] * cb),
-    written into `out` (a fresh (batches, M, N) array when None)."""
-    _, _, kG = gemm_kernels(dtype)
+                beta=0.0, cb=0, out_row_stride=None, z=None, act=("", 0.0, 0.0)):
+    """Output batches len(aidx): out[bt] = act(alpha * A[aidx[bt]] @ B[bidx[bt]] (+ beta * C,
+    offset by aidx[bt] * cb) (+ z[bt])), written into `out` (a fresh (batches, M, N) array when
+    None). `z`, the residual, holds batches * M * N elements laid out like a contiguous
+    (batches, M, N) output; `act` is (code, p0, p1) from `activation_code`."""
+    code, p0, p1 = act
+    _, _, kG = gemm_kernels(dtype, code)
     batches = len(aidx)
     if out is None:
         out = backend().empty((batches, M, N), dtype)
@@ -228,7 +323,8 @@ def gemm_packed(ap, bp, M, N, K, aidx, bidx, dtype, out=None, alpha=1.0, c=None,
     launch(kG, (-(-M // RM), -(-N // RN), batches), np.int32(M), np.int32(N), np.int32(K),
            index_table(aidx), index_table(bidx), ap, bp, out, tp(alpha),
            c if c is not None else ap, np.int64(cm), np.int64(cn), np.int64(cb), tp(beta),
-           np.int32(c is not None), np.int64(out_row_stride or N))
+           np.int32(c is not None), np.int64(out_row_stride or N),
+           z if z is not None else ap, np.int32(z is not None), tp(p0), tp(p1))
     return out
 
 
@@ -248,8 +344,14 @@ class CachedPack:
         return value
 
 
-def _matmul_device(op, a, b):
-    """np.matmul semantics (1-D operands, broadcast batch dims) on the device."""
+NO_ACTIVATION = ("", 0.0, 0.0)
+
+
+def _matmul_device(op, a, b, bias=None, z=None, act=NO_ACTIVATION):
+    """np.matmul semantics (1-D operands, broadcast batch dims) on the device, with the fused
+    epilogue: act(a @ b + bias + z), `bias` a vector over the result's last axis or a single
+    value, `z` of the result's shape (checked by the caller). None when K == 0 (the caller
+    falls back)."""
     a_shape, b_shape = tuple(a.shape), tuple(b.shape)
     a1, b1 = len(a_shape) == 1, len(b_shape) == 1
     if a1:
@@ -269,7 +371,7 @@ def _matmul_device(op, a, b):
     if nb == 0 or M == 0 or N == 0:
         return backend().empty(out_shape, a.dtype)
     if K == 0:
-        return op.run_on_cpu(a, b)
+        return None
     ba, bb = math.prod(a_shape[:-2]), math.prod(b_shape[:-2])
     ap = pack_a(a, M, K, K, 1, ba, M * K, role="A")
     if bb == 1:
@@ -278,7 +380,11 @@ def _matmul_device(op, a, b):
         bp = pack_b(b, N, K, N, 1, bb, K * N, role="B")
     aidx = np.broadcast_to(np.arange(ba).reshape(a_shape[:-2]), batch)
     bidx = np.broadcast_to(np.arange(bb).reshape(b_shape[:-2]), batch)
-    out = gemm_packed(ap, bp, M, N, K, np.ravel(aidx), np.ravel(bidx), a.dtype)
+    # the bias runs along the result's last axis: N, or M when b is a vector (its N is 1);
+    # a single value is read for every element
+    cm, cn = (0, 0) if bias is not None and bias.size == 1 else (1, 0) if b1 else (0, 1)
+    out = gemm_packed(ap, bp, M, N, K, np.ravel(aidx), np.ravel(bidx), a.dtype,
+                      c=bias, cm=cm, cn=cn, beta=1.0, z=z, act=act)
     return out.reshape(out_shape)
 
 
@@ -293,11 +399,15 @@ class MatMulCL(MatMul):
     def run(self, a, b):
         if a.dtype not in self.dtypes or b.dtype != a.dtype or a.ndim == 0 or b.ndim == 0:
             return self.run_on_cpu(a, b)
-        return _matmul_device(self, a, b)
+        out = _matmul_device(self, a, b)
+        return self.run_on_cpu(a, b) if out is None else out
 
 
 class _GemmCL:
+    """Gemm on the device; also the base of ai.ember::FusedGemm (ops/opencl/fused.py), which
+    sets `epilogue_activation` and whose CPU fallback (run_on_cpu) applies its activation."""
     dtypes = FLOAT_TYPES
+    epilogue_activation = NO_ACTIVATION  # (code, p0, p1) for gemm_packed
 
     def setup(self):
         super().setup()
@@ -340,7 +450,8 @@ class _GemmCL:
         skb, sn = (1, K) if self.transB else (N, 1)
         bp = self._bpack.get(b, (self.transB,), lambda: pack_b(b, N, K, skb, sn))
         out = gemm_packed(ap, bp, M, N, K, [0], [0], a.dtype, alpha=self.alpha,
-                          c=c if use_c else None, cm=cm, cn=cn, beta=self.beta)
+                          c=c if use_c else None, cm=cm, cn=cn, beta=self.beta,
+                          act=self.epilogue_activation)
         return out.reshape(M, N)
 
 

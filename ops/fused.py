@@ -10,9 +10,8 @@ Z, the residual, has exactly the shape of the result.
 "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Gelu"; "" for none) and `activation_params`
 holds its float parameters in the ONNX attribute order (Clip: min, max; LeakyRelu: alpha;
 HardSigmoid: alpha, beta; Gelu: 1.0 for the tanh approximation). The activation is applied in
-place on the freshly computed product, together with the bias and the residual, a block of
-rows at a time: fusion saves the separate ops' allocations and their passes over the whole
-product.
+place on the freshly computed product, as are the bias and the residual: fusion saves the
+separate ops' allocations (and, for GELU, runs the formula block by block in cache).
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import numpy as np
 
 from ember.ops.conv import Conv
 from ember.ops.activations import gelu
-from ember.ops.elementwise import BLOCK
 from ember.ops.linalg import Gemm7, matmul
 from ember.ops.registry import OpImpl, register
 
@@ -69,9 +67,11 @@ def epilogue(y: np.ndarray, bias: np.ndarray | None, z: np.ndarray | None, activ
              params: list[float]) -> np.ndarray:
     """activation(y + bias + z), with `bias` broadcast over y's last axis and `z` of y's shape.
 
-    On a fresh C-contiguous float `y` (the usual case) it all happens in y, a block of rows at a
-    time, so a block stays in cache through the three steps. Anything else (integer products,
-    a bias of another shape) takes whole-array steps.
+    On a fresh C-contiguous float `y` (the usual case) every step writes into y: no new
+    arrays. Each step is one call over the whole array: for one or two passes that is faster
+    than cache blocking (measured on ResNet-50's convolutions), while GELU, a long formula,
+    blocks inside `gelu`. Anything else (integer products, a bias of another shape) takes
+    steps that allocate.
     """
     row = None
     if bias is not None and y.ndim and bias.size == y.shape[-1] and y.ndim >= bias.ndim \
@@ -81,17 +81,11 @@ def epilogue(y: np.ndarray, bias: np.ndarray | None, z: np.ndarray | None, activ
             not getattr(y.flags, "writeable", True) or (bias is not None and row is None) or \
             (z is not None and z.dtype != y.dtype):
         return _epilogue_whole(y, bias, z, activation, params)
-    n = y.shape[-1]
-    rows = y.reshape(-1, n)
-    z_rows = None if z is None else np.ascontiguousarray(z).reshape(-1, n)
-    per = max(1, BLOCK // max(n, 1))
-    for lo in range(0, rows.shape[0], per):
-        block = rows[lo:lo + per]
-        if row is not None:
-            block += row
-        if z_rows is not None:
-            block += z_rows[lo:lo + per]
-        activate_in_place(block, activation, params)
+    if row is not None:
+        y += row
+    if z is not None:
+        y += z
+    activate_in_place(y, activation, params)
     return y
 
 

@@ -189,12 +189,11 @@ def _int_matmul_cuda(a, b):
 
 
 # CPU helpers and constants replaced in the shared kernels: where the CPU code uses a numpy
-# feature cupy lacks, and the block size of the CPU's cache-blocked loops (GELU, erf, the fused
-# epilogue), which on a GPU would only multiply kernel launches: there one block is the array.
+# feature cupy lacks, and the block size of the CPU's cache-blocked loops (GELU, erf), which on
+# a GPU would only multiply kernel launches: there one block is the array.
 _WHOLE_ARRAY = 1 << 62
 HELPER_OVERRIDES = {("ember.ops.linalg", "_int_matmul"): _int_matmul_cuda,
-                    ("ember.ops.elementwise", "BLOCK"): _WHOLE_ARRAY,
-                    ("ember.ops.fused", "BLOCK"): _WHOLE_ARRAY}
+                    ("ember.ops.elementwise", "BLOCK"): _WHOLE_ARRAY}
 
 
 def _module_globals(modname: str) -> dict:

@@ -132,6 +132,9 @@ def load_case_dir(case_dir: str) -> Case:
     return Case(os.path.basename(case_dir), model_path, data_sets, tol["rtol"], tol["atol"])
 
 
+SUITES = ("node", "simple", "pytorch-converted", "pytorch-operator")
+
+
 def suite_case_dirs(suite: str) -> list[str]:
     """Case folders of a suite: 'node' (generated), or 'simple', 'pytorch-converted',
     'pytorch-operator' (shipped in the onnx wheel)."""
@@ -224,17 +227,21 @@ def load_xfails(path: str) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    """Tiny runner for development: suite name, optional -k glob and --backend B (default
-    $EMBER_BACKEND or cpu); prints failures, and for a device backend where nodes ran."""
+    """Tiny runner for development: prints failures, and for a device backend where nodes
+    ran."""
+    import argparse
     import traceback
 
     from ember.runtime.backends import get_backend
 
-    suite = argv[0] if argv else "node"
-    pattern = argv[argv.index("-k") + 1] if "-k" in argv else "*"
-    backend = argv[argv.index("--backend") + 1] if "--backend" in argv else \
-        os.environ.get("EMBER_BACKEND", "cpu")
-    verbose = "-v" in argv
+    parser = argparse.ArgumentParser(prog="python tests/onnx_suites.py",
+                                     description="Run ONNX backend test suites on ember.")
+    parser.add_argument("suite", nargs="?", default="node", choices=SUITES)
+    parser.add_argument("-k", dest="pattern", default="*", help="case name glob")
+    parser.add_argument("--backend", default=os.environ.get("EMBER_BACKEND", "cpu"))
+    parser.add_argument("-v", dest="verbose", action="store_true", help="print tracebacks")
+    args = parser.parse_args(argv)
+    suite, pattern, backend, verbose = args.suite, args.pattern, args.backend, args.verbose
     placed: dict[str, int] = {}
     dirs = [d for d in suite_case_dirs(suite)
             if fnmatch.fnmatch(os.path.basename(d), f"*{pattern}*")]

@@ -337,13 +337,9 @@ Sum = variadic("Sum", [1, 6, 8, 13],     np.add)
 @register("Mean", versions=[1, 6, 8, 13])
 class Mean(Variadic):
     def run(self, *xs):
-        xs = [x for x in xs if x is not None]
-        if not xs:
-            raise self.fail("needs at least one input")
-        if len(xs) == 1:
-            return xs[0].copy()
-        total = functools.reduce(np.add, [widen(x) for x in xs])
-        return back(total / len(xs), xs[0].dtype)
+        present = [x for x in xs if x is not None]
+        total = super().run(*(widen(x) for x in present))  # Sum's checks and fold
+        return back(total / len(present), present[0].dtype)
 
 
 @register("Clip", versions=[1, 6])

@@ -8,7 +8,7 @@ rewrites cannot happen within one sweep.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -106,6 +106,13 @@ class GraphIndex:
 
     def alive(self, node: Node) -> bool:
         return id(node) not in self.dead
+
+    def live(self, *op_types: str) -> Iterator[Node]:
+        """The graph's default-domain nodes of these op types that no rewrite has removed yet
+        (checked as the iteration reaches each node, so rewrites may run in between)."""
+        for node in self.graph.nodes:
+            if not node.domain and node.op_type in op_types and self.alive(node):
+                yield node
 
 
 def _reads(node: Node) -> Iterable[str]:

@@ -13,9 +13,7 @@ from ember.simplifier.graph import GraphIndex, add_constant, drop_dead
 def fold_batchnorm_into_conv(graph: Graph, ctx: Context) -> bool:
     index = GraphIndex(graph)
     changed = False
-    for bn in graph.nodes:
-        if bn.domain or bn.op_type != "BatchNormalization" or not index.alive(bn):
-            continue
+    for bn in index.live("BatchNormalization"):
         if bn.version < 9 or bn.attrs.get("training_mode", 0) or \
                 len([o for o in bn.outputs if o]) != 1 or len(bn.inputs) != 5:
             continue

@@ -97,8 +97,8 @@ def fuse_residual_add(graph: Graph, ctx: Context) -> bool:
     """Add(product, z) -> the fused product with Z = z, when z has the result's exact shape."""
     index = GraphIndex(graph)
     changed = False
-    for add in graph.nodes:
-        if add.domain or add.op_type != "Add" or not index.alive(add) or len(add.inputs) != 2:
+    for add in index.live("Add"):
+        if len(add.inputs) != 2:
             continue
         for side in (0, 1):
             producer = index.single_use_producer(add.inputs[side])

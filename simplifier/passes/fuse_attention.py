@@ -24,9 +24,7 @@ _INT, _FLOAT = AttributeProto.INT, AttributeProto.FLOAT
 def fuse_attention(graph: Graph, ctx: Context) -> bool:
     index = GraphIndex(graph)
     changed = False
-    for softmax in graph.nodes:
-        if softmax.domain or softmax.op_type != "Softmax" or not index.alive(softmax):
-            continue
+    for softmax in index.live("Softmax"):
         found = _match(softmax, index)
         if found is None:
             continue
@@ -109,9 +107,8 @@ def fuse_attention_projections(graph: Graph, ctx: Context) -> bool:
     """4-D Attention fed by slices of one packed QKV projection -> Split + 3-D Attention."""
     index = GraphIndex(graph)
     changed = False
-    for att in graph.nodes:
-        if att.domain or att.op_type != "Attention" or not index.alive(att) or \
-                len(att.inputs) > 4 or len(att.outputs) != 1 or att.attrs.get("q_num_heads"):
+    for att in index.live("Attention"):
+        if len(att.inputs) > 4 or len(att.outputs) != 1 or att.attrs.get("q_num_heads"):
             continue
         packed = _packed_qkv(att, index)
         output = _merged_output(att, index)

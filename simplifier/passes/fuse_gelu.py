@@ -19,9 +19,7 @@ _TOL = 1e-4
 def fuse_gelu(graph: Graph, ctx: Context) -> bool:
     index = GraphIndex(graph)
     changed = False
-    for node in graph.nodes:
-        if node.domain or node.op_type not in ("Erf", "Tanh") or not index.alive(node):
-            continue
+    for node in index.live("Erf", "Tanh"):
         inner = _erf_argument(node, index) if node.op_type == "Erf" else \
             _tanh_argument(node, index)
         if inner is None:

@@ -12,8 +12,8 @@ from ember.simplifier.graph import GraphIndex, add_constant, drop_dead
 def fuse_matmul_add(graph: Graph, ctx: Context) -> bool:
     index = GraphIndex(graph)
     changed = False
-    for add in graph.nodes:
-        if add.domain or add.op_type != "Add" or not index.alive(add) or len(add.inputs) != 2:
+    for add in index.live("Add"):
+        if len(add.inputs) != 2:
             continue
         for side in (0, 1):
             matmul = index.single_use_producer(add.inputs[side], "MatMul")
@@ -68,8 +68,8 @@ def fold_scale_into_matmul(graph: Graph, ctx: Context) -> bool:
     scaled once instead, and the Mul disappears."""
     index = GraphIndex(graph)
     changed = False
-    for mul in graph.nodes:
-        if mul.domain or mul.op_type != "Mul" or not index.alive(mul) or len(mul.inputs) != 2:
+    for mul in index.live("Mul"):
+        if len(mul.inputs) != 2:
             continue
         for side in (0, 1):
             product = index.single_use_producer(mul.inputs[side])

@@ -13,9 +13,7 @@ from ember.simplifier.graph import GraphIndex, add_constant, drop_dead
 def fuse_layernorm(graph: Graph, ctx: Context) -> bool:
     index = GraphIndex(graph)
     changed = False
-    for div in graph.nodes:
-        if div.domain or div.op_type != "Div" or not index.alive(div):
-            continue
+    for div in index.live("Div"):
         found = _match(div, index)
         if found is None:
             continue

@@ -15,9 +15,7 @@ _RESHAPE_LIKE = {"Reshape", "Flatten", "Squeeze", "Unsqueeze"}
 def merge_transposes(graph: Graph, ctx: Context) -> bool:
     index = GraphIndex(graph)
     changed = False
-    for outer in graph.nodes:
-        if outer.domain or outer.op_type != "Transpose" or not index.alive(outer):
-            continue
+    for outer in index.live("Transpose"):
         inner = index.single_use_producer(outer.inputs[0], "Transpose")
         p2, p1 = outer.attrs.get("perm"), inner.attrs.get("perm") if inner else None
         if inner is None or p1 is None or p2 is None or len(p1) != len(p2):
@@ -39,9 +37,8 @@ def merge_transposes(graph: Graph, ctx: Context) -> bool:
 def merge_reshapes(graph: Graph, ctx: Context) -> bool:
     index = GraphIndex(graph)
     changed = False
-    for outer in graph.nodes:
-        if outer.domain or outer.op_type != "Reshape" or not index.alive(outer) or \
-                outer.version < 5 or len(outer.inputs) != 2:
+    for outer in index.live("Reshape"):
+        if outer.version < 5 or len(outer.inputs) != 2:
             continue
         inner = index.producer.get(outer.inputs[0])
         if inner is None or inner.domain or inner.op_type not in _RESHAPE_LIKE or \
@@ -66,9 +63,7 @@ def gather_through_transpose(graph: Graph, ctx: Context) -> bool:
     a batch/time swap)."""
     index = GraphIndex(graph)
     changed = False
-    for gather in graph.nodes:
-        if gather.domain or gather.op_type != "Gather" or not index.alive(gather):
-            continue
+    for gather in index.live("Gather"):
         transpose = index.single_use_producer(gather.inputs[0], "Transpose")
         indices = index.constant(gather.inputs[1])
         perm = transpose.attrs.get("perm") if transpose is not None else None

@@ -43,12 +43,54 @@ def kernel(source: str, name: str, options: tuple[str, ...] = ()):
 
 def launch(knl, global_size, *args, local_size=None) -> None:
     """Enqueue `knl` over `global_size` work items. Arrays are passed as plain `__global T*`
-    buffers: one with an offset or not C-contiguous is copied to a fresh buffer first."""
+    buffers: one with an offset or not C-contiguous is copied to a fresh buffer first.
+
+    Setting a kernel's arguments and enqueueing it happen under the backend's launch lock:
+    kernel objects are shared by every thread, and pyopencl's `knl(queue, ...)` is set_args
+    followed by an enqueue, which two threads could otherwise interleave."""
     be = backend()
     flat = [contiguous(a).data if isinstance(a, be.cl_array.Array) else a for a in args]
     if isinstance(global_size, int):
         global_size = (global_size,)
-    knl(be.queue, tuple(max(int(g), 1) for g in global_size), local_size, *flat)
+    global_size = tuple(max(int(g), 1) for g in global_size)
+    if local_size is None and be.max_group_items:
+        local_size = capped_local_size(global_size, be.max_group_items)
+    with be.launch_lock:
+        knl(be.queue, global_size, local_size, *flat)
+        if be.guard is not None:  # EMBER_OPENCL_CHECK: find kernels that write out of bounds
+            be.guard.check(knl, global_size, [(i, a) for i, a in enumerate(flat)
+                                              if isinstance(a, be.cl.MemoryObjectHolder)])
+
+
+@lru_cache(maxsize=4096)
+def capped_local_size(global_size: tuple[int, ...], cap: int) -> tuple[int, ...]:
+    """A work-group shape dividing `global_size` (OpenCL 1.2 needs that) with at most `cap`
+    work items, filling the first axes first.
+
+    Why: on a CPU device PoCL runs a whole work-group inside one worker thread's stack, with
+    the private variables of every work item laid side by side. Left to choose, it makes
+    groups of thousands of items, and the GEMM's registers and edge buffer (~3 KB an item)
+    then overflow the 8 MiB thread stack: the segfaults of issue 10."""
+    local, room = [], cap
+    for g in global_size:
+        d = _largest_divisor_at_most(g, room)
+        local.append(d)
+        room //= d
+    return tuple(local)
+
+
+def _largest_divisor_at_most(n: int, bound: int) -> int:
+    if n <= bound:
+        return n
+    best = 1
+    i = 1
+    while i * i <= n and i <= bound:
+        if n % i == 0:
+            best = max(best, i)
+            if n // i <= bound:
+                return n // i  # the co-divisors fall as i grows: the first that fits is largest
+        i += 1
+    return best
 
 
 def contiguous(x):

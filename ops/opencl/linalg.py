@@ -287,7 +287,8 @@ def scratch(role: str, size: int, dtype):
     if buf is None or buf.size < nbytes:
         if len(_SCRATCH) > 64:  # threads come and go
             _SCRATCH.clear()
-        buf = be.cl.Buffer(be.context, be.cl.mem_flags.READ_WRITE, max(nbytes, 1 << 20))
+        buf = be.guard(nbytes) if be.guard is not None else \
+            be.cl.Buffer(be.context, be.cl.mem_flags.READ_WRITE, max(nbytes, 1 << 20))
         _SCRATCH[key] = buf
     return be.cl_array.Array(be.queue, (int(size),), dtype, data=buf)
 

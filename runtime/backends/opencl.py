@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from typing import Any
 
 import numpy as np
 
 from ember.errors import BackendUnavailableError
 from ember.runtime.backends.base import Backend
+from ember.runtime.backends.opencl_guard import GuardedAllocator
+from ember.runtime.backends.opencl_guard import enabled as guard_enabled
 
 INSTALL_HINT = "pip install 'ember[opencl]' (pyopencl with PoCL, a CPU OpenCL driver)"
 # dtypes that move to the device; everything else (strings, ml_dtypes) stays on the host and
@@ -22,6 +25,8 @@ INSTALL_HINT = "pip install 'ember[opencl]' (pyopencl with PoCL, a CPU OpenCL dr
 DEVICE_DTYPES = frozenset(np.dtype(t) for t in (
     np.float32, np.float64, np.float16, np.int8, np.uint8, np.int16, np.uint16, np.int32,
     np.uint32, np.int64, np.uint64, np.bool_))
+# Work items per group on CPU devices: 256 items x 32 KB of private state fit the 8 MiB stack.
+CPU_MAX_GROUP_ITEMS = 256
 
 
 def default_cache_dir() -> str:
@@ -47,7 +52,13 @@ class OpenCLBackend(Backend):
         # Pooled buffers: a fresh clCreateBuffer per kernel output costs more than the kernel
         # on large tensors; freed values return their buffers to the pool.
         import pyopencl.tools as cl_tools
-        self.allocator = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
+        self.guard = GuardedAllocator(cl, self.context, self.queue) if guard_enabled() else None
+        self.allocator = self.guard or cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
+        # Largest work-group that launches choose on a CPU device (see
+        # ops/opencl/_common.capped_local_size); None leaves the choice to the driver.
+        self.max_group_items = CPU_MAX_GROUP_ITEMS if self.device.type & cl.device_type.CPU \
+            else None
+        self.launch_lock = threading.Lock()
         self.cache_dir = cache_dir or default_cache_dir()
         self._programs: dict[str, Any] = {}
         self.compiled_from_source = 0  # programs built from source (not from a cache)

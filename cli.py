@@ -101,16 +101,16 @@ def _summary(name: str, value) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     model = import_model(args.model)
     print(describe(model))
-    if args.backend:
-        print(describe_placement(Session(model, args.backend)))
+    if args.backend:  # the plan `ember run` executes: simplified for that backend
+        print(describe_placement(load(model, args.backend)))
     return 0
 
 
 def describe_placement(session: Session) -> str:
     """Where each node runs on the session's backend, and how many fall back to the CPU."""
     lines = [f"placement on {session._backend.describe()}:"]
-    for name, op, where in session.placement:
-        lines.append(f"  {op:<24} {where:<9} {name}")
+    for name, op, where, reason in session.placement_reasons:
+        lines.append(f"  {op:<24} {where:<9} {name}" + (f"  ({reason})" if reason else ""))
     counts = session.placement_summary()
     lines.append("summary: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
                  + f"; {counts.get('fallback', 0)} node(s) fall back to the CPU")

@@ -24,6 +24,7 @@ registered with `backend=`; they inherit its semantics and override `run`.
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any, Callable, Iterable
 
 import onnx
@@ -48,7 +49,7 @@ class OpImpl:
     # Attribute names that would shadow members of this class are stored with a trailing "_".
     _reserved = frozenset({"run", "setup", "node", "n_inputs", "n_outputs", "domain", "op_type",
                            "versions", "backend", "version", "attrs", "dtypes", "host_inputs",
-                           "run_on_cpu", "fail"})
+                           "run_on_cpu", "fail", "refuses"})
     # Device kernels only: dtypes run natively (None: all), and indices of inputs the kernel
     # wants as host numpy arrays (shapes, axes, pads...) rather than device arrays.
     dtypes: frozenset | None = None
@@ -64,6 +65,15 @@ class OpImpl:
             setattr(self, name + "_" if name in self._reserved else name, value)
         self.setup()
 
+    @classmethod
+    def refuses(cls, input_dtypes: list) -> str:
+        """For device kernels, at plan time: why this kernel would not run a node whose inputs
+        have these dtypes (None where unknown) natively, or '' if it would. By default the
+        first input's dtype must be one of `dtypes`; kernels with other rules override this."""
+        if cls.dtypes is None or not input_dtypes or input_dtypes[0] is None:
+            return ""
+        return "" if input_dtypes[0] in cls.dtypes else f"dtype {input_dtypes[0]}"
+
     def setup(self) -> None:
         """Check attributes and precompute what `run` needs. Runs once per node."""
 
@@ -77,6 +87,8 @@ class OpImpl:
 
         backend = get_backend(self.backend)
         backend.fallbacks += 1
+        label = self.node.name or (self.node.outputs[0] if self.node.outputs else "")
+        backend.fallback_nodes[label] = backend.fallback_nodes.get(label, 0) + 1
         cpu = lookup(self.domain, self.op_type, self.version, "cpu")
         result = cpu.run(self, *[backend.to_host(x) for x in inputs])
         if isinstance(result, tuple):
@@ -136,7 +148,7 @@ def versions_registered(domain: str, op_type: str, backend: str = "cpu") -> list
 def lookup(domain: str, op_type: str, opset: int, backend: str = "cpu") -> type[OpImpl] | None:
     """The implementation for a node of `op_type` in `domain` under `opset`, or None."""
     domain = normalize_domain(domain)
-    _ensure_loaded()
+    _ensure_loaded(backend)
     slot = _TABLE.get((backend, domain, op_type))
     if not slot:
         return None
@@ -145,7 +157,7 @@ def lookup(domain: str, op_type: str, opset: int, backend: str = "cpu") -> type[
 
 def supported_ops(backend: str = "cpu") -> dict[tuple[str, str], list[int]]:
     """(domain, op_type) -> since-versions implemented, for `ember info` and the README table."""
-    _ensure_loaded()
+    _ensure_loaded(backend)
     return {(d, op): sorted(vs) for (b, d, op), vs in sorted(_TABLE.items()) if b == backend}
 
 
@@ -183,15 +195,17 @@ def bind(node: Node, impl: type[OpImpl], attrs: dict[str, Any]) -> OpImpl:
     return impl(node, {**defaults, **attrs})
 
 
-_loaded = False
+_loaded: set[str] = set()
+# The modules holding each backend's kernels; only those of a backend asked about are imported,
+# so a CPU session imports no device code.
+_KERNEL_PACKAGES = {"cpu": "ember.ops", "opencl": "ember.ops.opencl", "cuda": "ember.ops.cuda"}
 
 
-def _ensure_loaded() -> None:
-    """Import every op family module once, so their @register calls have run. Device kernel
-    modules import no device library at import time, so this works on any machine."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        import ember.ops  # noqa: F401  (its __init__ imports the families)
-        import ember.ops.cuda  # noqa: F401
-        import ember.ops.opencl  # noqa: F401
+def _ensure_loaded(backend: str = "cpu") -> None:
+    """Import the op family modules of `backend` (and the CPU ones they derive from) once, so
+    their @register calls have run. Device kernel modules import no device library at import
+    time, so this works on any machine."""
+    for name in dict.fromkeys(("cpu", backend)):
+        if name not in _loaded and name in _KERNEL_PACKAGES:
+            _loaded.add(name)
+            importlib.import_module(_KERNEL_PACKAGES[name])

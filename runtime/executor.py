@@ -9,7 +9,7 @@ from enclosing scopes are handed to them as a name -> value dict.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import numpy as np
 
@@ -113,11 +113,16 @@ class Plan:
     the host (CPU kernels) otherwise; shape-only work (Shape, Size and arithmetic on their
     results and on small integer constants) always stays on the host. Transfers are inserted
     as steps of their own, once per value and direction, so values stay on the device between
-    device nodes. A plan takes host values in and gives host values out.
+    device nodes. A plan takes host values in and gives host values out, except for the inputs
+    named in `device_inputs`, which it is given as the backend's device arrays, and, with
+    `device_outputs`, the outputs computed on the device, which it leaves there. `uploads`
+    (initialiser name -> device copy) lets plans of one graph share their uploaded weights.
     """
 
     def __init__(self, graph: Graph, backend: str | Backend = "cpu",
-                 outer_names: Sequence[str] = (), wanted_outputs: Sequence[str] | None = None):
+                 outer_names: Sequence[str] = (), wanted_outputs: Sequence[str] | None = None,
+                 device_inputs: Collection[str] = (), device_outputs: bool = False,
+                 uploads: dict[str, Any] | None = None):
         self.graph = graph
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
         missing = missing_ops(graph, self.backend.name)
@@ -145,11 +150,15 @@ class Plan:
         self.input_slots = [slot(n) for n in self.input_names]
         self.outer_slots = [(n, slot(n)) for n in self.outer_names]
 
-        on_device: set[str] = set()  # values resident on the backend's device
+        # values resident on the backend's device
+        on_device: set[str] = set(device_inputs) & set(self.input_names) \
+            if self.backend.name != "cpu" else set()
+        uploads = {} if uploads is None else uploads
         shape_like = shape_constants(graph)
         moved: dict[tuple[str, bool], str] = {}  # (value, to_device) -> name of the moved copy
         steps: list[Step] = []
         self.placement: list[tuple[Node, str]] = []
+        self.placement_reasons: list[str] = []  # why each host node is on the host
 
         def resident(name: str, want_device: bool) -> str:
             """The name under which `name` is available where wanted, moving it if needed."""
@@ -160,7 +169,15 @@ class Plan:
                 target = f"{name}@{'device' if want_device else 'host'}"
                 move = self.backend.to_device if want_device else self.backend.to_host
                 if name in graph.initializers and want_device:
-                    constants[slot(target)] = move(graph.initializers[name])  # uploaded once
+                    if name not in uploads:  # uploaded once
+                        uploads[name] = move(graph.initializers[name])
+                    if name in self.input_names:  # an input the caller may override
+                        steps.append(Step(Node("ToDevice", "", 0, [name], [target]),
+                                          Transfer(_upload_unless(graph.initializers[name],
+                                                                  uploads[name], move)),
+                                          (slot(name),), (slot(target),), (), ()))
+                    else:
+                        constants[slot(target)] = uploads[name]
                 else:
                     steps.append(Step(Node("ToDevice" if want_device else "ToHost", "", 0,
                                            [name], [target]), Transfer(move),
@@ -168,9 +185,11 @@ class Plan:
                 moved[key] = target
             return moved[key]
 
+        dtypes = known_dtypes(graph)
         for node in nodes:
-            where = self._place(node, shape_like)
+            where, reason = self._place(node, shape_like, dtypes)
             self.placement.append((node, where))
+            self.placement_reasons.append(reason)
             device = where == "device"
             impl = lookup(node.domain, node.op_type, node.version,
                           self.backend.name if device else "cpu")
@@ -194,23 +213,31 @@ class Plan:
         for name in self.output_names:
             if name not in slots and name not in available:
                 raise InvalidModelError(f"graph output '{name}' is never computed")
-        self.output_slots = [slot(resident(n, False)) for n in self.output_names]
+        self.output_slots = [slot(n if device_outputs else resident(n, False))
+                             for n in self.output_names]
         self.steps = self._with_frees(steps, set(self.output_slots))
         self.initial_env: list[Any] = [None] * (_RESERVED_SLOTS + len(slots))
         for s, value in constants.items():
             self.initial_env[s] = value
         self.slots = slots
 
-    def _place(self, node: Node, shape_like: set[str]) -> str:
-        """'device', or a host placement: 'metadata', 'shape', 'control' or 'fallback'."""
+    def _place(self, node: Node, shape_like: set[str], dtypes: dict[str, np.dtype]
+               ) -> tuple[str, str]:
+        """(where, why): 'device', or a host placement 'metadata', 'shape', 'control' or
+        'fallback', with the reason a node is on the host ('' on the device)."""
         if self.backend.name == "cpu":
-            return "host"
+            return "host", ""
         where = host_placement(node, shape_like)
         if where is not None:
-            return where
-        if lookup(node.domain, node.op_type, node.version, self.backend.name) is None:
-            return "fallback"
-        return "device"
+            return where, {"metadata": "reads only shapes", "shape": "shape arithmetic",
+                           "control": "control flow (subgraphs run on the host)"}[where]
+        impl = lookup(node.domain, node.op_type, node.version, self.backend.name)
+        if impl is None:
+            return "fallback", f"no {self.backend.name} kernel"
+        refusal = impl.refuses([dtypes.get(n) if n else None for n in node.inputs])
+        if refusal:
+            return "fallback", refusal
+        return "device", ""
 
     def _bind(self, node: Node, impl: type[OpImpl]) -> OpImpl:
         attrs = {}
@@ -300,6 +327,27 @@ def _describe(node: Node) -> str:
         if node.outputs else ""
     domain = f"{node.domain}::" if node.domain else ""
     return f"node{label} ({domain}{node.op_type}, opset {node.version})"
+
+
+def known_dtypes(graph: Graph) -> dict[str, np.dtype]:
+    """The dtype of every value whose type the graph declares or whose value it holds."""
+    dtypes: dict[str, np.dtype] = {}
+    for info in [*graph.inputs, *graph.value_info.values(), *graph.outputs]:
+        dtype = getattr(info.type, "dtype", None)
+        if dtype is not None:
+            dtypes[info.name] = np.dtype(dtype)
+    for name, value in graph.initializers.items():
+        if isinstance(value, np.ndarray):
+            dtypes[name] = value.dtype
+    return dtypes
+
+
+def _upload_unless(default: Any, uploaded: Any, move):
+    """A transfer for an initialiser-backed input: its upload made at plan time when the
+    caller left the default, a fresh upload of what the caller fed otherwise."""
+    def run(value):
+        return uploaded if value is default else move(value)
+    return run
 
 
 def shape_constants(graph: Graph) -> set[str]:

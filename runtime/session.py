@@ -15,6 +15,7 @@ from ember.importer import ModelSource, import_model
 from ember.ir import Dim, Model, OptionalType, SequenceType, TensorType, ValueInfo
 from ember.runtime.backends import get_backend
 from ember.runtime.executor import Plan
+from ember.runtime.values import IOBinding, OrtValue, _np_dtype, backend_for_device
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,10 @@ class Session:
         self._backend = get_backend(backend)
         self.backend = self._backend.name
         graph = model.graph
-        self._plan = Plan(graph, self._backend)
-        self._plans: dict[tuple[str, ...], Plan] = {}
+        self._uploads: dict[str, Any] = {}  # weights on the device, shared by all plans
+        self._plan = Plan(graph, self._backend, uploads=self._uploads)
+        # (outputs or None, device_outputs, inputs fed on the device) -> plan
+        self._plans: dict[tuple, Plan] = {(None, False, frozenset()): self._plan}
         # Inputs backed by an initialiser are optional overrides, as in onnxruntime.
         self._required = [v for v in graph.inputs if v.name not in graph.initializers]
         self.inputs: list[IOInfo] = [_io_info(v) for v in self._required]
@@ -80,28 +83,57 @@ class Session:
         kernel), 'host' (CPU backend)."""
         return [(n.name or n.outputs[0], n.op_type, where) for n, where in self._plan.placement]
 
+    @property
+    def placement_reasons(self) -> list[tuple[str, str, str, str]]:
+        """`placement` with, for each node on the host, why: no kernel for this backend, a
+        dtype its kernel does not run, shape work, or control flow ('' for device nodes)."""
+        return [(name, op, where, reason) for (name, op, where), reason
+                in zip(self.placement, self._plan.placement_reasons)]
+
     def placement_summary(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for _, _, where in self.placement:
             counts[where] = counts.get(where, 0) + 1
         return counts
 
-    def run(self, feeds: Mapping[str, Any], outputs: Sequence[str] | None = None
-            ) -> dict[str, Any]:
-        """Run the model; returns {output name: array} for `outputs` (default: all)."""
-        plan = self._plan if outputs is None else self._plan_for(tuple(outputs))
-        values = plan.run(self._check_feeds(feeds, plan))
+    def run(self, feeds: Mapping[str, Any], outputs: Sequence[str] | None = None,
+            device_outputs: bool = False) -> dict[str, Any]:
+        """Run the model; returns {output name: array} for `outputs` (default: all).
+
+        Feeds may be numpy arrays, the backend's device arrays or OrtValues; a feed already on
+        the backend's device is used where it is. With `device_outputs` the outputs come back as
+        OrtValues, those computed on the device left there (no copy to the host)."""
+        ordered = self._check_feeds(feeds, self._plan)
+        device_inputs = frozenset(
+            name for name, value in zip(self._plan.input_names, ordered)
+            if name in feeds and self.backend != "cpu" and self._backend.is_device_array(value))
+        plan = self._plan_for(None if outputs is None else tuple(outputs), device_outputs,
+                              device_inputs)
+        values = plan.run(ordered)
+        if device_outputs:
+            cpu = get_backend("cpu")
+            values = [OrtValue(v, self._backend if self._backend.is_device_array(v) else cpu)
+                      for v in values]
         return dict(zip(plan.output_names, values))
 
-    def _plan_for(self, outputs: tuple[str, ...]) -> Plan:
-        if outputs not in self._plans:
-            known = {v.name for v in self.outputs}
-            unknown = [o for o in outputs if o not in known]
-            if unknown:
-                raise InputError(f"unknown output name(s) {', '.join(map(repr, unknown))}; "
-                                 f"the model's outputs are {', '.join(sorted(known))}")
-            self._plans[outputs] = Plan(self.model.graph, self._backend, wanted_outputs=outputs)
-        return self._plans[outputs]
+    def _plan_for(self, outputs: tuple[str, ...] | None, device_outputs: bool = False,
+                  device_inputs: frozenset[str] = frozenset()) -> Plan:
+        if outputs is not None and list(outputs) == [v.name for v in self.outputs]:
+            outputs = None  # all of them, in order: the same plan as none asked
+        if self.backend == "cpu":
+            device_outputs, device_inputs = False, frozenset()  # host and device are one
+        key = (outputs, bool(device_outputs), device_inputs)
+        if key not in self._plans:
+            if outputs is not None:
+                known = {v.name for v in self.outputs}
+                unknown = [o for o in outputs if o not in known]
+                if unknown:
+                    raise InputError(f"unknown output name(s) {', '.join(map(repr, unknown))}; "
+                                     f"the model's outputs are {', '.join(sorted(known))}")
+            self._plans[key] = Plan(self.model.graph, self._backend, wanted_outputs=outputs,
+                                    device_inputs=device_inputs,
+                                    device_outputs=bool(device_outputs), uploads=self._uploads)
+        return self._plans[key]
 
     def _check_feeds(self, feeds: Mapping[str, Any], plan: Plan) -> list[Any]:
         if not isinstance(feeds, Mapping):
@@ -126,10 +158,15 @@ class Session:
         return ordered
 
     def _check_one(self, name: str, value: Any, symbols: dict[str, tuple[int, str]]) -> Any:
+        if isinstance(value, OrtValue):
+            value = value.value_for(self._backend)  # another backend's device value: via host
         t = self._input_types[name]
         if not isinstance(t, TensorType):
             return value  # sequences / optionals pass through as given
-        if not isinstance(value, np.ndarray):
+        if _is_foreign_device_array(value) and not self._backend.is_device_array(value):
+            value = value.get()  # a pyopencl / cupy array of another backend: to the host
+        # device arrays of this backend are checked as they are (.dtype, .shape), not copied
+        if not isinstance(value, np.ndarray) and not self._backend.is_device_array(value):
             try:
                 value = np.asarray(value, dtype=t.dtype)
             except (TypeError, ValueError) as exc:
@@ -153,6 +190,11 @@ class Session:
                             f"dimension '{want}' is {seen[0]} in input '{seen[1]}' but {got} in "
                             f"input '{name}' (shape {value.shape})")
         return value
+
+
+def _is_foreign_device_array(value: Any) -> bool:
+    module = type(value).__module__.split(".")[0]
+    return module in ("pyopencl", "cupy") and hasattr(value, "get")
 
 
 def _shape_str(shape: Iterable[Dim]) -> str:
@@ -224,3 +266,27 @@ class InferenceSession:
             run_options: Any = None) -> list[Any]:
         result = self._session.run(input_feed, outputs=list(output_names) if output_names else None)
         return list(result.values())
+
+    def run_with_ort_values(self, output_names: Sequence[str] | None,
+                            input_dict_ort_values: Mapping[str, Any], run_options: Any = None
+                            ) -> list[OrtValue]:
+        """Run on OrtValues (or arrays); the outputs are OrtValues, left on the device where
+        they were computed there."""
+        result = self._session.run(input_dict_ort_values, device_outputs=True,
+                                   outputs=list(output_names) if output_names else None)
+        return list(result.values())
+
+    def io_binding(self) -> IOBinding:
+        return IOBinding(self._session)
+
+    def run_with_iobinding(self, iobinding: IOBinding, run_options: Any = None) -> None:
+        if iobinding._session is not self._session:
+            raise ValueError("IOBinding must be used with the session that created it.")
+        iobinding._run()
+
+    def create_ortvalue_from_shape_and_type(self, shape: Sequence[int], element_type: Any,
+                                            device_type: str, device_id: int = 0,
+                                            vendor_id: int = -1) -> OrtValue:
+        """A zero-filled OrtValue; "gpu" means this session's device backend."""
+        backend = backend_for_device(device_type, device_id, self._session._backend)
+        return OrtValue._allocate(backend, shape, np.dtype(_np_dtype(element_type)))

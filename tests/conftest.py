@@ -8,6 +8,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("EMBER_RANDOM_SEED", "0")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `realsize` (tests/test_opencl_real_size.py: minutes of OpenCL work) are
+    skipped unless selected with `-m realsize` or EMBER_REALSIZE=1."""
+    if "realsize" in (config.getoption("markexpr", "") or "") or \
+            os.environ.get("EMBER_REALSIZE", "") not in ("", "0"):
+        return
+    import pytest
+
+    skip = pytest.mark.skip(reason="real-size tier: select it with -m realsize or EMBER_REALSIZE=1")
+    for item in items:
+        if item.get_closest_marker("realsize") is not None:
+            item.add_marker(skip)
+
+
 def pytest_terminal_summary(terminalreporter):
     """Where the nodes of the passing cases ran, per backend: the fallback count."""
     from backends import PLACEMENT

@@ -12,6 +12,9 @@
 #      Gemm, pools, softmax, norms, data movement...) placed on the device with no fallback;
 #      the demo models (models/*.onnx) and any PyTorch exports in .cache/torch-models-*/
 #      matching the CPU backend to 1e-4 relative.
+#   4. benchmarks/bench_gpu.py: throughput of ResNet-50 at batch 64 and BERT-base at sequence
+#      128, batch 32, against onnxruntime's CUDA provider where onnxruntime-gpu is installed
+#      (each runtime in its own process, interleaved rounds; needs torch to export the models).
 #   The node cases run in 8 parallel shards so cupy's first kernel compiles (cached on disk in
 #   ~/.cupy/kernel_cache afterwards) use the CPU cores.
 #
@@ -60,7 +63,7 @@ timeout 120 python -m pytest -q -o addopts="" -p no:cacheprovider --import-mode=
   tests/test_cuda_sources.py > "$LOGS/sources.log" 2>&1 &
 pids+=($!)
 for ((i = 0; i < SHARDS; i++)); do
-  EMBER_TEST_SHARD="$i/$SHARDS" timeout 480 python -m pytest -q -o addopts="" \
+  EMBER_TEST_SHARD="$i/$SHARDS" timeout 360 python -m pytest -q -o addopts="" \
     -p no:cacheprovider --import-mode=importlib -rfE --durations=5 \
     tests/test_cuda_backend.py > "$LOGS/shard$i.log" 2>&1 &
   pids+=($!)
@@ -73,6 +76,10 @@ for f in "$LOGS"/sources.log "$LOGS"/shard*.log; do
   echo "-- $(basename "$f"): $(tail -n 1 "$f")"
   grep -E "^(FAILED|ERROR)" "$f" | head -40
 done
+echo "== throughput (benchmarks/bench_gpu.py)"
+timeout 200 python benchmarks/bench_gpu.py --rounds 3 --iters 10 2>&1 | tee "$LOGS/bench.log" \
+  || echo "(benchmark failed or timed out; see $LOGS/bench.log)"
+
 echo "elapsed $(( $(date +%s) - START )) s; logs in $LOGS"
 [ $status -eq 0 ] && echo "ALL CUDA CHECKS PASSED" || echo "SOME CUDA CHECKS FAILED"
 exit $status

@@ -79,3 +79,16 @@ def test_shape_work_stays_on_host():
         if op in ("Shape", "Size"):
             assert where == "metadata", (name, where)
     assert get_backend("opencl").is_device_array(get_backend("opencl").to_device(np.ones(2)))
+
+
+def test_cpu_session_imports_no_device_code():
+    script = ("import sys, numpy as np, ember\n"
+              "s = ember.load(sys.argv[1])\n"
+              "s.run({'image': np.zeros((1, 3, 32, 32), np.float32)})\n"
+              "print([m for m in sys.modules if m.startswith(('ember.ops.opencl', "
+              "'ember.ops.cuda', 'ember.runtime.backends.opencl', 'ember.runtime.backends.cuda', "
+              "'pyopencl', 'cupy'))])\n")
+    done = subprocess.run([sys.executable, "-c", script, os.path.join(REPO, "models", "cnn.onnx")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

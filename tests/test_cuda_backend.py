@@ -23,6 +23,7 @@ import sys
 import numpy as np
 import pytest
 
+from backends import cuda_backend, real_cuda_device
 from onnx_suites import load_case_dir, load_xfails, run_case, suite_case_dirs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -37,55 +38,18 @@ _SHARD = os.environ.get("EMBER_TEST_SHARD", "0/1")
 SHARD, SHARDS = (int(v) for v in _SHARD.split("/"))
 
 
-def _real_device() -> bool:
-    try:
-        import cupy
-
-        if getattr(cupy, "_EMBER_FAKE", False):
-            return False
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-REAL = _real_device()
+REAL = real_cuda_device()
 
 
 @pytest.fixture(scope="module", params=["gpu", "emulated"])
 def cuda(request):
     """The CUDA backend in one mode; yields the backend object."""
-    from ember.ops.cuda import _common
-    from ember.runtime import backends
-
-    mode = request.param
-    if mode == "gpu" and not REAL:
+    if request.param == "gpu" and not REAL:
         pytest.skip("no CUDA device (cupy with a CUDA driver and a GPU)")
-    if mode == "emulated" and REAL:
+    if request.param == "emulated" and REAL:
         pytest.skip("a real CUDA device is present: the gpu mode runs instead")
-    saved_module, saved_instance = sys.modules.get("cupy"), backends._instances.pop("cuda", None)
-    saved_env = os.environ.get("EMBER_CUDA_STRICT")
-    os.environ["EMBER_CUDA_STRICT"] = "1"
-    if mode == "emulated":
-        import _fake_cupy
-
-        _fake_cupy.install()
-        _common.reset_namespace()
-    try:
-        yield backends.get_backend("cuda")
-    finally:
-        backends._instances.pop("cuda", None)
-        if saved_instance is not None:
-            backends._instances["cuda"] = saved_instance
-        if mode == "emulated":
-            if saved_module is not None:
-                sys.modules["cupy"] = saved_module
-            else:
-                sys.modules.pop("cupy", None)
-            _common.reset_namespace()
-        if saved_env is None:
-            os.environ.pop("EMBER_CUDA_STRICT", None)
-        else:
-            os.environ["EMBER_CUDA_STRICT"] = saved_env
+    with cuda_backend(request.param) as backend:
+        yield backend
 
 
 @pytest.fixture

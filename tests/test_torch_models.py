@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ember
-from backends import present_backends
+from backends import present_backends, run_checking_placement
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnxscript")
@@ -59,7 +59,7 @@ def test_matches_onnxruntime(exported, backend, simplify):
     name, path, inputs = exported
     want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, inputs)
     session = ember.load(path, backend=backend, simplify=simplify)
-    got = session.run(inputs)
+    got = run_checking_placement(session, inputs)
     if backend != "cpu":
         on_cpu = [(node, op) for node, op, where in session.placement
                   if op in DEVICE_OPS and where != "device"]

@@ -330,18 +330,20 @@ def gemm_packed(ap, bp, M, N, K, aidx, bidx, dtype, out=None, alpha=1.0, c=None,
 
 
 class CachedPack:
-    """Remembers a packed operand while its source is the same (constant) device array."""
+    """Remembers a packed operand while its source is the same (constant) device array.
+
+    The three facts live in one tuple replaced in one assignment, so a thread never sees the
+    source of one pack with the value of another."""
 
     def __init__(self):
-        self.src = None
-        self.key = None
-        self.value = None
+        self._entry = (None, None, None)  # (source array, key, packed value)
 
     def get(self, src, key, make):
-        if self.src is src and self.key == key:
-            return self.value
+        cached_src, cached_key, value = self._entry
+        if cached_src is src and cached_key == key:
+            return value
         value = make()
-        self.src, self.key, self.value = src, key, value
+        self._entry = (src, key, value)
         return value
 
 

@@ -84,6 +84,9 @@ __kernel void scopy(__global T* dst, __global const T* src, I doff, I soff{dims}
 }}"""
 
 
+_COPY_RANK = 4
+
+
 def strided_copy(dst: _View, src: _View) -> None:
     """dst[...] = src[...] for two windows of the same shape (and element size)."""
     shape = dst.shape
@@ -97,7 +100,9 @@ def strided_copy(dst: _View, src: _View) -> None:
             merged[-1] = [merged[-1][0] * d, s, o]
         else:
             merged.append([d, s, o])
-    merged = merged or [[1, 0, 0]]
+    # at least _COPY_RANK axes (size-1 ones in front), so that a shape that merges to fewer
+    # axes (batch 1 after batch 8, say) reuses the same program
+    merged = [[1, 0, 0]] * (_COPY_RANK - len(merged)) + merged
     r = len(merged)
     itype, npi = index_type(src, dst)
     # innermost axis on dimension 0 of the range (no division, coalesced), the others on 1

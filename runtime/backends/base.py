@@ -17,6 +17,13 @@ class Backend:
     name = "cpu"
     fallbacks = 0  # device-kernel calls that ran on the CPU (see OpImpl.run_on_cpu)
 
+    @property
+    def fallback_nodes(self) -> dict[str, int]:
+        """Node label -> device-kernel calls of that node that ran on the CPU."""
+        if "_fallback_nodes" not in self.__dict__:
+            self._fallback_nodes = {}
+        return self._fallback_nodes
+
     def to_device(self, value: Any) -> Any:
         return value
 

@@ -57,6 +57,7 @@ class CudaBackend(Backend):
         self.device = cupy.cuda.Device(device)
         self.device.use()
         self.fallbacks = 0  # kernel calls that ran on the CPU for want of a native dtype/case
+        self.transfers = {"to_device": 0, "to_host": 0}  # real copies by to_device / to_host
         import ember.ops.cuda  # noqa: F401  (registers the CUDA kernels)
 
     def describe(self) -> str:
@@ -77,11 +78,14 @@ class CudaBackend(Backend):
 
     def to_device(self, value: Any) -> Any:
         if isinstance(value, (np.ndarray, np.generic)) and np.dtype(value.dtype) in DEVICE_DTYPES:
+            self.transfers["to_device"] += 1
             return self.cp.asarray(value)
-        return value  # sequences, optionals, strings and ml_dtypes stay on the host
+        return value  # device arrays as they are; sequences, optionals, strings and ml_dtypes
+        # stay on the host
 
     def to_host(self, value: Any) -> Any:
         if isinstance(value, self.cp.ndarray):
+            self.transfers["to_host"] += 1
             return self.cp.asnumpy(value)
         if isinstance(value, list):
             return [self.to_host(v) for v in value]

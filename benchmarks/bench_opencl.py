@@ -53,9 +53,9 @@ def bench_gemm(size: int, rounds: int) -> dict:
     out = be.empty((1, size, size), np.float32)
 
     def opencl():
-        ap = pack_a(da, size, size, size, 1, role="A")
-        bp = pack_b(db, size, size, size, 1, role="B")
-        gemm_packed(ap, bp, size, size, size, [0], [0], np.float32, out=out)
+        ap = pack_a(be, da, size, size, size, 1, role="A")
+        bp = pack_b(be, db, size, size, size, 1, role="B")
+        gemm_packed(be, ap, bp, size, size, size, [0], [0], np.float32, out=out)
         be.queue.finish()
 
     def numpy():

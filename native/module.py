@@ -108,7 +108,7 @@ class Op:
             raise UnsupportedOpError([(self.domain, self.op_type, since_version(
                 self.domain, self.op_type, self.opset))], backend.name)
         attrs = {k: self.module._resolve_attr(v) for k, v in self.attrs.items()}
-        self.kernel = bind(node, impl, attrs)
+        self.kernel = bind(node, impl, attrs, backend if self.on_device else None)
         self.host_inputs = set(getattr(impl, "host_inputs", ())) if self.on_device else set()
         self.backend = backend
         self.template: list[Any] = [None] * self.n_in

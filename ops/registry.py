@@ -49,13 +49,16 @@ class OpImpl:
     # Attribute names that would shadow members of this class are stored with a trailing "_".
     _reserved = frozenset({"run", "setup", "node", "n_inputs", "n_outputs", "domain", "op_type",
                            "versions", "backend", "version", "attrs", "dtypes", "host_inputs",
-                           "run_on_cpu", "fail", "refuses"})
+                           "run_on_cpu", "fail", "refuses", "device"})
     # Device kernels only: dtypes run natively (None: all), and indices of inputs the kernel
     # wants as host numpy arrays (shapes, axes, pads...) rather than device arrays.
     dtypes: frozenset | None = None
     host_inputs: tuple[int, ...] = ()
 
-    def __init__(self, node: Node, attrs: dict[str, Any]):
+    def __init__(self, node: Node, attrs: dict[str, Any], device: Any = None):
+        # The backend instance a device kernel runs on (its context, queue, allocator), bound
+        # at plan time; None for CPU kernels.
+        self.device = device
         self.node = node
         self.version = node.version
         self.n_inputs = len(node.inputs)
@@ -83,9 +86,7 @@ class OpImpl:
     def run_on_cpu(self, *inputs):
         """For device kernels: run this op's CPU kernel on host copies of `inputs` and move
         the result back; for dtypes or cases the device kernel does not handle natively."""
-        from ember.runtime.backends import get_backend
-
-        backend = get_backend(self.backend)
+        backend = self.device
         backend.fallbacks += 1
         label = self.node.name or (self.node.outputs[0] if self.node.outputs else "")
         backend.fallback_nodes[label] = backend.fallback_nodes.get(label, 0) + 1
@@ -181,18 +182,21 @@ def attribute_defaults(domain: str, op_type: str, opset: int) -> tuple[dict[str,
     return defaults, frozenset(required)
 
 
-def bind(node: Node, impl: type[OpImpl], attrs: dict[str, Any]) -> OpImpl:
+def bind(node: Node, impl: type[OpImpl], attrs: dict[str, Any], device: Any = None) -> OpImpl:
     """Instantiate `impl` for `node`, filling schema defaults and checking required attributes.
 
-    `attrs` is node.attrs with subgraphs already compiled by the caller.
+    `attrs` is node.attrs with subgraphs already compiled by the caller; `device` is the
+    backend instance a device kernel runs on (None for CPU kernels).
     """
+    if impl.backend != "cpu" and (device is None or device.name != impl.backend):
+        raise TypeError(f"{impl.__name__} is a {impl.backend} kernel: bind it to that backend")
     defaults, required = attribute_defaults(node.domain, node.op_type, node.version)
     missing = sorted(required - set(attrs))
     if missing:
         raise InvalidModelError(
             f"{node.op_type} node '{node.name or node.outputs[0]}' lacks required attribute(s) "
             f"{', '.join(missing)}")
-    return impl(node, {**defaults, **attrs})
+    return impl(node, {**defaults, **attrs}, device if impl.backend != "cpu" else None)
 
 
 _loaded: set[str] = set()

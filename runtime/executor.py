@@ -247,7 +247,7 @@ class Plan:
             elif isinstance(value, list) and value and isinstance(value[0], Graph):
                 value = [Plan(g, self.backend, outer_names=g.free_names()) for g in value]
             attrs[name] = value
-        return bind(node, impl, attrs)
+        return bind(node, impl, attrs, self.backend if impl.backend != "cpu" else None)
 
     @staticmethod
     def _with_frees(steps: list[Step], keep: set[int]) -> list[Step]:

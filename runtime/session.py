@@ -13,7 +13,7 @@ import numpy as np
 from ember.errors import InputError
 from ember.importer import ModelSource, import_model
 from ember.ir import Dim, Model, OptionalType, SequenceType, TensorType, ValueInfo
-from ember.runtime.backends import get_backend
+from ember.runtime.backends import Backend, get_backend
 from ember.runtime.executor import Plan
 from ember.runtime.values import IOBinding, OrtValue, _np_dtype, backend_for_device
 
@@ -61,9 +61,9 @@ def _ort_type_name(dtype: np.dtype | None) -> str:
 class Session:
     """A model ready to run on one backend."""
 
-    def __init__(self, model: Model, backend: str | None = None):
+    def __init__(self, model: Model, backend: str | Backend | None = None):
         self.model = model
-        self._backend = get_backend(backend)
+        self._backend = get_backend(backend)  # a Backend instance is used as it is
         self.backend = self._backend.name
         graph = model.graph
         self._uploads: dict[str, Any] = {}  # weights on the device, shared by all plans
@@ -206,15 +206,18 @@ def _describe(info: IOInfo) -> str:
     return f"{info.type} {shape}"
 
 
-def load(model: ModelSource | Model, backend: str | None = None, simplify: bool = True
-         ) -> Session:
+def load(model: ModelSource | Model, backend: str | Backend | None = None,
+         simplify: bool = True) -> Session:
     """Load an ONNX model (path, bytes, onnx.ModelProto or ember IR) for `backend`.
 
-    `backend` defaults to $EMBER_BACKEND, then "cpu". With `simplify` (the default) the graph is
-    simplified for that backend first (constant folding, fusions, expansion of ops the backend
-    lacks; see ember.simplifier); the caller's IR is never modified.
+    `backend` is a name, defaulting to $EMBER_BACKEND, then "cpu" (the process's instance of
+    that backend), or a `Backend` instance to run on, e.g. an `OpenCLBackend()` of its own
+    (its own context and queue). With `simplify` (the default) the graph is simplified for that
+    backend first (constant folding, fusions, expansion of ops the backend lacks; see
+    ember.simplifier); the caller's IR is never modified.
     """
-    backend_name = get_backend(backend).name
+    instance = get_backend(backend)
+    backend_name = instance.name
     ir = model if isinstance(model, Model) else import_model(model)
     if simplify:
         from ember.simplifier import copy_structure, simplify as simplify_model
@@ -222,7 +225,7 @@ def load(model: ModelSource | Model, backend: str | None = None, simplify: bool 
         if ir is model:
             ir = copy_structure(ir)
         simplify_model(ir, backend=backend_name)
-    return Session(ir, backend_name)
+    return Session(ir, instance)
 
 
 class NodeArg:

@@ -239,8 +239,11 @@ def test_per_output_tolerance_and_failing_output_statistics(model_path, tmp_path
     near_atol = (err > 0.9e-4) & (err < 1.1e-4)
     assert not near_atol.any()  # so float32 noise cannot move an element across the tolerance
     assert y["max_abs_error"] == pytest.approx(err.max(), rel=1e-2)
-    assert tuple(y["max_abs_error_at"]) == np.unravel_index(np.argmax(err), err.shape)
-    assert y["reference_at_max"] == pytest.approx(float(expected.flat[np.argmax(err)]), rel=1e-6)
+    # several elements share the largest error to within float32 noise (the shift passes
+    # through the same ops), so the reported one must be among them, not argmax's first
+    at = tuple(y["max_abs_error_at"])
+    assert err[at] >= err.max() - 1e-6
+    assert y["reference_at_max"] == pytest.approx(float(expected[at]), rel=1e-6)
     assert y["mean_abs_error"] == pytest.approx(err.mean(), rel=1e-2)
     assert y["max_rel_error"] == pytest.approx((err / np.abs(expected)).max(), rel=1e-2)
     assert y["total"] == 64 and y["mismatched"] == np.count_nonzero(err > 1e-4) > 0

@@ -25,15 +25,16 @@ def test_check_mode_names_the_kernel_that_writes_out_of_bounds(tmp_path):
     # in a subprocess: the mode is chosen when the backend starts
     script = textwrap.dedent("""
         import numpy as np
-        from ember.ops.opencl._common import backend, kernel, launch
+        from ember.ops.opencl._common import kernel, launch
+        from ember.runtime.backends import get_backend
         from ember.runtime.backends.opencl_guard import OutOfBoundsError
-        be = backend()
+        be = get_backend("opencl")
         y = be.empty((100,), np.float32)
-        knl = kernel("__kernel void overrun(__global float* y) "
+        knl = kernel(be, "__kernel void overrun(__global float* y) "
                      "{ y[get_global_id(0)] = 1.0f; }", "overrun")
-        launch(knl, 100, y)  # in bounds
+        launch(be, knl, 100, y)  # in bounds
         try:
-            launch(knl, 104, y)  # four floats past the end
+            launch(be, knl, 104, y)  # four floats past the end
         except OutOfBoundsError as exc:
             print("CAUGHT", exc)
     """)
@@ -117,3 +118,64 @@ def test_fed_initializer_input_is_used_on_the_device():
     np.testing.assert_array_equal(session.run({"x": x, "w": np.full(2, 5, np.float32)})["y"],
                                   [5, 5])
     np.testing.assert_array_equal(session.run({"x": x})["y"], [1, 1])
+
+
+def _kernel_contexts(be) -> set:
+    return {knl.context.int_ptr for knl in be._kernels.values()}
+
+
+@pytest.mark.parametrize("name", ["cnn", "transformer"])
+def test_two_backend_instances_run_side_by_side(name):
+    # each OpenCLBackend() is its own context and queue; a session runs every kernel on the
+    # instance it was loaded with (the process's default instance compiles and runs nothing)
+    from ember.runtime import backends
+    from ember.runtime.backends.opencl import OpenCLBackend
+
+    default = backends._instances.get("opencl")
+    default_kernels = len(default._kernels) if default is not None else None
+    first, second = OpenCLBackend(), OpenCLBackend()
+    assert first.context != second.context and first.queue != second.queue
+    path = os.path.join(REPO, "models", f"{name}.onnx")
+    sessions = [ember.load(path, backend=be) for be in (first, second)]
+    for session, be in zip(sessions, (first, second)):
+        assert session._backend is be and session.backend == "opencl"
+    cpu = ember.load(path, backend="cpu")
+    for batch in (1, 3):
+        feeds = _feeds(name, batch)
+        got = [s.run(feeds) for s in sessions]
+        want = cpu.run(feeds)
+        for key in want:
+            np.testing.assert_array_equal(got[0][key], got[1][key])
+            np.testing.assert_allclose(got[0][key], want[key], rtol=1e-4, atol=1e-4)
+    for be in (first, second):
+        assert be._kernels and _kernel_contexts(be) == {be.context.int_ptr}
+    if default is None:
+        assert "opencl" not in backends._instances
+    else:
+        assert len(default._kernels) == default_kernels
+    # results left on one instance's device feed the other's session (through the host)
+    feeds = _feeds(name, 2)
+    on_first = sessions[0].run(feeds, device_outputs=True)
+    assert all(v.data.context == first.context for v in on_first.values() if v.on_device())
+    if name == "cnn":
+        image = first.to_device(feeds["image"])
+        assert first.is_device_array(image) and not second.is_device_array(image)
+        np.testing.assert_array_equal(sessions[1].run({"image": image})["logits"],
+                                      sessions[1].run(feeds)["logits"])
+
+
+def test_no_opencl_kernel_module_looks_its_backend_up():
+    # kernels run on the instance they were bound to (OpImpl.device), never a global one
+    import re
+
+    import ember.ops.opencl as package
+
+    folder = os.path.dirname(package.__file__)
+    sources = sorted(f for f in os.listdir(folder) if f.endswith(".py"))
+    assert "_common.py" in sources and "fused.py" in sources and "attention.py" in sources
+    for filename in sources:
+        with open(os.path.join(folder, filename), encoding="utf-8") as f:
+            text = f.read()
+        assert not re.search(r"\bget_backend\b", text), filename
+        assert not re.search(r"(?<![\w.])backend\(\)", text), filename
+        assert "_instances" not in text, filename

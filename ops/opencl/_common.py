@@ -1,13 +1,17 @@
 """Shared pieces of the OpenCL kernels: C type names, compiling and launching, strides for
 broadcasting. Imports no pyopencl at module level (kernel modules must import on machines
-without it, so the ops table and `ember info` can list what the backend supports)."""
+without it, so the ops table and `ember info` can list what the backend supports).
+
+Every helper that touches the device takes the backend instance it works on as its first
+argument, `be`: the `OpenCLBackend` (context, queue, allocator) an op was bound to at plan time,
+`self.device` in an op's methods. Nothing here looks a backend up by name, so two backend
+instances (two contexts, two queues) run side by side, each with its own kernel objects and
+cached device buffers (`be.cache(name)`)."""
 from __future__ import annotations
 
 from functools import lru_cache
 
 import numpy as np
-
-from ember.runtime.backends import get_backend
 
 # numpy dtype -> OpenCL C type. float64 needs the cl_khr_fp64 extension (PoCL has it);
 # float16 is stored as `half` and computed in float via vload_half/vstore_half.
@@ -22,33 +26,24 @@ NUMERIC_TYPES = frozenset(C_TYPES)
 PREAMBLE = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
 
 
-def backend():
-    """The OpenCL backend instance (created by the session that placed this kernel)."""
-    return get_backend("opencl")
-
-
 def c_type(dtype) -> str:
     return C_TYPES[np.dtype(dtype)]
 
 
-@lru_cache(maxsize=None)
-def _kernel_cached(source: str, name: str, options: tuple[str, ...]):
-    return getattr(backend().program(PREAMBLE + source, options), name)
+def kernel(be, source: str, name: str, options: tuple[str, ...] = ()):
+    """Kernel `name` from OpenCL C `source` on backend `be` (built once per backend instance;
+    programs are cached in memory and on disk, kernel objects per instance)."""
+    return be.kernel(PREAMBLE + source, name, tuple(options))
 
 
-def kernel(source: str, name: str, options: tuple[str, ...] = ()):
-    """Kernel `name` from OpenCL C `source` (built once; cached in memory and on disk)."""
-    return _kernel_cached(source, name, options)
-
-
-def launch(knl, global_size, *args, local_size=None) -> None:
+def launch(be, knl, global_size, *args, local_size=None) -> None:
     """Enqueue `knl` over `global_size` work items. Arrays are passed as plain `__global T*`
     buffers: one with an offset or not C-contiguous is copied to a fresh buffer first.
 
     Setting a kernel's arguments and enqueueing it happen under the backend's launch lock:
     kernel objects are shared by every thread, and pyopencl's `knl(queue, ...)` is set_args
-    followed by an enqueue, which two threads could otherwise interleave."""
-    be = backend()
+    followed by an enqueue, which two threads could otherwise interleave. `knl` must come
+    from `kernel(be, ...)`: it is enqueued on `be`'s queue."""
     flat = [contiguous(a).data if isinstance(a, be.cl_array.Array) else a for a in args]
     if isinstance(global_size, int):
         global_size = (global_size,)
@@ -113,6 +108,6 @@ def broadcast_strides(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> np.
     return strides
 
 
-def device_int64(values) -> object:
-    """A small int64 vector on the device (shapes, strides) for kernels to index with."""
-    return backend().to_device(np.ascontiguousarray(values, dtype=np.int64))
+def device_int64(be, values) -> object:
+    """A small int64 vector on `be`'s device (shapes, strides) for kernels to index with."""
+    return be.to_device(np.ascontiguousarray(values, dtype=np.int64))

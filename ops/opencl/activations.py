@@ -59,12 +59,12 @@ class ShrinkCL(A.Shrink):
     dtypes = kinds_dtypes("fiu")
 
     def run(self, x):
-        if not on_device(x) or kind(x.dtype) not in "fiu":
+        if not on_device(self.device, x) or kind(x.dtype) not in "fiu":
             return self.run_on_cpu(x)
         w = load_type(x.dtype) if kind(x.dtype) == "f" else "double"
         lam, bias = self.lambd, self.bias
         e = (f"(a > {lit(lam)} ? a - {lit(bias)} : (a < {lit(-lam)} ? a + {lit(bias)} : (W)0))")
-        return ew(e, [x], x.dtype, loads=(w,))
+        return ew(self.device, e, [x], x.dtype, loads=(w,))
 
 
 @register("PRelu", versions=A.PRelu.versions, backend="opencl")
@@ -72,12 +72,14 @@ class PReluCL(A.PRelu):
     dtypes = kinds_dtypes("fiu")
 
     def run(self, x, slope):
-        if not on_device(x, slope) or x.dtype != slope.dtype or kind(x.dtype) not in "fiu":
+        if not on_device(self.device, x, slope) or x.dtype != slope.dtype \
+                or kind(x.dtype) not in "fiu":
             return self.run_on_cpu(x, slope)
         if self.version < 7 and slope.ndim == 1 and slope.size > 1 and x.ndim > 2 \
                 and slope.size == x.shape[1]:
             slope = slope.reshape((-1,) + (1,) * (x.ndim - 2))  # opset 1/6: per channel
-        return ew("a" if kind(x.dtype) == "u" else "(a < 0 ? a * b : a)", [x, slope], x.dtype)
+        return ew(self.device, "a" if kind(x.dtype) == "u" else "(a < 0 ? a * b : a)",
+                  [x, slope], x.dtype)
 
 
 @register("SwiGLU", versions=A.SwiGLU.versions, backend="opencl")
@@ -85,7 +87,7 @@ class SwiGLUCL(A.SwiGLU):
     dtypes = kinds_dtypes("f")
 
     def run(self, a, b):
-        if not on_device(a, b) or a.dtype != b.dtype or kind(a.dtype) != "f" \
+        if not on_device(self.device, a, b) or a.dtype != b.dtype or kind(a.dtype) != "f" \
                 or a.shape != b.shape:
             return self.run_on_cpu(a, b)
-        return ew(f"a * sigm({lit(self.alpha)} * a) * b", [a, b], a.dtype)
+        return ew(self.device, f"a * sigm({lit(self.alpha)} * a) * b", [a, b], a.dtype)

@@ -34,7 +34,7 @@ import numpy as np
 
 from ember.ops.attention import Attention23, Attention24, Attention25
 from ember.ops.opencl._common import (
-    FLOAT_TYPES, backend, broadcast_strides, c_type, contiguous, kernel, launch)
+    FLOAT_TYPES, broadcast_strides, c_type, contiguous, kernel, launch)
 from ember.ops.opencl.linalg import gemm_packed, pack_a, pack_b
 from ember.ops.opencl.reduction import local_size, tree_code
 from ember.ops.registry import register
@@ -248,13 +248,13 @@ __kernel void attn_softmax(__global T *s, __global T *qk, __global const MT *mas
 # --------------------------------------------------------------------------------------------
 # Helpers
 
-def _copy4d(src, dst, shape, src_strides, dst_strides, dst_offset=0) -> None:
+def _copy4d(be, src, dst, shape, src_strides, dst_strides, dst_offset=0) -> None:
     """dst[dst_offset + idx . dst_strides] = src[idx . src_strides] for idx over `shape` (4-D,
-    element strides)."""
+    element strides), on backend `be`."""
     if math.prod(shape) == 0:
         return
-    knl = kernel(_copy_source(c_type(src.dtype)), "copy4d")
-    launch(knl, (shape[2], shape[1], shape[0]), src, dst, _i64(shape[3]),
+    knl = kernel(be, _copy_source(c_type(src.dtype)), "copy4d")
+    launch(be, knl, (shape[2], shape[1], shape[0]), src, dst, _i64(shape[3]),
            *(_i64(v) for v in src_strides), *(_i64(v) for v in dst_strides), _i64(dst_offset))
 
 
@@ -284,8 +284,8 @@ class _AttentionCL:
         shape, strides = self._cl_view4d(x, heads, what)
         if x.ndim == 4:
             return x
-        out = backend().empty(shape, x.dtype)
-        _copy4d(x, out, shape, strides, _strides(shape))
+        out = self.device.empty(shape, x.dtype)
+        _copy4d(self.device, x, out, shape, strides, _strides(shape))
         return out
 
     def _cl_present(self, x, past, heads, what):
@@ -300,10 +300,10 @@ class _AttentionCL:
             raise self.fail(f"past {what} of shape {past.shape} does not match {what} "
                             f"{(b, h, s, d)}")
         p = past.shape[2]
-        out = backend().empty((b, h, p + s, d), x.dtype)
+        out = self.device.empty((b, h, p + s, d), x.dtype)
         out_strides = _strides(out.shape)
-        _copy4d(past, out, past.shape, _strides(past.shape), out_strides)
-        _copy4d(x, out, shape, strides, out_strides, dst_offset=p * d)
+        _copy4d(self.device, past, out, past.shape, _strides(past.shape), out_strides)
+        _copy4d(self.device, x, out, shape, strides, out_strides, dst_offset=p * d)
         return out
 
     # -- run ---------------------------------------------------------------------------------
@@ -347,6 +347,7 @@ class _AttentionCL:
         if mask_info is None:
             return self.run_on_cpu(*args[:self.n_inputs])
 
+        be = self.device
         dtype = q.dtype
         vdim = v.shape[3]
         group = q_heads // kv_heads
@@ -356,24 +357,24 @@ class _AttentionCL:
         ids = np.arange(nb)
 
         # 1. scores (B*Hkv, group*L, T) == (B, Hq, L, T), scaled in the GEMM's epilogue
-        ap = pack_a(q, rows, head, head, 1, nb, rows * head, role="A")
-        bp = pack_b(k, total, head, 1, head, nb, total * head, role="B")
-        scores = gemm_packed(ap, bp, rows, total, head, ids, ids, dtype, alpha=scale)
+        ap = pack_a(be, q, rows, head, head, 1, nb, rows * head, role="A")
+        bp = pack_b(be, k, total, head, 1, head, nb, total * head, role="B")
+        scores = gemm_packed(be, ap, bp, rows, total, head, ids, ids, dtype, alpha=scale)
 
         # 2. softcap, bias, softmax in place; the 4th output at its stage
         want_qk = self.n_outputs > 3
-        qk = backend().empty((batch, q_heads, q_len, total), dtype) if want_qk else None
+        qk = be.empty((batch, q_heads, q_len, total), dtype) if want_qk else None
         self._cl_softmax(scores, qk, attn_mask, mask_info, batch * q_heads * q_len, total,
                          q_len, q_heads, past_len, nonpad_kv_seqlen)
 
         # 3. Y = probs @ V
-        ap = pack_a(scores, rows, total, total, 1, nb, rows * total, role="A")
-        bp = pack_b(v, vdim, total, vdim, 1, nb, total * vdim, role="B")
-        y = gemm_packed(ap, bp, rows, vdim, total, ids, ids, dtype)
+        ap = pack_a(be, scores, rows, total, total, 1, nb, rows * total, role="A")
+        bp = pack_b(be, v, vdim, total, vdim, 1, nb, total * vdim, role="B")
+        y = gemm_packed(be, ap, bp, rows, vdim, total, ids, ids, dtype)
         if in3d:  # (B, Hq, L, Dv) -> (B, L, Hq*Dv)
-            y4, y = y, backend().empty((batch, q_len, q_heads * vdim), dtype)
+            y4, y = y, be.empty((batch, q_len, q_heads * vdim), dtype)
             shape = (batch, q_len, q_heads, vdim)
-            _copy4d(y4, y, shape, (q_heads * q_len * vdim, vdim, q_len * vdim, 1),
+            _copy4d(be, y4, y, shape, (q_heads * q_len * vdim, vdim, q_len * vdim, 1),
                     _strides(shape))
         else:
             y = y.reshape(batch, q_heads, q_len, vdim)
@@ -408,13 +409,14 @@ class _AttentionCL:
         dtype = scores.dtype
         acc = _NATIVE_PRECISION[self.softmax_precision] if self.softmax_precision else dtype
         qk_mode = self.mode if qk is not None else -1
-        ls = local_size(n)
-        knl = kernel(_softmax_source(c_type(dtype), c_type(acc), kind, qk_mode, ls),
+        be = self.device
+        ls = local_size(be, n)
+        knl = kernel(be, _softmax_source(c_type(dtype), c_type(acc), kind, qk_mode, ls),
                      "attn_softmax")
         if mask is not None:
             mask = contiguous(mask)
         tp = dtype.type
-        launch(knl, rows * ls, scores, qk if qk is not None else scores,
+        launch(be, knl, rows * ls, scores, qk if qk is not None else scores,
                mask if mask is not None else scores, _i64(rows), _i64(n), _i64(q_len),
                _i64(heads), *(_i64(s) for s in ms), _i64(mlen), tp(self.softcap),
                np.int32(self.is_causal), _i64(self.left), _i64(self.right),

@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from ember.ops.conv import Conv, ConvTranspose, out_size
-from ember.ops.opencl._common import FLOAT_TYPES, backend, c_type, kernel, launch
+from ember.ops.opencl._common import FLOAT_TYPES, c_type, kernel, launch
 from ember.ops.opencl.linalg import (NO_ACTIVATION, RM, CachedPack, activation_source, block_n,
                                      gemm_packed, pack_a, pack_b, scratch)
 from ember.ops.registry import register
@@ -156,28 +156,26 @@ __kernel void conv_direct(const int C, const int M, const int Cg, const int Mg,
 """
 
 
-def _conv_kernel(name, dtype, kernel_, strides, dilations):
+def _conv_kernel(be, name, dtype, kernel_, strides, dilations):
     src = (f"typedef {c_type(dtype)} T;\n#define RN {block_n(dtype)}\n"
            + _defines(kernel_, strides, dilations) + _IM2COL)
-    return kernel(src, name)
+    return kernel(be, src, name)
 
 
-def _direct_kernel(dtype, kernel_, strides, dilations, act: str):
+def _direct_kernel(be, dtype, kernel_, strides, dilations, act: str):
     """conv_direct with activation code `act` (a program per geometry and activation used)."""
     src = (f"typedef {c_type(dtype)} T;\n" + _defines(kernel_, strides, dilations)
            + (activation_source(act, dtype) + "#define ACT(v) act(v, p0, p1)\n" if act else
               "#define ACT(v) (v)\n") + _DIRECT)
-    return kernel(src, "conv_direct")
+    return kernel(be, src, "conv_direct")
 
 
-_TABLES: dict = {}
-
-
-def _window_table(outs, strides, begin, RN):
-    """Device int32 (3, Lb*RN): per output position, the first tap's input coordinate on each
-    axis (outs, strides, begin as 3 values); cached per geometry."""
-    key = (tuple(outs), tuple(strides), tuple(begin), RN, backend().context.int_ptr)
-    tab = _TABLES.get(key)
+def _window_table(be, outs, strides, begin, RN):
+    """Int32 (3, Lb*RN) on `be`'s device: per output position, the first tap's input coordinate
+    on each axis (outs, strides, begin as 3 values); cached per geometry and backend."""
+    tables = be.cache("conv.window_tables")
+    key = (tuple(outs), tuple(strides), tuple(begin), RN)
+    tab = tables.get(key)
     if tab is None:
         L = math.prod(outs)
         Lb = -(-L // RN)
@@ -185,9 +183,9 @@ def _window_table(outs, strides, begin, RN):
         host = np.full((3, Lb * RN), -(1 << 28), np.int32)
         for i in range(3):
             host[i, :L] = grids[i].ravel() * strides[i] - begin[i]
-        if len(_TABLES) > 512:
-            _TABLES.clear()
-        tab = _TABLES[key] = backend().to_device(host)
+        if len(tables) > 512:
+            tables.clear()
+        tab = tables[key] = be.to_device(host)
     return tab
 
 
@@ -211,7 +209,7 @@ class ConvCL(Conv):
 def conv_device(op, x, w, b=None, z=None, act=NO_ACTIVATION):
     """act(Conv(x, w, b) + z) on the device for `op` (a Conv or FusedConv kernel with a
     `_wpack` CachedPack), `z` of the result's shape (checked by the caller); None for what
-    only the CPU kernel runs (the caller falls back)."""
+    only the CPU kernel runs (the caller falls back). Runs on `op.device`."""
     if x.dtype not in FLOAT_TYPES or w.dtype != x.dtype or \
             (b is not None and b.dtype != x.dtype) or (z is not None and z.dtype != x.dtype) \
             or not 1 <= x.ndim - 2 <= 3:
@@ -230,28 +228,29 @@ def conv_device(op, x, w, b=None, z=None, act=NO_ACTIVATION):
         raise op.fail(f"residual Z has shape {tuple(z.shape)}, the result {(N, M, *outs)}")
     if N == 0 or M == 0 or L == 0 or Cg == 0:
         return None
+    be = op.device
     dt = x.dtype
     tp = dt.type
     code, p0, p1 = act
     isp, osp, pad = as3d(x.shape[2:], 1), as3d(outs, 1), as3d(begin, 0)
-    y = backend().empty((N, M, *outs), dt)
+    y = be.empty((N, M, *outs), dt)
     if G > 1 and (Cg == 1 or Mg < RM):
-        knl = _direct_kernel(dt, kernel_, strides, dilations, code)
-        launch(knl, (L, M, N), *_i32(C, M, Cg, Mg, *isp, *osp, *pad), x, w,
+        knl = _direct_kernel(be, dt, kernel_, strides, dilations, code)
+        launch(be, knl, (L, M, N), *_i32(C, M, Cg, Mg, *isp, *osp, *pad), x, w,
                b if b is not None else w, np.int32(b is not None), y,
                z if z is not None else w, np.int32(z is not None), tp(p0), tp(p1))
         return y
     RN = block_n(dt)
     CK = Cg * K
     Lb = -(-L // RN)
-    bp = scratch("B", N * G * Lb * CK * RN, dt)
-    knl = _conv_kernel("im2col", dt, kernel_, strides, dilations)
-    tab = _window_table(osp, as3d(strides, 1), pad, RN)
-    launch(knl, (CK, Lb, N * G), *_i32(Cg, *isp, L), tab, x, bp)
-    ap = op._wpack.get(w, None, lambda: pack_a(w, Mg, CK, CK, 1, G, Mg * CK))
+    bp = scratch(be, "B", N * G * Lb * CK * RN, dt)
+    knl = _conv_kernel(be, "im2col", dt, kernel_, strides, dilations)
+    tab = _window_table(be, osp, as3d(strides, 1), pad, RN)
+    launch(be, knl, (CK, Lb, N * G), *_i32(Cg, *isp, L), tab, x, bp)
+    ap = op._wpack.get(w, None, lambda: pack_a(be, w, Mg, CK, CK, 1, G, Mg * CK))
     bt = np.arange(N * G)
     # batch bt = n*G + g writes y[n, g*Mg:(g+1)*Mg], at bt * Mg * L: z, shaped like y, lines up
-    gemm_packed(ap, bp, Mg, L, CK, bt % G, bt, dt, out=y,
+    gemm_packed(be, ap, bp, Mg, L, CK, bt % G, bt, dt, out=y,
                 c=b, cm=1, cn=0, beta=1.0, cb=Mg, z=z, act=act)
     return y
 
@@ -284,16 +283,18 @@ class ConvTransposeCL(ConvTranspose):
             raise self.fail(f"bias of shape {b.shape}, expected ({M},)")
         if N == 0 or M == 0 or L == 0 or Lin == 0 or Cg == 0 or min(out_sp) <= 0:
             return self.run_on_cpu(*args)
+        be = self.device
         dt = x.dtype
         # A[g] = W[g]^T: (Mg*K) x Cg, row r = mg*K + t at offset r, column c at c*Mg*K
-        ap = self._wpack.get(w, None, lambda: pack_a(w, Mg * K, Cg, 1, Mg * K, G, Cg * Mg * K))
-        bp = pack_b(x, Lin, Cg, Lin, 1, N * G, Cg * Lin, role="B")
+        ap = self._wpack.get(w, None, lambda: pack_a(be, w, Mg * K, Cg, 1, Mg * K, G,
+                                                     Cg * Mg * K))
+        bp = pack_b(be, x, Lin, Cg, Lin, 1, N * G, Cg * Lin, role="B")
         bt = np.arange(N * G)
-        cols = gemm_packed(ap, bp, Mg * K, Lin, Cg, bt % G, bt, dt,
-                           out=scratch("cols", N * G * Mg * K * Lin, dt))
-        y = backend().empty((N, M, *out_sp), dt)
-        knl = _conv_kernel("col2im", dt, kernel_, strides, dilations)
-        launch(knl, (L, M, N), *_i32(M, G, Mg, *as3d(x.shape[2:], 1), *as3d(out_sp, 1),
+        cols = gemm_packed(be, ap, bp, Mg * K, Lin, Cg, bt % G, bt, dt,
+                           out=scratch(be, "cols", N * G * Mg * K * Lin, dt))
+        y = be.empty((N, M, *out_sp), dt)
+        knl = _conv_kernel(be, "col2im", dt, kernel_, strides, dilations)
+        launch(be, knl, (L, M, N), *_i32(M, G, Mg, *as3d(x.shape[2:], 1), *as3d(out_sp, 1),
                                      *as3d(begin, 0)),
                cols, b if b is not None else cols, np.int32(b is not None), y)
         return y

@@ -1,7 +1,8 @@
 """OpenCL elementwise kernels: unary math, binary arithmetic / comparison / logic with numpy
 broadcasting, variadic Max/Min/Sum/Mean, Pow, Mod, BitShift, Where, Clip, Cast/CastLike.
 
-Every op runs through ONE generated kernel, `ew(expr, inputs, out_dtype)`: output element i is
+Every op runs through ONE generated kernel, `ew(be, expr, inputs, out_dtype)` (`be` the op's
+backend instance, `self.device`): output element i is
 `expr` evaluated on the inputs' values at their broadcast offsets. Before generating source, the
 broadcast layout is simplified: size-1 output axes are dropped and adjacent axes that are
 contiguous for every input are merged, then each input is classed as *full* (its offset is i),
@@ -29,7 +30,7 @@ import numpy as np
 
 from ember.ops import elementwise as E
 from ember.ops import tensor as T
-from ember.ops.opencl._common import C_TYPES, backend, broadcast_strides, kernel, launch
+from ember.ops.opencl._common import C_TYPES, broadcast_strides, kernel, launch
 from ember.ops.registry import register
 
 HALF = np.dtype(np.float16)
@@ -80,9 +81,8 @@ def lit(value, ctype: str = "W") -> str:
     return f"(({ctype}){text})"
 
 
-def on_device(*xs) -> bool:
-    """All of `xs` are device arrays of a dtype the kernels handle."""
-    be = backend()
+def on_device(be, *xs) -> bool:
+    """All of `xs` are device arrays of backend `be`, of a dtype the kernels handle."""
     return all(be.is_device_array(x) and x.dtype in DEVICE_TYPES for x in xs)
 
 
@@ -228,20 +228,20 @@ def _source(expr: str, in_dtypes, loads, out_dtype, work, classes, wide, baked) 
             + "\n  ".join(body) + "\n}\n")
 
 
-_KERNELS: dict = {}
-# How often each broadcast layout has been met: a broadcast layout's own program (its dims
-# baked in: ~10x faster index arithmetic on PoCL) is built when the layout comes back. Until
-# then the signature's shape-generic program runs it, so a new shape compiles nothing.
-_LAYOUTS_SEEN: dict = {}
+# Per backend instance (`be.cache`): "ew.kernels", the kernels by signature and layout;
+# "ew.layouts_seen", how often each broadcast layout has been met: a broadcast layout's own
+# program (its dims baked in: ~10x faster index arithmetic on PoCL) is built when the layout
+# comes back. Until then the signature's shape-generic program runs it, so a new shape compiles
+# nothing. "ew.tables": the generic program's layout tables on the device.
 _SPECIALISE_AFTER = 2
-_TABLES: dict = {}
 
 
-def ew(expr: str, inputs, out_dtype, *, work: str | None = None, loads=None,
+def ew(be, expr: str, inputs, out_dtype, *, work: str | None = None, loads=None,
        out_shape: tuple[int, ...] | None = None):
-    """A new device array: `expr` (C, over input values a, b, c...) at every element of the
-    inputs' broadcast shape (or `out_shape`, which the inputs must broadcast to)."""
-    be = backend()
+    """A new device array of backend `be`: `expr` (C, over input values a, b, c...) at every
+    element of the inputs' broadcast shape (or `out_shape`, which the inputs must broadcast
+    to)."""
+    kernels = be.cache("ew.kernels")
     shapes = tuple(tuple(x.shape) for x in inputs)
     if out_shape is None:
         out_shape = _bshape(shapes)
@@ -254,33 +254,35 @@ def ew(expr: str, inputs, out_dtype, *, work: str | None = None, loads=None,
     work = work or loads[0]
     key = (expr, in_dtypes, out.dtype, work, loads, classes, wide, baked)
     generic_key = (expr, in_dtypes, out.dtype, work, loads, ("g",) * len(inputs), wide, "table")
-    if generic_key not in _KERNELS:  # built with the first program of this signature, so a
-        _KERNELS[generic_key] = kernel(  # later shape never waits for a compile
-            _source(expr, in_dtypes, loads, out.dtype, work, *generic_key[5:]), "ew")
+    if generic_key not in kernels:  # built with the first program of this signature, so a
+        kernels[generic_key] = kernel(  # later shape never waits for a compile
+            be, _source(expr, in_dtypes, loads, out.dtype, work, *generic_key[5:]), "ew")
     extra = ()
-    if baked is not None and key not in _KERNELS:
-        seen = _LAYOUTS_SEEN.get(key, 0) + 1
-        _LAYOUTS_SEEN[key] = seen
+    if baked is not None and key not in kernels:
+        layouts_seen = be.cache("ew.layouts_seen")
+        seen = layouts_seen.get(key, 0) + 1
+        layouts_seen[key] = seen
         if seen < _SPECIALISE_AFTER:  # a broadcast layout met for the first time
             key = generic_key
-            extra = (_layout_table(table), np.int32(len(table) // (len(inputs) + 1)))
-    knl = _KERNELS.get(key)
+            extra = (_layout_table(be, table), np.int32(len(table) // (len(inputs) + 1)))
+    knl = kernels.get(key)
     if knl is None:
-        knl = _KERNELS[key] = kernel(
-            _source(expr, in_dtypes, loads, out.dtype, work, classes, wide, baked), "ew")
+        knl = kernels[key] = kernel(
+            be, _source(expr, in_dtypes, loads, out.dtype, work, classes, wide, baked), "ew")
     local = min(_LOCAL, be.device.max_work_group_size)
-    launch(knl, -(-int(n) // local) * local, out, *inputs, n, *extra, local_size=(local,))
+    launch(be, knl, -(-int(n) // local) * local, out, *inputs, n, *extra, local_size=(local,))
     return out
 
 
-def _layout_table(table: np.ndarray):
-    """The layout table on the device (cached: the same shapes come back every run)."""
-    key = (table.dtype.char, table.tobytes(), backend().context.int_ptr)
-    device = _TABLES.get(key)
+def _layout_table(be, table: np.ndarray):
+    """The layout table on `be`'s device (cached: the same shapes come back every run)."""
+    tables = be.cache("ew.tables")
+    key = (table.dtype.char, table.tobytes())
+    device = tables.get(key)
     if device is None:
-        if len(_TABLES) > 1024:
-            _TABLES.clear()
-        device = _TABLES[key] = backend().to_device(table)
+        if len(tables) > 1024:
+            tables.clear()
+        device = tables[key] = be.to_device(table)
     return device
 
 
@@ -295,10 +297,10 @@ class UnaryCL:
         return pick(self.table, dtype)
 
     def run(self, x):
-        e = self.expr(x.dtype) if on_device(x) else None
+        e = self.expr(x.dtype) if on_device(self.device, x) else None
         if e is None:
             return self.run_on_cpu(x)
-        return ew(e, [x], BOOL if self.bool_out else x.dtype)
+        return ew(self.device, e, [x], BOOL if self.bool_out else x.dtype)
 
 
 class BinaryCL:
@@ -308,12 +310,13 @@ class BinaryCL:
     bool_out = False
 
     def run(self, a, b):
-        e = pick(self.table, a.dtype) if on_device(a, b) and a.dtype == b.dtype else None
+        e = pick(self.table, a.dtype) if on_device(self.device, a, b) and a.dtype == b.dtype \
+            else None
         if e is None:
             return self.run_on_cpu(a, b)
         if isinstance(self, E.LegacyBinary):
             a, b = E._legacy_align(self, a, b)
-        return ew(e, [a, b], BOOL if self.bool_out else a.dtype)
+        return ew(self.device, e, [a, b], BOOL if self.bool_out else a.dtype)
 
 
 def declare(mixin: type, op: str, cpu: type, table: dict[str, str], **extra) -> type:
@@ -381,16 +384,18 @@ class PowCL:
     dtypes = kinds_dtypes("fiu")
 
     def run(self, x, y):
-        if not on_device(x, y) or kind(x.dtype) not in "fiu" or kind(y.dtype) not in "fiu":
+        be = self.device
+        if not on_device(be, x, y) or kind(x.dtype) not in "fiu" or kind(y.dtype) not in "fiu":
             return self.run_on_cpu(x, y)
         if isinstance(self, E.LegacyBinary):
             x, y = E._legacy_align(self, x, y)
         w = load_type(x.dtype)
         if kind(x.dtype) == "f":
-            return ew("pow(a, b)", [x, y], x.dtype, loads=(w, w))
+            return ew(be, "pow(a, b)", [x, y], x.dtype, loads=(w, w))
         if kind(y.dtype) == "f":
-            return ew("(W)trunc(pow((double)a, (double)b))", [x, y], x.dtype, loads=(w, "double"))
-        return ew("ipow(a, b)", [x, y], x.dtype, loads=(w, "long"))
+            return ew(be, "(W)trunc(pow((double)a, (double)b))", [x, y], x.dtype,
+                      loads=(w, "double"))
+        return ew(be, "ipow(a, b)", [x, y], x.dtype, loads=(w, "long"))
 
 
 register("Pow", E.Pow.versions, backend="opencl")(type("PowCL", (PowCL, E.Pow), {}))
@@ -402,11 +407,12 @@ class ModCL(E.Mod):
     dtypes = kinds_dtypes("fiu")
 
     def run(self, a, b):
-        if not on_device(a, b) or a.dtype != b.dtype or kind(a.dtype) not in "fiu":
+        if not on_device(self.device, a, b) or a.dtype != b.dtype or kind(a.dtype) not in "fiu":
             return self.run_on_cpu(a, b)
         if self.fmod:
-            return ew("fmod(a, b)" if kind(a.dtype) == "f" else "cmod(a, b)", [a, b], a.dtype)
-        return ew("pymod(a, b)", [a, b], a.dtype)
+            return ew(self.device, "fmod(a, b)" if kind(a.dtype) == "f" else "cmod(a, b)",
+                      [a, b], a.dtype)
+        return ew(self.device, "pymod(a, b)", [a, b], a.dtype)
 
 
 @register("BitShift", versions=E.BitShift.versions, backend="opencl")
@@ -414,7 +420,7 @@ class BitShiftCL(E.BitShift):
     dtypes = kinds_dtypes("iu")
 
     def run(self, x, y):
-        if not on_device(x, y) or x.dtype != y.dtype or kind(x.dtype) not in "iu":
+        if not on_device(self.device, x, y) or x.dtype != y.dtype or kind(x.dtype) not in "iu":
             return self.run_on_cpu(x, y)
         bits = x.dtype.itemsize * 8
         signed = kind(x.dtype) == "i"
@@ -424,7 +430,7 @@ class BitShiftCL(E.BitShift):
         else:
             fill = "(a < 0 ? (W)-1 : (W)0)" if signed else "(W)0"
             e = f"({outside} ? {fill} : (W)(a >> b))"
-        return ew(e, [x, y], x.dtype)
+        return ew(self.device, e, [x, y], x.dtype)
 
 
 def _variadic(op: str, fold) -> type:
@@ -433,10 +439,11 @@ def _variadic(op: str, fold) -> type:
 
         def run(self, *xs):
             xs = [x for x in xs if x is not None]
-            if not xs or len(xs) > len(_NAMES) or not on_device(*xs) \
+            if not xs or len(xs) > len(_NAMES) or not on_device(self.device, *xs) \
                     or any(x.dtype != xs[0].dtype for x in xs) or xs[0].dtype not in self.dtypes:
                 return self.run_on_cpu(*xs)
-            return ew(fold(list(_NAMES[:len(xs)]), xs[0].dtype == HALF), xs, xs[0].dtype)
+            return ew(self.device, fold(list(_NAMES[:len(xs)]), xs[0].dtype == HALF), xs,
+                      xs[0].dtype)
 
     VariadicCL.__name__ = VariadicCL.__qualname__ = f"{op}CL"
     return register(op, getattr(E, op).versions, backend="opencl")(VariadicCL)
@@ -470,9 +477,10 @@ class WhereCL(E.Where):
     dtypes = DEVICE_TYPES
 
     def run(self, condition, x, y):
-        if not on_device(condition, x, y) or x.dtype != y.dtype or condition.dtype != BOOL:
+        if not on_device(self.device, condition, x, y) or x.dtype != y.dtype \
+                or condition.dtype != BOOL:
             return self.run_on_cpu(condition, x, y)
-        return ew("a ? b : c", [condition, x, y], x.dtype, work=load_type(x.dtype))
+        return ew(self.device, "a ? b : c", [condition, x, y], x.dtype, work=load_type(x.dtype))
 
 
 @register("Clip", versions=E.Clip1.versions, backend="opencl")
@@ -480,14 +488,14 @@ class Clip1CL(E.Clip1):
     dtypes = kinds_dtypes("fiu")
 
     def run(self, x):
-        if not on_device(x) or kind(x.dtype) not in "fiu":
+        if not on_device(self.device, x) or kind(x.dtype) not in "fiu":
             return self.run_on_cpu(x)
         e = "a"
         if self.min is not None:
             e = f"maxn({e}, {lit(self.min)})"
         if self.max is not None:
             e = f"minn({e}, {lit(self.max)})"
-        return ew(e, [x], x.dtype)
+        return ew(self.device, e, [x], x.dtype)
 
 
 @register("Clip", versions=E.Clip.versions, backend="opencl")
@@ -496,7 +504,7 @@ class ClipCL(E.Clip):
 
     def run(self, x, lo=None, hi=None):
         bounds = [v for v in (lo, hi) if v is not None]
-        if not on_device(x, *bounds) or kind(x.dtype) not in "fiu" \
+        if not on_device(self.device, x, *bounds) or kind(x.dtype) not in "fiu" \
                 or any(v.size > 1 for v in bounds):
             return self.run_on_cpu(x, lo, hi)
         inputs, e, w = [x], "a", load_type(x.dtype)
@@ -504,7 +512,8 @@ class ClipCL(E.Clip):
             if v is not None and v.size:
                 e = f"{fn}({e}, {_NAMES[len(inputs)]})"
                 inputs.append(v.reshape(()))
-        return ew(e, inputs, x.dtype, loads=[w] * len(inputs), out_shape=tuple(x.shape))
+        return ew(self.device, e, inputs, x.dtype, loads=[w] * len(inputs),
+                  out_shape=tuple(x.shape))
 
 
 class CastCL:
@@ -513,11 +522,11 @@ class CastCL:
 
     def cast(self, x, to, *rest):
         to = np.dtype(to)
-        if not on_device(x) or to not in DEVICE_TYPES:
+        if not on_device(self.device, x) or to not in DEVICE_TYPES:
             return self.run_on_cpu(x, *rest)
         if x.dtype == to:
             return x
-        return ew("a", [x], to)
+        return ew(self.device, "a", [x], to)
 
 
 for _cpu in (T.Cast, T.Cast19, T.Cast24):

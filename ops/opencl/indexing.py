@@ -17,7 +17,7 @@ from ember.ops import image as IM
 from ember.ops import indexing as IX
 from ember.ops import normalization as NO
 from ember.ops import tensor as TE
-from ember.ops.opencl._common import C_TYPES, backend, kernel, launch
+from ember.ops.opencl._common import C_TYPES, kernel, launch
 from ember.ops.opencl.shape import (NP_UINT, UINT, _decompose, _params, contiguous, copy_window,
                                     index_type, on_device, view)
 from ember.ops.registry import register
@@ -49,21 +49,22 @@ __kernel void gather(__global T* out, __global const T* data, __global const IX*
 @register("Gather", versions=IX.Gather.versions, backend="opencl")
 class GatherCL(IX.Gather):
     def run(self, data, indices):
-        if not on_device(data, indices) or indices.dtype not in INDEX_TYPES:
+        be = self.device
+        if not on_device(be, data, indices) or indices.dtype not in INDEX_TYPES:
             return self.run_on_cpu(data, indices)
         axis = IX._norm_axis(self, self.axis, data.ndim)
         shape = data.shape[:axis] + indices.shape + data.shape[axis + 1:]
-        out = backend().empty(shape, data.dtype)
+        out = be.empty(shape, data.dtype)
         if out.size == 0:
             return out
         if data.shape[axis] == 0:
             raise self.fail("gathering from an empty axis")
-        data = contiguous(data)
+        data = contiguous(be, data)
         inner = math.prod(data.shape[axis + 1:])
         itype, npi = index_type(data.base_data.size // data.dtype.itemsize, out)
         src = _GATHER.format(T=UINT[data.dtype.itemsize], I=itype, IX=INDEX_TYPES[indices.dtype])
-        launch(kernel(src, "gather"), out.size, out, data.base_data, indices, npi(_off(data)),
-               npi(data.shape[axis]), npi(inner), npi(indices.size))
+        launch(be, kernel(be, src, "gather"), out.size, out, data.base_data, indices,
+               npi(_off(data)), npi(data.shape[axis]), npi(inner), npi(indices.size))
         return out
 
 
@@ -82,7 +83,8 @@ __kernel void gather_el(__global T* out, __global const T* data, __global const 
 @register("GatherElements", versions=IX.GatherElements.versions, backend="opencl")
 class GatherElementsCL(IX.GatherElements):
     def run(self, data, indices):
-        if not on_device(data, indices) or indices.dtype not in INDEX_TYPES:
+        be = self.device
+        if not on_device(be, data, indices) or indices.dtype not in INDEX_TYPES:
             return self.run_on_cpu(data, indices)
         axis = IX._norm_axis(self, self.axis, data.ndim)
         if indices.ndim != data.ndim:
@@ -90,7 +92,7 @@ class GatherElementsCL(IX.GatherElements):
         if any(i > d for k, (i, d) in enumerate(zip(indices.shape, data.shape)) if k != axis):
             raise self.fail(f"indices shape {indices.shape} exceeds data shape {data.shape} "
                             f"outside axis {axis}")
-        out = backend().empty(indices.shape, data.dtype)
+        out = be.empty(indices.shape, data.dtype)
         if out.size == 0:
             return out
         if data.shape[axis] == 0:
@@ -107,7 +109,7 @@ class GatherElementsCL(IX.GatherElements):
         src = _GATHER_EL.format(T=UINT[dv.isz], I=itype, IX=INDEX_TYPES[indices.dtype],
                                 dims=_params("d", range(1, r)), ss=_params("s", range(r)),
                                 body=_decompose(r, "d", body))
-        launch(kernel(src, "gather_el"), out.size, out, dv.buf, indices, npi(dv.off),
+        launch(be, kernel(be, src, "gather_el"), out.size, out, dv.buf, indices, npi(dv.off),
                npi(data.shape[axis]), *[npi(d) for d in indices.shape[1:]],
                *[npi(s) for s in dv.strides])
         return out
@@ -147,11 +149,12 @@ class _ScatterNDCL:
         reduction = self._reduction()
         typed = reduction == "none" or data.dtype in C_TYPES and data.dtype != np.bool_ \
             or data.dtype == HALF
-        if not on_device(data, indices, updates) or indices.dtype not in INDEX_TYPES \
+        be = self.device
+        if not on_device(be, data, indices, updates) or indices.dtype not in INDEX_TYPES \
                 or not typed or updates.dtype != data.dtype:
             return self.run_on_cpu(data, indices, updates)
         k = self.check_shapes(data, indices, updates)
-        out = copy_window(view(data), data.dtype)
+        out = copy_window(be, view(data), data.dtype)
         count, inner = math.prod(indices.shape[:-1]), math.prod(data.shape[k:])
         if count == 0 or inner == 0:
             return out
@@ -169,8 +172,8 @@ class _ScatterNDCL:
                                  else "(p)[i] = (v)", IX=INDEX_TYPES[indices.dtype],
                                  op=_REDUCE_OPS.get(reduction, "b"), dims=_params("d", range(k)),
                                  ss=_params("s", range(k)), tuple=tup)
-        knl = kernel(src, "scatter_nd", (f"-DREDUCE={int(reduce)}",))
-        launch(knl, inner if reduce else count * inner, out, indices, updates, npi(inner),
+        knl = kernel(be, src, "scatter_nd", (f"-DREDUCE={int(reduce)}",))
+        launch(be, knl, inner if reduce else count * inner, out, indices, updates, npi(inner),
                npi(count), *[npi(d) for d in data.shape[:k]], *[npi(s) for s in strides])
         return out
 
@@ -224,7 +227,9 @@ class _TopKCL:
     host_inputs = (1,)
 
     def topk(self, x, k, axis, largest):
-        if not on_device(x) or (x.dtype not in C_TYPES and x.dtype != HALF) or x.dtype == np.bool_:
+        be = self.device
+        if not on_device(be, x) or (x.dtype not in C_TYPES and x.dtype != HALF) \
+                or x.dtype == np.bool_:
             return None
         axis = IX._norm_axis(self, axis, x.ndim)
         n = x.shape[axis]
@@ -233,10 +238,10 @@ class _TopKCL:
         if n > TOPK_MAX_ROW:
             return None
         shape = x.shape[:axis] + (k,) + x.shape[axis + 1:]
-        vals, inds = backend().empty(shape, x.dtype), backend().empty(shape, np.int64)
+        vals, inds = be.empty(shape, x.dtype), be.empty(shape, np.int64)
         if vals.size == 0:
             return vals, inds
-        x = contiguous(x)
+        x = contiguous(be, x)
         is_float = x.dtype.kind == "f"
         if x.dtype == HALF:
             t, v, load = "ushort", "float", "vload_half(i, (__global const half*)(p))"
@@ -246,8 +251,8 @@ class _TopKCL:
         itype, npi = index_type(x.base_data.size // x.dtype.itemsize)
         src = _TOPK.format(T=t, I=itype, V=v, load=load, isnan="isnan(a)" if is_float else "0",
                            cmp="GT" if largest else "LT")
-        launch(kernel(src, "topk"), x.size, vals, inds, x.base_data, npi(_off(x)), npi(n),
-               npi(math.prod(x.shape[axis + 1:])), npi(k))
+        launch(be, kernel(be, src, "topk"), x.size, vals, inds, x.base_data, npi(_off(x)),
+               npi(n), npi(math.prod(x.shape[axis + 1:])), npi(k))
         return vals, inds
 
 
@@ -328,11 +333,11 @@ class _ResizeCL:
     def resize(self, x, out_shape, scales, *, mode, ct, nearest_mode, cubic_a=-0.75,
                exclude_outside=False, extrapolation_value=0.0, antialias=False, roi=None):
         """IM.resize_nd on the device, or None where the CPU must do it."""
-        if not on_device(x):
+        if not on_device(self.device, x):
             return None
         out_shape = [int(d) for d in out_shape]
         if math.prod(out_shape) == 0:
-            return backend().empty(out_shape, x.dtype)
+            return self.device.empty(out_shape, x.dtype)
         if x.size == 0:
             return None
         key = (x.shape, x.strides, x.dtype, tuple(out_shape), tuple(scales), mode, ct,
@@ -356,7 +361,7 @@ class _ResizeCL:
               antialias, roi):
         """[(axis, idx, w, outside)] for the axes that move, as in IM.resize_nd; for nearest
         the device table of input offsets, for the others per-axis device arrays."""
-        be, plans = backend(), []
+        be, plans = self.device, []
         for axis in range(x.ndim):
             in_len, out_len, scale = x.shape[axis], out_shape[axis], float(scales[axis])
             rs, re = (0.0, 1.0) if roi is None else (float(roi[0][axis]), float(roi[1][axis]))
@@ -393,22 +398,23 @@ class _ResizeCL:
 
     def _nearest(self, x, out_shape, plan, ext):
         (tbl, starts, itype, npi), = plan
+        be = self.device
         xv, r = view(x), x.ndim
-        out = backend().empty(out_shape, x.dtype)
+        out = be.empty(out_shape, x.dtype)
         src = _RESIZE_NEAREST.format(
             T=UINT[xv.isz], I=itype, dims=_params("d", range(1, r)), ts=_params("t", range(r)),
             body=_decompose(r, "d", lambda k, c: f"I v = tbl[t{k} + {c}]; if (v < 0) {{ "
                             f"out[gi] = value; return; }} soff += v;"))
         value = np.asarray(ext, dtype=x.dtype).reshape(1).view(NP_UINT[xv.isz])[0]
-        launch(kernel(src, "resize_nearest"), out.size, out, xv.buf, tbl, npi(xv.off), value,
-               *[npi(d) for d in out_shape[1:]], *[npi(s) for s in starts])
+        launch(be, kernel(be, src, "resize_nearest"), out.size, out, xv.buf, tbl, npi(xv.off),
+               value, *[npi(d) for d in out_shape[1:]], *[npi(s) for s in starts])
         return out
 
     def _separable(self, x, out_shape, plan, ext):
-        be = backend()
+        be = self.device
         work = IM._work_dtype(x.dtype)
         wc = C_TYPES[work]
-        cur, shape = contiguous(x), list(x.shape)
+        cur, shape = contiguous(be, x), list(x.shape)
         for n, (axis, taps, idx, w, outside) in enumerate(plan):
             shape[axis] = out_shape[axis]
             out_dtype = x.dtype if n == len(plan) - 1 else work
@@ -420,8 +426,8 @@ class _ResizeCL:
             itype, npi = index_type(cur.base_data.size // cur.dtype.itemsize, out)
             src = _RESIZE_AXIS.format(TI=ti, TO=to, W=wc, I=itype, load=_load(in_dtype, wc),
                                       store=store)
-            launch(kernel(src, "resize_axis"), out.size, out, cur.base_data, idx, w, outside,
-                   npi(_off(cur)), npi(cur.shape[axis]), npi(out_shape[axis]),
+            launch(be, kernel(be, src, "resize_axis"), out.size, out, cur.base_data, idx, w,
+                   outside, npi(_off(cur)), npi(cur.shape[axis]), npi(out_shape[axis]),
                    npi(math.prod(shape[axis + 1:])), npi(taps), work.type(ext))
             cur = out
         return cur
@@ -432,7 +438,7 @@ class Resize11CL(_ResizeCL, IM.Resize11):
     host_inputs = (1, 2, 3)
 
     def run(self, x, roi=None, scales=None, sizes=None):
-        if not on_device(x):
+        if not on_device(self.device, x):
             return self.run_on_cpu(x, roi, scales, sizes)
         out_shape, full_scales, roi_pair = self.target(x.shape, roi, scales, sizes)
         out = self.resize(x, out_shape, full_scales, **self.options(roi_pair))
@@ -441,7 +447,7 @@ class Resize11CL(_ResizeCL, IM.Resize11):
 
 class _UpsampleCL(_ResizeCL):
     def upsample(self, x, scales, *rest):
-        if on_device(x):
+        if on_device(self.device, x):
             sc = [float(s) for s in np.asarray(scales, dtype=np.float64).reshape(-1)]
             if len(sc) != x.ndim:
                 raise self.fail(f"scales has {len(sc)} entries, expected {x.ndim}")
@@ -492,12 +498,13 @@ class Upsample1CL(_UpsampleCL, IM.Upsample1):
 _FILL = "__kernel void fill(__global {T}* out, {T} v) {{ out[get_global_id(0)] = v; }}"
 
 
-def ones(shape, dtype):
-    out = backend().empty(shape, dtype)
+def ones(be, shape, dtype):
+    """A device array of backend `be` filled with ones."""
+    out = be.empty(shape, dtype)
     if out.size:
         isz = out.dtype.itemsize
         one = np.ones(1, dtype).view(NP_UINT[isz])[0]
-        launch(kernel(_FILL.format(T=UINT[isz]), "fill"), out.size, out, one)
+        launch(be, kernel(be, _FILL.format(T=UINT[isz]), "fill"), out.size, out, one)
     return out
 
 
@@ -508,7 +515,7 @@ class IdentityCL(TE.Identity):
 
 class _DropoutCL:
     def run(self, x, *rest):
-        if not on_device(x):
+        if not on_device(self.device, x):
             return self.run_on_cpu(x, *rest)
         training = len(rest) > 1 and rest[1] is not None and \
             bool(np.asarray(rest[1]).reshape(()))
@@ -518,7 +525,7 @@ class _DropoutCL:
                 return self.run_on_cpu(x, *rest)  # random masks: on the CPU
         if self.n_outputs > 1:
             mask_dtype = np.bool_ if self.version >= 10 else x.dtype
-            return x, ones(x.shape, mask_dtype)
+            return x, ones(self.device, x.shape, mask_dtype)
         return x
 
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from ember.ops.elementwise import _ERF32_P, _ERF32_Q
 from ember.ops.linalg import Gemm1, Gemm7, MatMul
-from ember.ops.opencl._common import FLOAT_TYPES, backend, c_type, kernel, launch
+from ember.ops.opencl._common import FLOAT_TYPES, c_type, kernel, launch
 from ember.ops.registry import register
 
 RM = 8  # rows of A per work-item block
@@ -240,89 +240,89 @@ __kernel void packB(const int N, const int K, const long sk, const long sn, cons
 """
 
 
-def gemm_kernels(dtype, act: str = ""):
-    """packA, packB, and the GEMM with activation code `act` (a program per activation used)."""
+def gemm_kernels(be, dtype, act: str = ""):
+    """packA, packB, and the GEMM with activation code `act` (a program per activation used),
+    for backend `be`."""
     pack = _pack_source(dtype)
-    return kernel(pack, "packA"), kernel(pack, "packB"), kernel(_gemm_source(dtype, act), "gemm")
+    return (kernel(be, pack, "packA"), kernel(be, pack, "packB"),
+            kernel(be, _gemm_source(dtype, act), "gemm"))
 
 
-def pack_a(a, M, K, sm, sk, batches=1, sb=0, role=None):
+def pack_a(be, a, M, K, sm, sk, batches=1, sb=0, role=None):
     """Panels of RM rows of A (element strides sm, sk; `batches` matrices sb apart), in a
-    scratch buffer when `role` names one (else a fresh array, e.g. to cache)."""
-    kA, _, _ = gemm_kernels(a.dtype)
+    scratch buffer of `be` when `role` names one (else a fresh array, e.g. to cache)."""
+    kA, _, _ = gemm_kernels(be, a.dtype)
     Mb = -(-M // RM)
     n = batches * Mb * K * RM
-    ap = scratch(role, n, a.dtype) if role else backend().empty((n,), a.dtype)
-    launch(kA, (K, Mb, batches), np.int32(M), np.int32(K), np.int64(sm), np.int64(sk),
+    ap = scratch(be, role, n, a.dtype) if role else be.empty((n,), a.dtype)
+    launch(be, kA, (K, Mb, batches), np.int32(M), np.int32(K), np.int64(sm), np.int64(sk),
            np.int64(sb), a, ap)
     return ap
 
 
-def pack_b(b, N, K, sk, sn, batches=1, sb=0, role=None):
+def pack_b(be, b, N, K, sk, sn, batches=1, sb=0, role=None):
     """Panels of RN columns of B (element strides sk, sn; `batches` matrices sb apart)."""
-    _, kB, _ = gemm_kernels(b.dtype)
+    _, kB, _ = gemm_kernels(be, b.dtype)
     RN = block_n(b.dtype)
     Nb = -(-N // RN)
     n = batches * Nb * K * RN
-    bp = scratch(role, n, b.dtype) if role else backend().empty((n,), b.dtype)
-    launch(kB, (K, Nb, batches), np.int32(N), np.int32(K), np.int64(sk), np.int64(sn),
+    bp = scratch(be, role, n, b.dtype) if role else be.empty((n,), b.dtype)
+    launch(be, kB, (K, Nb, batches), np.int32(N), np.int32(K), np.int64(sk), np.int64(sn),
            np.int64(sb), b, bp)
     return bp
 
 
-_SCRATCH: dict = {}
-
-
-def scratch(role: str, size: int, dtype):
-    """A reusable device buffer of at least `size` elements for temporaries (packed panels,
-    patch matrices), as a 1-D array of exactly `size`. Safe because the queue is in order:
-    a later kernel that overwrites it runs after every earlier reader. Saves allocating (and
-    page-faulting, on a CPU device) megabytes per convolution. One set per thread, so two
-    threads running sessions cannot interleave their uses of one buffer."""
-    be = backend()
+def scratch(be, role: str, size: int, dtype):
+    """A reusable device buffer of backend `be`, of at least `size` elements, for temporaries
+    (packed panels, patch matrices), as a 1-D array of exactly `size`. Safe because the queue
+    is in order: a later kernel that overwrites it runs after every earlier reader. Saves
+    allocating (and page-faulting, on a CPU device) megabytes per convolution. One set per
+    backend instance and thread, so two threads running sessions cannot interleave their uses
+    of one buffer."""
+    buffers = be.cache("linalg.scratch")
     dtype = np.dtype(dtype)
     nbytes = max(int(size) * dtype.itemsize, 1)
-    key = (role, be.context.int_ptr, threading.get_ident())
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.size < nbytes:
-        if len(_SCRATCH) > 64:  # threads come and go
-            _SCRATCH.clear()
+    key = (role, threading.get_ident())
+    buf = buffers.get(key)
+    # bounds-checked mode: exactly `size`, so that the guard band sits right after it
+    exact = be.guard is not None and buf is not None and buf.size != nbytes
+    if buf is None or buf.size < nbytes or exact:
+        if len(buffers) > 64:  # threads come and go
+            buffers.clear()
         buf = be.guard(nbytes) if be.guard is not None else \
             be.cl.Buffer(be.context, be.cl.mem_flags.READ_WRITE, max(nbytes, 1 << 20))
-        _SCRATCH[key] = buf
+        buffers[key] = buf
     return be.cl_array.Array(be.queue, (int(size),), dtype, data=buf)
 
 
-_INDEX_TABLES: dict = {}
-
-
-def index_table(values) -> object:
-    """A small int32 vector on the device, cached (batch index tables repeat every run)."""
+def index_table(be, values) -> object:
+    """A small int32 vector on `be`'s device, cached (batch index tables repeat every run)."""
+    tables = be.cache("linalg.index_tables")
     key = tuple(int(v) for v in values)
-    table = _INDEX_TABLES.get(key)
-    if table is None or table.context != backend().context:
-        if len(_INDEX_TABLES) > 256:
-            _INDEX_TABLES.clear()
-        table = backend().to_device(np.asarray(key, np.int32))
-        _INDEX_TABLES[key] = table
+    table = tables.get(key)
+    if table is None:
+        if len(tables) > 256:
+            tables.clear()
+        table = tables[key] = be.to_device(np.asarray(key, np.int32))
     return table
 
 
-def gemm_packed(ap, bp, M, N, K, aidx, bidx, dtype, out=None, alpha=1.0, c=None, cm=0, cn=0,
-                beta=0.0, cb=0, out_row_stride=None, z=None, act=("", 0.0, 0.0)):
-    """Output batches len(aidx): out[bt] = act(alpha * A[aidx[bt]] @ B[bidx[bt]] (+ beta * C,
-    offset by aidx[bt] * cb) (+ z[bt])), written into `out` (a fresh (batches, M, N) array when
-    None). `z`, the residual, holds batches * M * N elements laid out like a contiguous
-    (batches, M, N) output; `act` is (code, p0, p1) from `activation_code`."""
+def gemm_packed(be, ap, bp, M, N, K, aidx, bidx, dtype, out=None, alpha=1.0, c=None, cm=0,
+                cn=0, beta=0.0, cb=0, out_row_stride=None, z=None, act=("", 0.0, 0.0)):
+    """On backend `be`, output batches len(aidx): out[bt] = act(alpha * A[aidx[bt]] @
+    B[bidx[bt]] (+ beta * C, offset by aidx[bt] * cb) (+ z[bt])), written into `out` (a fresh
+    (batches, M, N) array when None). `z`, the residual, holds batches * M * N elements laid
+    out like a contiguous (batches, M, N) output; `act` is (code, p0, p1) from
+    `activation_code`."""
     code, p0, p1 = act
-    _, _, kG = gemm_kernels(dtype, code)
+    _, _, kG = gemm_kernels(be, dtype, code)
     batches = len(aidx)
     if out is None:
-        out = backend().empty((batches, M, N), dtype)
+        out = be.empty((batches, M, N), dtype)
     RN = block_n(dtype)
     tp = np.dtype(dtype).type
-    launch(kG, (-(-M // RM), -(-N // RN), batches), np.int32(M), np.int32(N), np.int32(K),
-           index_table(aidx), index_table(bidx), ap, bp, out, tp(alpha),
+    launch(be, kG, (-(-M // RM), -(-N // RN), batches), np.int32(M), np.int32(N), np.int32(K),
+           index_table(be, aidx), index_table(be, bidx), ap, bp, out, tp(alpha),
            c if c is not None else ap, np.int64(cm), np.int64(cn), np.int64(cb), tp(beta),
            np.int32(c is not None), np.int64(out_row_stride or N),
            z if z is not None else ap, np.int32(z is not None), tp(p0), tp(p1))
@@ -354,7 +354,8 @@ def _matmul_device(op, a, b, bias=None, z=None, act=NO_ACTIVATION):
     """np.matmul semantics (1-D operands, broadcast batch dims) on the device, with the fused
     epilogue: act(a @ b + bias + z), `bias` a vector over the result's last axis or a single
     value, `z` of the result's shape (checked by the caller). None when K == 0 (the caller
-    falls back)."""
+    falls back). Runs on `op.device`."""
+    be = op.device
     a_shape, b_shape = tuple(a.shape), tuple(b.shape)
     a1, b1 = len(a_shape) == 1, len(b_shape) == 1
     if a1:
@@ -372,21 +373,21 @@ def _matmul_device(op, a, b, bias=None, z=None, act=NO_ACTIVATION):
     out_shape = tuple(batch) + ((M,) if not a1 else ()) + ((N,) if not b1 else ())
     nb = math.prod(batch)
     if nb == 0 or M == 0 or N == 0:
-        return backend().empty(out_shape, a.dtype)
+        return be.empty(out_shape, a.dtype)
     if K == 0:
         return None
     ba, bb = math.prod(a_shape[:-2]), math.prod(b_shape[:-2])
-    ap = pack_a(a, M, K, K, 1, ba, M * K, role="A")
+    ap = pack_a(be, a, M, K, K, 1, ba, M * K, role="A")
     if bb == 1:
-        bp = op._bpack.get(b, (b_shape,), lambda: pack_b(b, N, K, N, 1))
+        bp = op._bpack.get(b, (b_shape,), lambda: pack_b(be, b, N, K, N, 1))
     else:
-        bp = pack_b(b, N, K, N, 1, bb, K * N, role="B")
+        bp = pack_b(be, b, N, K, N, 1, bb, K * N, role="B")
     aidx = np.broadcast_to(np.arange(ba).reshape(a_shape[:-2]), batch)
     bidx = np.broadcast_to(np.arange(bb).reshape(b_shape[:-2]), batch)
     # the bias runs along the result's last axis: N, or M when b is a vector (its N is 1);
     # a single value is read for every element
     cm, cn = (0, 0) if bias is not None and bias.size == 1 else (1, 0) if b1 else (0, 1)
-    out = gemm_packed(ap, bp, M, N, K, np.ravel(aidx), np.ravel(bidx), a.dtype,
+    out = gemm_packed(be, ap, bp, M, N, K, np.ravel(aidx), np.ravel(bidx), a.dtype,
                       c=bias, cm=cm, cn=cn, beta=1.0, z=z, act=act)
     return out.reshape(out_shape)
 
@@ -448,11 +449,12 @@ class _GemmCL:
             elif len(cshape) == 1:
                 cs = [0, 1 if cshape[0] != 1 else 0]
             cm, cn = cs
+        be = self.device
         sm, sk = (1, M) if self.transA else (K, 1)
-        ap = pack_a(a, M, K, sm, sk, role="A")
+        ap = pack_a(be, a, M, K, sm, sk, role="A")
         skb, sn = (1, K) if self.transB else (N, 1)
-        bp = self._bpack.get(b, (self.transB,), lambda: pack_b(b, N, K, skb, sn))
-        out = gemm_packed(ap, bp, M, N, K, [0], [0], a.dtype, alpha=self.alpha,
+        bp = self._bpack.get(b, (self.transB,), lambda: pack_b(be, b, N, K, skb, sn))
+        out = gemm_packed(be, ap, bp, M, N, K, [0], [0], a.dtype, alpha=self.alpha,
                           c=c if use_c else None, cm=cm, cn=cn, beta=self.beta,
                           act=self.epilogue_activation)
         return out.reshape(M, N)

@@ -20,7 +20,7 @@ from ember.ops.normalization import (
     BatchNormalization1, BatchNormalization14, GroupNormalization18, GroupNormalization21,
     InstanceNormalization, LayerNormalization17, LpNormalization, RMSNormalization23,
     _norm_axis, _stash_dtype)
-from ember.ops.opencl._common import FLOAT_TYPES, backend, c_type, kernel, launch
+from ember.ops.opencl._common import FLOAT_TYPES, c_type, kernel, launch
 from ember.ops.opencl.reduction import local_size, outer_n_inner, tree_code
 from ember.ops.registry import register
 
@@ -95,11 +95,11 @@ __kernel void rownorm(__global const T *x, __global T *y, __global const T *scal
 """
 
 
-def rownorm(op: str, x, scale, bias, rows: int, cols: int, eps: float, acc_dtype,
+def rownorm(be, op: str, x, scale, bias, rows: int, cols: int, eps: float, acc_dtype,
             p0: int = 0, p1: int = 0, stats: bool = False):
-    """Normalise device array `x` (contiguous, rows * cols elements) row by row; returns y
-    (x's shape and dtype), plus (mean, inv_std) vectors of `rows` in acc_dtype with stats."""
-    be = backend()
+    """Normalise device array `x` of backend `be` (contiguous, rows * cols elements) row by
+    row; returns y (x's shape and dtype), plus (mean, inv_std) vectors of `rows` in acc_dtype
+    with stats."""
     y = be.empty(tuple(x.shape), x.dtype)
     acc_dtype = np.dtype(acc_dtype)
     mean = inv = None
@@ -107,13 +107,13 @@ def rownorm(op: str, x, scale, bias, rows: int, cols: int, eps: float, acc_dtype
         mean, inv = be.empty((rows,), acc_dtype), be.empty((rows,), acc_dtype)
     if y.size == 0 or rows == 0:
         return y, mean, inv
-    ls = local_size(cols)
-    knl = kernel(_rownorm_source(op, c_type(x.dtype), c_type(acc_dtype), bias is not None,
-                                 stats, ls), "rownorm")
+    ls = local_size(be, cols)
+    knl = kernel(be, _rownorm_source(op, c_type(x.dtype), c_type(acc_dtype), bias is not None,
+                                     stats, ls), "rownorm")
     args = [x, y, scale, bias if bias is not None else scale]
     if stats:
         args += [mean, inv]
-    launch(knl, rows * ls, *args, _i64(cols), acc_dtype.type(eps), _i64(p0), _i64(p1),
+    launch(be, knl, rows * ls, *args, _i64(cols), acc_dtype.type(eps), _i64(p0), _i64(p1),
            _i64(rows), local_size=(ls,) if ls > 1 else None)
     return y, mean, inv
 
@@ -153,7 +153,7 @@ class LayerNormalization17CL(LayerNormalization17):
             return self.run_on_cpu(x, scale, b)
         rows = x.size // cols
         stats = self.n_outputs > 1
-        y, mean, inv = rownorm("layer", x, scale, b, rows, cols, self.epsilon, sd,
+        y, mean, inv = rownorm(self.device, "layer", x, scale, b, rows, cols, self.epsilon, sd,
                                p0=int(scale.size != 1), p1=int(b is not None and b.size != 1),
                                stats=stats)
         if not stats:
@@ -173,7 +173,8 @@ class InstanceNormalizationCL(InstanceNormalization):
         cols = int(np.prod(x.shape[2:], dtype=np.int64))
         if cols == 0 or scale.size != c or b.size != c:
             return self.run_on_cpu(x, scale, b)
-        y, _, _ = rownorm("instance", x, scale, b, n * c, cols, self.epsilon, x.dtype, p0=c)
+        y, _, _ = rownorm(self.device, "instance", x, scale, b, n * c, cols, self.epsilon,
+                          x.dtype, p0=c)
         return y
 
 
@@ -195,7 +196,8 @@ class _GroupNormCL:
         if cols == 0 or spatial == 0:
             return self.run_on_cpu(x, scale, b)
         op = "group_channel" if self.per_channel_params else "group"
-        y, _, _ = rownorm(op, x, scale, b, n * g, cols, self.epsilon, sd, p0=g, p1=c // g)
+        y, _, _ = rownorm(self.device, op, x, scale, b, n * g, cols, self.epsilon, sd, p0=g,
+                          p1=c // g)
         return y
 
 
@@ -221,8 +223,8 @@ class RMSNormalization23CL(RMSNormalization23):
         if not _same_float(x, scale) or sd not in FLOAT_TYPES or cols == 0 \
                 or not _covers(scale, norm_shape, x.ndim):
             return self.run_on_cpu(x, scale)
-        y, _, _ = rownorm("rms", x, scale, None, x.size // cols, cols, self.epsilon, sd,
-                          p0=int(scale.size != 1))
+        y, _, _ = rownorm(self.device, "rms", x, scale, None, x.size // cols, cols,
+                          self.epsilon, sd, p0=int(scale.size != 1))
         return y
 
 
@@ -270,18 +272,19 @@ class LpNormalizationCL(LpNormalization):
         axis = _norm_axis(self, self.axis, x.ndim)
         if x.dtype not in self.dtypes:
             return self.run_on_cpu(x)
-        y = backend().empty(tuple(x.shape), x.dtype)
+        be = self.device
+        y = be.empty(tuple(x.shape), x.dtype)
         if y.size == 0:
             return y
         outer, n, inner = outer_n_inner(tuple(x.shape), axis)
         t = c_type(x.dtype)
-        ls = local_size(n) if inner == 1 else 0
+        ls = local_size(be, n) if inner == 1 else 0
         if ls > 1:
-            launch(kernel(_lp_source(t, int(self.p), ls), "lpnorm"), outer * ls, x, y, _i64(n),
-                   _i64(1), _i64(outer), local_size=(ls,))
+            launch(be, kernel(be, _lp_source(t, int(self.p), ls), "lpnorm"), outer * ls, x, y,
+                   _i64(n), _i64(1), _i64(outer), local_size=(ls,))
         else:
-            launch(kernel(_lp_source(t, int(self.p), 0), "lpnorm"), outer * inner, x, y,
-                   _i64(n), _i64(inner), _i64(outer * inner))
+            launch(be, kernel(be, _lp_source(t, int(self.p), 0), "lpnorm"), outer * inner, x,
+                   y, _i64(n), _i64(inner), _i64(outer * inner))
         return y
 
 
@@ -307,7 +310,8 @@ __kernel void batchnorm(__global const T *x, __global T *y, __global const T *sc
 
 
 def _batchnorm(impl, x, scale, b, mean, var, spatial: bool):
-    y = backend().empty(tuple(x.shape), x.dtype)
+    be = impl.device
+    y = be.empty(tuple(x.shape), x.dtype)
     if y.size == 0:
         return y
     if spatial:
@@ -319,8 +323,8 @@ def _batchnorm(impl, x, scale, b, mean, var, spatial: bool):
         count = x.size // x.shape[0]
     if any(p.size != count for p in (scale, b, mean, var)):
         return None
-    knl = kernel(_bn_source(c_type(x.dtype), c_type(var.dtype)), "batchnorm")
-    launch(knl, y.size, x, y, scale, b, mean, var, _i64(y.size), _i64(max(inner, 1)),
+    knl = kernel(be, _bn_source(c_type(x.dtype), c_type(var.dtype)), "batchnorm")
+    launch(be, knl, y.size, x, y, scale, b, mean, var, _i64(y.size), _i64(max(inner, 1)),
            _i64(count), var.dtype.type(impl.epsilon))
     return y
 

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from ember.ops.opencl._common import FLOAT_TYPES, backend, c_type, kernel, launch
+from ember.ops.opencl._common import FLOAT_TYPES, c_type, kernel, launch
 from ember.ops.opencl.conv import _defines, as3d
 from ember.ops.pool import AveragePool, GlobalAveragePool, GlobalMaxPool, MaxPool
 from ember.ops.registry import register
@@ -89,27 +89,28 @@ __kernel void global_pool(const int S, __global const T* restrict x, __global T*
 """
 
 
-def _pool_kernel(name, dtype, is_max, include_pad=False, kernel_=(1,), strides=(1,),
+def _pool_kernel(be, name, dtype, is_max, include_pad=False, kernel_=(1,), strides=(1,),
                  dilations=(1,)):
     dtype = np.dtype(dtype)
     acc = "double" if dtype == np.float64 else "float"
     src = (f"typedef {c_type(dtype)} T;\ntypedef {acc} ACC;\n#define IS_MAX {int(is_max)}\n"
            f"#define LOWEST {_LOWEST.get(dtype, '0')}\n#define INC {int(include_pad)}\n"
            + _defines(kernel_, strides, dilations) + _POOL)
-    return kernel(src, name)
+    return kernel(be, src, name)
 
 
 def _run_window(op, x, is_max):
     kernel_, strides, dilations, begin, end, end_eff, outs = op.geometry(x)
+    be = op.device
     N, C = x.shape[:2]
-    y = backend().empty((N, C, *outs), x.dtype)
+    y = be.empty((N, C, *outs), x.dtype)
     L = math.prod(outs)
     if N * C == 0 or L == 0:
         return y
     include_pad = bool(getattr(op, "count_include_pad", 0) or 0)
-    knl = _pool_kernel("pool", x.dtype, is_max, include_pad, kernel_, strides, dilations)
+    knl = _pool_kernel(be, "pool", x.dtype, is_max, include_pad, kernel_, strides, dilations)
     geo = as3d(x.shape[2:], 1) + as3d(outs, 1) + as3d(begin, 0) + as3d(end, 0)
-    launch(knl, (L, N * C), *[np.int32(v) for v in geo], x, y)
+    launch(be, knl, (L, N * C), *[np.int32(v) for v in geo], x, y)
     return y
 
 
@@ -138,12 +139,13 @@ def _run_global(op, x, is_max):
         return op.run_on_cpu(x)
     N, C = x.shape[:2]
     S = math.prod(x.shape[2:])
-    y = backend().empty((N, C) + (1,) * (x.ndim - 2), x.dtype)
+    be = op.device
+    y = be.empty((N, C) + (1,) * (x.ndim - 2), x.dtype)
     if N * C == 0:
         return y
     if S == 0:
         return op.run_on_cpu(x)
-    launch(_pool_kernel("global_pool", x.dtype, is_max), (N * C,), np.int32(S), x, y)
+    launch(be, _pool_kernel(be, "global_pool", x.dtype, is_max), (N * C,), np.int32(S), x, y)
     return y
 
 

@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ember.ops.opencl._common import FLOAT_TYPES, backend, c_type, kernel, launch
+from ember.ops.opencl._common import FLOAT_TYPES, c_type, kernel, launch
 from ember.ops.reduction import (
     ArgMax, ArgMin, Hardmax1, Hardmax13, LogSoftmax1, LogSoftmax13, ReduceL1_1, ReduceL1_18,
     ReduceL2_1, ReduceL2_18, ReduceLogSum1, ReduceLogSum18, ReduceLogSumExp1, ReduceLogSumExp18,
@@ -38,12 +38,12 @@ FORCE_WORKGROUPS = False
 # --------------------------------------------------------------------------------------------
 # Shared helpers (also used by ops/opencl/normalization.py)
 
-def local_size(n: int) -> int:
-    """Work-group size for reducing rows of `n` elements: a power of two, at most MAX_LOCAL.
-    On CPU devices (PoCL) 1: there a work-group runs on one thread anyway and its barriers
-    cost more than they save, so each work-item reduces a whole row (row kernels then take
-    their serial form, see _serial)."""
-    if _cpu_device():
+def local_size(be, n: int) -> int:
+    """Work-group size for reducing rows of `n` elements on backend `be`: a power of two, at
+    most MAX_LOCAL. On CPU devices (PoCL) 1: there a work-group runs on one thread anyway and
+    its barriers cost more than they save, so each work-item reduces a whole row (row kernels
+    then take their serial form, see _serial)."""
+    if _cpu_device(be):
         return 1
     ls = 1
     while ls < n and ls < MAX_LOCAL:
@@ -51,14 +51,8 @@ def local_size(n: int) -> int:
     return ls
 
 
-@lru_cache(maxsize=None)
-def _cpu_device_for(key) -> bool:
-    be = backend()
-    return bool(be.device.type & be.cl.device_type.CPU)
-
-
-def _cpu_device() -> bool:
-    return not FORCE_WORKGROUPS and _cpu_device_for(backend().device_key)
+def _cpu_device(be) -> bool:
+    return not FORCE_WORKGROUPS and be.cpu_device
 
 
 def tree_code(name: str, acc: str, combine: str) -> str:
@@ -269,29 +263,30 @@ __kernel void reduce(__global const T *x, __global T *y, const long O, const lon
 COL_VECTOR = 16  # outputs per work-item in _reduce_cols_source
 
 
-def reduce_device(x, axes: tuple[int, ...], op: str, out_shape: tuple[int, ...]):
+def reduce_device(be, x, axes: tuple[int, ...], op: str, out_shape: tuple[int, ...]):
     """Reduce device array `x` over sorted non-negative `axes` with `op` (a _REDUCE_OPS key),
-    into a new device array of `out_shape` (its size is the number of kept elements)."""
-    y = backend().empty(out_shape, x.dtype)
+    into a new device array of backend `be` of `out_shape` (its size is the number of kept
+    elements)."""
+    y = be.empty(out_shape, x.dtype)
     if y.size == 0:
         return y
     kept, reduced, last_reduced = _merge(tuple(x.shape), axes)
     R = int(np.prod([n for n, _ in reduced], dtype=np.int64))
     if x.size == 0:  # nothing to read (R == 0): every output is the identity
         kept, reduced, last_reduced, x = [(y.size, 0)], [], False, y
-    ls = local_size(R) if last_reduced and R > 1 else 0
+    ls = local_size(be, R) if last_reduced and R > 1 else 0
     ls = 0 if ls == 1 else ls
-    knl = kernel(_reduce_source(op, x.dtype.str, len(kept), len(reduced), ls), "reduce")
+    knl = kernel(be, _reduce_source(op, x.dtype.str, len(kept), len(reduced), ls), "reduce")
     args = [a for n, s in kept + reduced for a in (_i64(n), _i64(s))]
     if ls:
-        launch(knl, y.size * ls, x, y, _i64(y.size), _i64(R), *args, local_size=(ls,))
-    elif not last_reduced and kept and kept[-1][0] > 1 and R > 1 and _cpu_device():
+        launch(be, knl, y.size * ls, x, y, _i64(y.size), _i64(R), *args, local_size=(ls,))
+    elif not last_reduced and kept and kept[-1][0] > 1 and R > 1 and _cpu_device(be):
         k = kept[-1][0]
-        knl = kernel(_reduce_cols_source(op, x.dtype.str, len(kept), len(reduced),
-                                         COL_VECTOR), "reduce")
-        launch(knl, y.size // k * -(-k // COL_VECTOR), x, y, _i64(y.size), _i64(R), *args)
+        knl = kernel(be, _reduce_cols_source(op, x.dtype.str, len(kept), len(reduced),
+                                             COL_VECTOR), "reduce")
+        launch(be, knl, y.size // k * -(-k // COL_VECTOR), x, y, _i64(y.size), _i64(R), *args)
     else:
-        launch(knl, y.size, x, y, _i64(y.size), _i64(R), *args)
+        launch(be, knl, y.size, x, y, _i64(y.size), _i64(R), *args)
     return y
 
 
@@ -313,7 +308,7 @@ class _ReduceCL:
             out_shape = tuple(1 if i in axes else n for i, n in enumerate(data.shape))
         else:
             out_shape = tuple(n for i, n in enumerate(data.shape) if i not in axes)
-        return reduce_device(data, axes, self.op, out_shape)
+        return reduce_device(self.device, data, axes, self.op, out_shape)
 
 
 def _reduce_classes(op, cpu_classes):
@@ -425,21 +420,22 @@ class _ArgCL:
             shape[axis] = 1
         else:
             del shape[axis]
-        y = backend().empty(tuple(shape), np.int64)
+        be = self.device
+        y = be.empty(tuple(shape), np.int64)
         if y.size == 0:
             return y
         outer, n, inner = outer_n_inner(tuple(data.shape), axis)
         fl = data.dtype.kind == "f"
-        ls = local_size(n) if inner == 1 and n > 1 else 0
+        ls = local_size(be, n) if inner == 1 and n > 1 else 0
         if ls > 1:
-            knl = kernel(_arg_source(c_type(data.dtype), self.largest, self.last, ls, fl),
+            knl = kernel(be, _arg_source(c_type(data.dtype), self.largest, self.last, ls, fl),
                          "argreduce")
-            launch(knl, outer * ls, data, y, _i64(n), _i64(inner), _i64(y.size),
+            launch(be, knl, outer * ls, data, y, _i64(n), _i64(inner), _i64(y.size),
                    local_size=(ls,))
         else:
-            knl = kernel(_arg_source(c_type(data.dtype), self.largest, self.last, 0, fl),
+            knl = kernel(be, _arg_source(c_type(data.dtype), self.largest, self.last, 0, fl),
                          "argreduce")
-            launch(knl, y.size, data, y, _i64(n), _i64(inner), _i64(y.size))
+            launch(be, knl, y.size, data, y, _i64(n), _i64(inner), _i64(y.size))
         return y
 
 
@@ -526,10 +522,10 @@ __kernel void softmax(__global const T *x, __global T *y, const long n, const lo
 """
 
 
-def softmax_device(x, axis: int, kind: str, coerce_2d: bool):
-    """softmax/logsoftmax/hardmax of device array `x` along non-negative `axis` (over all the
-    axes from `axis` on when coerce_2d)."""
-    y = backend().empty(tuple(x.shape), x.dtype)
+def softmax_device(be, x, axis: int, kind: str, coerce_2d: bool):
+    """softmax/logsoftmax/hardmax of device array `x` of backend `be` along non-negative
+    `axis` (over all the axes from `axis` on when coerce_2d)."""
+    y = be.empty(tuple(x.shape), x.dtype)
     if y.size == 0:
         return y
     shape = tuple(x.shape)
@@ -539,13 +535,13 @@ def softmax_device(x, axis: int, kind: str, coerce_2d: bool):
     else:
         outer, n, inner = outer_n_inner(shape, axis)
     ct = c_type(x.dtype)
-    ls = local_size(n) if inner == 1 else 0
+    ls = local_size(be, n) if inner == 1 else 0
     if ls > 1:
-        knl = kernel(_softmax_source(kind, ct, ls), "softmax")
-        launch(knl, outer * ls, x, y, _i64(n), _i64(1), _i64(outer), local_size=(ls,))
+        knl = kernel(be, _softmax_source(kind, ct, ls), "softmax")
+        launch(be, knl, outer * ls, x, y, _i64(n), _i64(1), _i64(outer), local_size=(ls,))
     else:
-        knl = kernel(_softmax_source(kind, ct, 0), "softmax")
-        launch(knl, outer * inner, x, y, _i64(n), _i64(inner), _i64(outer * inner))
+        knl = kernel(be, _softmax_source(kind, ct, 0), "softmax")
+        launch(be, knl, outer * inner, x, y, _i64(n), _i64(inner), _i64(outer * inner))
     return y
 
 
@@ -561,13 +557,13 @@ class _SoftmaxCL:
         if rank == 0:
             if axis not in (0, -1):
                 raise self.fail(f"axis {axis} is out of range for a scalar")
-            return softmax_device(x.reshape(1), 0, self.kind, False).reshape(())
+            return softmax_device(self.device, x.reshape(1), 0, self.kind, False).reshape(())
         hi = rank if self.coerce_2d else rank - 1
         if not -rank <= axis <= hi:
             raise self.fail(f"axis {axis} is out of range for a tensor of rank {rank}")
         if axis < 0:
             axis += rank
-        return softmax_device(x, axis, self.kind, self.coerce_2d)
+        return softmax_device(self.device, x, axis, self.kind, self.coerce_2d)
 
 
 @register("Softmax", versions=Softmax1.versions, backend="opencl")

@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from ember.ops import shape as S
-from ember.ops.opencl._common import backend, kernel, launch
+from ember.ops.opencl._common import kernel, launch
 from ember.ops.registry import register
 
 UINT = {1: "uchar", 2: "ushort", 4: "uint", 8: "ulong"}
@@ -41,8 +41,8 @@ def view(x) -> _View:
     return _View(x.base_data, x.offset // isz, x.shape, [s // isz for s in x.strides], isz)
 
 
-def on_device(*xs) -> bool:
-    be = backend()
+def on_device(be, *xs) -> bool:
+    """All of `xs` are device arrays of backend `be` (or None)."""
     return all(x is None or be.is_device_array(x) for x in xs)
 
 
@@ -87,8 +87,9 @@ __kernel void scopy(__global T* dst, __global const T* src, I doff, I soff{dims}
 _COPY_RANK = 4
 
 
-def strided_copy(dst: _View, src: _View) -> None:
-    """dst[...] = src[...] for two windows of the same shape (and element size)."""
+def strided_copy(be, dst: _View, src: _View) -> None:
+    """dst[...] = src[...] for two windows of the same shape (and element size) on buffers of
+    backend `be`."""
     shape = dst.shape
     if any(d == 0 for d in shape):
         return
@@ -112,23 +113,24 @@ def strided_copy(dst: _View, src: _View) -> None:
         _decompose(r - 1, "d", lambda k, c: f"soff += {c} * s{k}; doff += {c} * o{k};"))
     args = [npi(m[0]) for m in merged[1:-1]] + [npi(m[1]) for m in merged] + \
         [npi(m[2]) for m in merged]
-    launch(kernel(src_text, "scopy"), (merged[-1][0], math.prod(m[0] for m in merged[:-1])),
-           dst.buf, src.buf, npi(dst.off), npi(src.off), *args)
+    launch(be, kernel(be, src_text, "scopy"),
+           (merged[-1][0], math.prod(m[0] for m in merged[:-1])), dst.buf, src.buf,
+           npi(dst.off), npi(src.off), *args)
 
 
-def copy_window(src: _View, dtype):
-    """A fresh C-contiguous device array holding the window `src`."""
-    out = backend().empty(src.shape, dtype)
+def copy_window(be, src: _View, dtype):
+    """A fresh C-contiguous device array of backend `be` holding the window `src`."""
+    out = be.empty(src.shape, dtype)
     if out.size:
-        strided_copy(view(out), src)
+        strided_copy(be, view(out), src)
     return out
 
 
-def contiguous(x):
-    """`x` if C-contiguous, else a contiguous copy made by the strided-copy kernel."""
+def contiguous(be, x):
+    """`x` if C-contiguous, else a contiguous copy made by `be`'s strided-copy kernel."""
     if x.flags.c_contiguous or x.size == 0:
         return x
-    return copy_window(view(x), x.dtype)
+    return copy_window(be, view(x), x.dtype)
 
 
 def _c_strides(shape) -> list[int]:
@@ -148,13 +150,14 @@ def probe(shape, strides=None) -> np.ndarray:
         writeable=False)
 
 
-def from_probe(x, p: np.ndarray, v: np.ndarray):
-    """Copy of the window of device array `x` that view `v` of probe `p` describes."""
+def from_probe(be, x, p: np.ndarray, v: np.ndarray):
+    """Copy of the window of device array `x` (of backend `be`) that view `v` of probe `p`
+    describes."""
     if x.size == 0 or v.size == 0:
-        return backend().empty(v.shape, x.dtype)
+        return be.empty(v.shape, x.dtype)
     xv = view(x)
-    return copy_window(_View(xv.buf, xv.off + (v.ctypes.data - p.ctypes.data), v.shape,
-                             v.strides, xv.isz), x.dtype)
+    return copy_window(be, _View(xv.buf, xv.off + (v.ctypes.data - p.ctypes.data), v.shape,
+                                 v.strides, xv.isz), x.dtype)
 
 
 def _window(x, shape, strides, extra_off=0) -> _View:
@@ -169,10 +172,10 @@ class _ViewOp:
     probe; the result is a view of (a contiguous) x."""
 
     def run(self, x, *rest):
-        if not on_device(x):
+        if not on_device(self.device, x):
             return self.run_on_cpu(x, *rest)
         shape = super().run(probe(x.shape), *rest).shape
-        return contiguous(x).reshape(shape)
+        return contiguous(self.device, x).reshape(shape)
 
 
 @register("Reshape", versions=S.Reshape1.versions, backend="opencl")
@@ -215,17 +218,17 @@ class Unsqueeze13CL(_ViewOp, S.Unsqueeze13):
 @register("Transpose", versions=S.Transpose.versions, backend="opencl")
 class TransposeCL(S.Transpose):
     def run(self, x):
-        if not on_device(x):
+        if not on_device(self.device, x):
             return self.run_on_cpu(x)
         perm = list(range(x.ndim))[::-1] if self.perm is None else list(self.perm)
         if sorted(S._norm_axes(self, perm, x.ndim)) != list(range(x.ndim)):
             raise self.fail(f"perm {perm} is not a permutation of the {x.ndim} axes")
         perm = [p % x.ndim for p in perm]
         if x.size == 0:
-            return backend().empty([x.shape[p] for p in perm], x.dtype)
+            return self.device.empty([x.shape[p] for p in perm], x.dtype)
         xv = view(x)
-        return copy_window(_View(xv.buf, xv.off, [xv.shape[p] for p in perm],
-                                 [xv.strides[p] for p in perm], xv.isz), x.dtype)
+        return copy_window(self.device, _View(xv.buf, xv.off, [xv.shape[p] for p in perm],
+                                              [xv.strides[p] for p in perm], xv.isz), x.dtype)
 
 
 # ----------------------------------------------------------------------------- Slice / Split
@@ -234,13 +237,13 @@ class _ProbeOp:
     """Ops whose CPU kernel only slices x: run it on a probe, copy the windows it returns."""
 
     def run(self, x, *rest):
-        if not on_device(x):
+        if not on_device(self.device, x):
             return self.run_on_cpu(x, *rest)
         p = probe(x.shape, view(x).strides if x.size else None)
         result = super().run(p, *rest)
         if isinstance(result, tuple):
-            return tuple(from_probe(x, p, v) for v in result)
-        return from_probe(x, p, result)
+            return tuple(from_probe(self.device, x, p, v) for v in result)
+        return from_probe(self.device, x, p, result)
 
 
 @register("Slice", versions=S.Slice1.versions, backend="opencl")
@@ -278,7 +281,7 @@ class Split18CL(_ProbeOp, S.Split18):
 @register("Concat", versions=S.Concat.versions, backend="opencl")
 class ConcatCL(S.Concat):
     def run(self, *xs):
-        if not on_device(*xs):
+        if not on_device(self.device, *xs):
             return self.run_on_cpu(*xs)
         xs = [x for x in xs if x is not None]
         if not xs:
@@ -292,13 +295,14 @@ class ConcatCL(S.Concat):
                                 f"concatenated on axis {axis}")
         shape = list(first)
         shape[axis] = sum(x.shape[axis] for x in xs)
-        out = backend().empty(shape, xs[0].dtype)
+        be = self.device
+        out = be.empty(shape, xs[0].dtype)
         if out.size:
             ov = view(out)
             at = 0
             for x in xs:
                 if x.size:
-                    strided_copy(_View(ov.buf, at * ov.strides[axis], x.shape, ov.strides,
+                    strided_copy(be, _View(ov.buf, at * ov.strides[axis], x.shape, ov.strides,
                                        ov.isz), view(x))
                 at += x.shape[axis]
         return out
@@ -311,7 +315,7 @@ class ExpandCL(S.Expand):
     host_inputs = (1,)
 
     def run(self, x, shape):
-        if not on_device(x):
+        if not on_device(self.device, x):
             return self.run_on_cpu(x, shape)
         shape = S._ints(shape)
         try:
@@ -319,22 +323,23 @@ class ExpandCL(S.Expand):
         except ValueError:
             raise self.fail(f"cannot broadcast shape {x.shape} to {shape}") from None
         if x.size == 0 or math.prod(target) == 0:
-            return backend().empty(target, x.dtype)
+            return self.device.empty(target, x.dtype)
         xv = view(x)
         lead = len(target) - x.ndim
         strides = [0] * lead + [s if d != 1 else 0 for d, s in zip(x.shape, xv.strides)]
-        return copy_window(_View(xv.buf, xv.off, target, strides, xv.isz), x.dtype)
+        return copy_window(self.device, _View(xv.buf, xv.off, target, strides, xv.isz), x.dtype)
 
 
-def _tile(x, reps):
-    """np.tile(x, reps) as one strided copy: the output viewed as (r0, d0, r1, d1, ...)."""
+def _tile(be, x, reps):
+    """np.tile(x, reps) on backend `be` as one strided copy: the output viewed as (r0, d0, r1,
+    d1, ...)."""
     out_shape = [d * r for d, r in zip(x.shape, reps)]
-    out = backend().empty(out_shape, x.dtype)
+    out = be.empty(out_shape, x.dtype)
     if out.size:
         xv = view(x)
         shape = [v for r, d in zip(reps, x.shape) for v in (r, d)]
         strides = [v for s in xv.strides for v in (0, s)]
-        strided_copy(_View(view(out).buf, 0, shape, _c_strides(shape), xv.isz),
+        strided_copy(be, _View(view(out).buf, 0, shape, _c_strides(shape), xv.isz),
                      _View(xv.buf, xv.off, shape, strides, xv.isz))
     return out
 
@@ -344,12 +349,12 @@ class Tile1CL(S.Tile1):
     host_inputs = (1, 2)
 
     def run(self, x, tiles, axis):
-        if not on_device(x):
+        if not on_device(self.device, x):
             return self.run_on_cpu(x, tiles, axis)
         axis = S._norm_axis(self, S._scalar_int(axis), x.ndim)
         reps = [1] * x.ndim
         reps[axis] = S._scalar_int(tiles)
-        return _tile(x, reps)
+        return _tile(self.device, x, reps)
 
 
 @register("Tile", versions=S.Tile6.versions, backend="opencl")
@@ -357,14 +362,14 @@ class Tile6CL(S.Tile6):
     host_inputs = (1,)
 
     def run(self, x, repeats):
-        if not on_device(x):
+        if not on_device(self.device, x):
             return self.run_on_cpu(x, repeats)
         reps = S._ints(repeats)
         if len(reps) != x.ndim:
             raise self.fail(f"repeats has {len(reps)} entries for a tensor of rank {x.ndim}")
         if any(r < 0 for r in reps):
             raise self.fail(f"negative repeats {reps}")
-        return _tile(x, reps)
+        return _tile(self.device, x, reps)
 
 
 # ----------------------------------------------------------------------------- Pad
@@ -388,6 +393,7 @@ __kernel void pad(__global T* dst, __global const T* src, I soff, T value{od}{n}
 
 class _PadCL:
     def pad(self, x, pads, mode, value, axes=None):
+        be = self.device
         rank = x.ndim
         axes = list(range(rank)) if axes is None else S._norm_axes(self, axes, rank)
         if len(pads) != 2 * len(axes):
@@ -410,13 +416,13 @@ class _PadCL:
                 if (before[a] or after[a]) and shape[a] == 0:
                     raise self.fail(f"cannot {mode}-pad an empty axis {a}")
         out_shape = [d + b + e for d, b, e in zip(shape, before, after)]
-        out = backend().empty(out_shape, x.dtype)
+        out = be.empty(out_shape, x.dtype)
         if out.size == 0:
             return out
         if math.prod(shape) == 0:
             xv = _View(None, 0, shape, [0] * rank, x.dtype.itemsize)
         if rank == 0 or not any(before) and not any(after):
-            strided_copy(view(out), _View(xv.buf, xv.off + off, shape, xv.strides, xv.isz))
+            strided_copy(be, view(out), _View(xv.buf, xv.off + off, shape, xv.strides, xv.isz))
             return out
         fill = np.asarray(0 if value is None else value).reshape(-1)
         fill = fill[0] if fill.size else 0
@@ -434,15 +440,15 @@ class _PadCL:
         args = [npi(d) for d in out_shape[1:]] + [npi(d) for d in shape] + \
             [npi(b) for b in before] + [npi(s) for s in xv.strides]
         buf = xv.buf if xv.buf is not None else view(out).buf  # never read: all padding
-        launch(kernel(src, "pad"), (out_shape[-1], out.size // out_shape[-1]), view(out).buf, buf, npi(xv.off + off),
-               NP_UINT[isz](bits), *args)
+        launch(be, kernel(be, src, "pad"), (out_shape[-1], out.size // out_shape[-1]),
+               view(out).buf, buf, npi(xv.off + off), NP_UINT[isz](bits), *args)
         return out
 
 
 @register("Pad", versions=S.Pad1.versions, backend="opencl")
 class Pad1CL(_PadCL, S.Pad1):
     def run(self, x):
-        if not on_device(x):
+        if not on_device(self.device, x):
             return self.run_on_cpu(x)
         return self.pad(x, list(self.paddings), self.mode, self.value)
 
@@ -450,7 +456,7 @@ class Pad1CL(_PadCL, S.Pad1):
 @register("Pad", versions=S.Pad2.versions, backend="opencl")
 class Pad2CL(_PadCL, S.Pad2):
     def run(self, x):
-        if not on_device(x):
+        if not on_device(self.device, x):
             return self.run_on_cpu(x)
         return self.pad(x, list(self.pads), self.mode, self.value)
 
@@ -460,7 +466,7 @@ class Pad11CL(_PadCL, S.Pad11):
     host_inputs = (1, 2)
 
     def run(self, x, pads, constant_value=None):
-        if not on_device(x):
+        if not on_device(self.device, x):
             return self.run_on_cpu(x, pads, constant_value)
         return self.pad(x, S._ints(pads), self.mode, constant_value)
 
@@ -470,7 +476,7 @@ class Pad18CL(_PadCL, S.Pad18):
     host_inputs = (1, 2, 3)
 
     def run(self, x, pads, constant_value=None, axes=None):
-        if not on_device(x):
+        if not on_device(self.device, x):
             return self.run_on_cpu(x, pads, constant_value, axes)
         return self.pad(x, S._ints(pads), self.mode, constant_value,
                         None if axes is None else S._ints(axes))
@@ -486,7 +492,7 @@ class Pad19CL(Pad18CL, S.Pad19):
 @register("DepthToSpace", versions=S.DepthToSpace.versions, backend="opencl")
 class DepthToSpaceCL(S.DepthToSpace):
     def run(self, x):
-        if not on_device(x):
+        if not on_device(self.device, x):
             return self.run_on_cpu(x)
         if x.ndim != 4:
             raise self.fail(f"input must be 4-D, got shape {x.shape}")
@@ -494,7 +500,7 @@ class DepthToSpaceCL(S.DepthToSpace):
         b, c, h, w = x.shape
         if c % (bs * bs):
             raise self.fail(f"channels {c} not divisible by blocksize^2 = {bs * bs}")
-        out = backend().empty((b, c // (bs * bs), h * bs, w * bs), x.dtype)
+        out = self.device.empty((b, c // (bs * bs), h * bs, w * bs), x.dtype)
         if out.size:
             c2 = c // (bs * bs)
             sb, sc, sh, sw = view(x).strides
@@ -507,7 +513,8 @@ class DepthToSpaceCL(S.DepthToSpace):
                 st6 = (sb, bs * bs * sc, bs * sc, sc, sh, sw)
                 perm = (0, 1, 4, 2, 5, 3)
             shape = [shape6[p] for p in perm]
-            strided_copy(_View(view(out).buf, 0, shape, _c_strides(shape), x.dtype.itemsize),
+            strided_copy(self.device,
+                         _View(view(out).buf, 0, shape, _c_strides(shape), x.dtype.itemsize),
                          _window(x, shape, [st6[p] for p in perm]))
         return out
 
@@ -515,7 +522,7 @@ class DepthToSpaceCL(S.DepthToSpace):
 @register("SpaceToDepth", versions=S.SpaceToDepth.versions, backend="opencl")
 class SpaceToDepthCL(S.SpaceToDepth):
     def run(self, x):
-        if not on_device(x):
+        if not on_device(self.device, x):
             return self.run_on_cpu(x)
         if x.ndim != 4:
             raise self.fail(f"input must be 4-D, got shape {x.shape}")
@@ -523,13 +530,14 @@ class SpaceToDepthCL(S.SpaceToDepth):
         b, c, h, w = x.shape
         if h % bs or w % bs:
             raise self.fail(f"spatial size {h}x{w} not divisible by blocksize {bs}")
-        out = backend().empty((b, c * bs * bs, h // bs, w // bs), x.dtype)
+        out = self.device.empty((b, c * bs * bs, h // bs, w // bs), x.dtype)
         if out.size:
             sb, sc, sh, sw = view(x).strides
             shape6 = (b, c, h // bs, bs, w // bs, bs)
             st6 = (sb, sc, bs * sh, sh, bs * sw, sw)
             perm = (0, 3, 5, 1, 2, 4) if self._mode == "DCR" else (0, 1, 3, 5, 2, 4)
             shape = [shape6[p] for p in perm]
-            strided_copy(_View(view(out).buf, 0, shape, _c_strides(shape), x.dtype.itemsize),
+            strided_copy(self.device,
+                         _View(view(out).buf, 0, shape, _c_strides(shape), x.dtype.itemsize),
                          _window(x, shape, [st6[p] for p in perm]))
         return out

@@ -20,11 +20,14 @@ def resolve_backend_name(name: str | None) -> str:
     return name
 
 
-def get_backend(name: str | None = None) -> Backend:
-    """The backend called `name` (default $EMBER_BACKEND, then cpu), created once per process.
+def get_backend(name: "str | Backend | None" = None) -> Backend:
+    """The backend called `name` (default $EMBER_BACKEND, then cpu), created once per process;
+    a `Backend` instance (e.g. an `OpenCLBackend()` of its own) is returned unchanged.
 
     Raises BackendUnavailableError, saying what is missing and how to install it, when the
     backend cannot run on this machine."""
+    if isinstance(name, Backend):
+        return name
     name = resolve_backend_name(name)
     if name not in _instances:
         if name == "cpu":

@@ -2,8 +2,13 @@
 CPU device (PoCL) is always there, so it runs on any machine.
 
 Device arrays are `pyopencl.array.Array`. Kernels (ops/opencl/) compile their OpenCL C through
-`OpenCLBackend.program`, which caches built programs per (device, source hash, build options)
-in memory and as binaries on disk, so a second load of a model compiles nothing.
+`OpenCLBackend.kernel` / `program`, which cache built programs per (device, source hash, build
+options) in memory and as binaries on disk, so a second load of a model compiles nothing.
+
+A backend is an object: each `OpenCLBackend()` has its own context, queue, allocator, kernel
+objects and cached device buffers (`cache`). An op kernel runs on the instance it was bound to
+at plan time (`OpImpl.device`); `get_backend("opencl")` is only the process's default instance,
+and `ember.load(model, backend=OpenCLBackend(...))` runs a session on another.
 """
 from __future__ import annotations
 
@@ -65,12 +70,19 @@ class OpenCLBackend(Backend):
         self.allocator = self.guard or cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
         # Largest work-group that launches choose on a CPU device (see
         # ops/opencl/_common.capped_local_size); None leaves the choice to the driver.
-        self.max_group_items = CPU_MAX_GROUP_ITEMS if self.device.type & cl.device_type.CPU \
-            else None
+        self.cpu_device = bool(self.device.type & cl.device_type.CPU)
+        self.max_group_items = CPU_MAX_GROUP_ITEMS if self.cpu_device else None
         self.launch_lock = threading.Lock()
         self.cache_dir = cache_dir or default_cache_dir()
         self._programs: dict[str, Any] = {}
-        self._build_lock = threading.Lock()
+        # (source, kernel name, options) -> the kernel object, shared by every op and thread
+        # of this instance (launch sets its arguments under launch_lock)
+        self._kernels: dict[tuple, Any] = {}
+        # Kernel modules' caches of device objects (layout tables, scratch buffers...), by
+        # name: they belong to this instance's context (see `cache`).
+        self._caches: dict[str, dict] = {}
+        # Reentrant: `kernel` holds it while `program` takes it again.
+        self._build_lock = threading.RLock()
         self.compiled_from_source = 0  # programs built from source (not from a cache)
         self.compile_seconds = 0.0  # time spent building them
         self._log_compiles = "opencl" in os.environ.get("EMBER_LOG", "").lower().split(",")
@@ -124,6 +136,27 @@ class OpenCLBackend(Backend):
                 self._programs[key] = program
         return program
 
+    def kernel(self, source: str, name: str, options: tuple[str, ...] = ()):
+        """Kernel `name` of the program built from `source` with `options` (see `program`),
+        one object per (source, name, options) for this instance."""
+        key = (source, name, options)
+        knl = self._kernels.get(key)
+        if knl is None:
+            with self._build_lock:
+                knl = self._kernels.get(key)
+                if knl is None:
+                    knl = self._kernels[key] = getattr(self.program(source, options), name)
+        return knl
+
+    def cache(self, name: str) -> dict:
+        """The dict called `name` (by convention "<module>.<what>") in which a kernel module
+        keeps device objects it reuses across calls (tables, scratch buffers, kernels): they
+        belong to this instance's context, so they live on it, not in module globals."""
+        table = self._caches.get(name)
+        if table is None:
+            table = self._caches.setdefault(name, {})
+        return table
+
     def _load_or_build(self, key: str, source: str, options: tuple[str, ...]):
         with warnings.catch_warnings():
             if not self._log_compiles:
@@ -166,13 +199,17 @@ class OpenCLBackend(Backend):
 
     # -- arrays -------------------------------------------------------------------------------
     def is_device_array(self, value: Any) -> bool:
-        return isinstance(value, self.cl_array.Array)
+        """A pyopencl array of this instance's context (another instance's arrays are not:
+        they reach this one through the host)."""
+        return isinstance(value, self.cl_array.Array) and value.context == self.context
 
     def empty(self, shape, dtype):
         return self.cl_array.empty(self.queue, tuple(int(d) for d in shape), np.dtype(dtype),
                                    allocator=self.allocator)
 
     def to_device(self, value: Any) -> Any:
+        if isinstance(value, self.cl_array.Array) and value.context != self.context:
+            value = value.get()  # another OpenCLBackend instance's array: through the host
         if isinstance(value, np.ndarray) and value.dtype in DEVICE_DTYPES:
             self.transfers["to_device"] += 1
             # np.require, unlike np.ascontiguousarray, keeps 0-d arrays 0-d
@@ -187,7 +224,7 @@ class OpenCLBackend(Backend):
     def to_host(self, value: Any) -> Any:
         if isinstance(value, self.cl_array.Array):
             self.transfers["to_host"] += 1
-            return value.get(queue=self.queue)
+            return value.get(queue=self.queue if value.context == self.context else None)
         if isinstance(value, list):
             return [self.to_host(v) for v in value]
         return value

@@ -73,12 +73,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     load_ms = (time.perf_counter() - t0) * 1e3
     feeds = make_inputs(session.inputs, load_input_files(parse_pairs(args.input, "-i")),
                         dims=parse_dims(args.dim), seed=args.seed)
+    compiling_before = getattr(session._backend, "compile_seconds", 0.0)
     t0 = time.perf_counter()
     outputs = session.run(feeds)
     run_ms = (time.perf_counter() - t0) * 1e3
+    compile_ms = (getattr(session._backend, "compile_seconds", 0.0) - compiling_before) * 1e3
     for name, value in outputs.items():
         print(_summary(name, value))
-    print(f"backend {session.backend}: load {load_ms:.1f} ms, run {run_ms:.2f} ms")
+    print(f"backend {session.backend}: load {load_ms:.1f} ms, run {run_ms:.2f} ms"
+          + (f" (of which {compile_ms:.1f} ms compiling device programs on first use)"
+             if compile_ms > 0 else ""))
     if args.output:
         np.savez(args.output, **{k: v for k, v in outputs.items() if isinstance(v, np.ndarray)})
         print(f"saved outputs to {args.output}")

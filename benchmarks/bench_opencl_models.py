@@ -3,7 +3,8 @@ and latency against the CPU backend.
 
     python benchmarks/bench_opencl_models.py [--rounds 5] [--models resnet,bert,...]
 
-For each model of models/export_torch_models.py (exported once into .cache/, also `_raw`):
+For each model of models/export_torch_models.py (exported once into .cache/; `_raw`: without
+the exporter's optimiser; `_full`: ResNet-50 at 224x224, BERT-base at sequence 128):
 * cold: a new process with empty ember and PoCL caches loads the model and runs it once:
   programs compiled from source, seconds spent compiling, time of the first run;
 * warm: another new process on the caches the cold one left: the same figures;
@@ -34,8 +35,9 @@ def _exported(name: str) -> tuple[str, str]:
 
     cache = os.path.join(REPO, ".cache", f"torch-models-{torch.__version__}")
     path = os.path.join(cache, f"{name}.onnx")
-    if not os.path.exists(path):
-        etm.export(name.removesuffix("_raw"), cache, raw=name.endswith("_raw"))
+    if not os.path.exists(path):  # NAME, NAME_raw, NAME_full (ResNet-50 at 224, BERT-base)
+        base = name.removesuffix("_raw").removesuffix("_full")
+        etm.export(base, cache, full_size=name.endswith("_full"), raw=name.endswith("_raw"))
     return path, path[:-len(".onnx")] + ".inputs.npz"
 
 

@@ -18,7 +18,6 @@ lacks fails instead of quietly falling back to the CPU.
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 import pytest

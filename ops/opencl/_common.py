@@ -108,6 +108,19 @@ def broadcast_strides(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> np.
     return strides
 
 
+def cached_table(be, values: np.ndarray, limit: int = 1024):
+    """`values` (a small index or layout table) on `be`'s device, uploaded once per distinct
+    content: the same tables come back every run."""
+    tables = be.cache("common.tables")
+    key = (values.dtype.char, values.tobytes())
+    table = tables.get(key)
+    if table is None:
+        if len(tables) > limit:
+            tables.clear()
+        table = tables[key] = be.to_device(values)
+    return table
+
+
 def device_int64(be, values) -> object:
     """A small int64 vector on `be`'s device (shapes, strides) for kernels to index with."""
     return be.to_device(np.ascontiguousarray(values, dtype=np.int64))

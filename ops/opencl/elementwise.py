@@ -30,7 +30,7 @@ import numpy as np
 
 from ember.ops import elementwise as E
 from ember.ops import tensor as T
-from ember.ops.opencl._common import C_TYPES, broadcast_strides, kernel, launch
+from ember.ops.opencl._common import C_TYPES, broadcast_strides, cached_table, kernel, launch
 from ember.ops.registry import register
 
 HALF = np.dtype(np.float16)
@@ -232,7 +232,7 @@ def _source(expr: str, in_dtypes, loads, out_dtype, work, classes, wide, baked) 
 # "ew.layouts_seen", how often each broadcast layout has been met: a broadcast layout's own
 # program (its dims baked in: ~10x faster index arithmetic on PoCL) is built when the layout
 # comes back. Until then the signature's shape-generic program runs it, so a new shape compiles
-# nothing. "ew.tables": the generic program's layout tables on the device.
+# nothing.
 _SPECIALISE_AFTER = 2
 
 
@@ -264,7 +264,7 @@ def ew(be, expr: str, inputs, out_dtype, *, work: str | None = None, loads=None,
         layouts_seen[key] = seen
         if seen < _SPECIALISE_AFTER:  # a broadcast layout met for the first time
             key = generic_key
-            extra = (_layout_table(be, table), np.int32(len(table) // (len(inputs) + 1)))
+            extra = (cached_table(be, table), np.int32(len(table) // (len(inputs) + 1)))
     knl = kernels.get(key)
     if knl is None:
         knl = kernels[key] = kernel(
@@ -272,18 +272,6 @@ def ew(be, expr: str, inputs, out_dtype, *, work: str | None = None, loads=None,
     local = min(_LOCAL, be.device.max_work_group_size)
     launch(be, knl, -(-int(n) // local) * local, out, *inputs, n, *extra, local_size=(local,))
     return out
-
-
-def _layout_table(be, table: np.ndarray):
-    """The layout table on `be`'s device (cached: the same shapes come back every run)."""
-    tables = be.cache("ew.tables")
-    key = (table.dtype.char, table.tobytes())
-    device = tables.get(key)
-    if device is None:
-        if len(tables) > 1024:
-            tables.clear()
-        device = tables[key] = be.to_device(table)
-    return device
 
 
 # ------------------------------------------------------------------------------ op classes

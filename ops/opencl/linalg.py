@@ -32,7 +32,7 @@ import numpy as np
 
 from ember.ops.elementwise import _ERF32_P, _ERF32_Q
 from ember.ops.linalg import Gemm1, Gemm7, MatMul
-from ember.ops.opencl._common import FLOAT_TYPES, c_type, kernel, launch
+from ember.ops.opencl._common import FLOAT_TYPES, c_type, cached_table, kernel, launch
 from ember.ops.registry import register
 
 RM = 8  # rows of A per work-item block
@@ -297,14 +297,7 @@ def scratch(be, role: str, size: int, dtype):
 
 def index_table(be, values) -> object:
     """A small int32 vector on `be`'s device, cached (batch index tables repeat every run)."""
-    tables = be.cache("linalg.index_tables")
-    key = tuple(int(v) for v in values)
-    table = tables.get(key)
-    if table is None:
-        if len(tables) > 256:
-            tables.clear()
-        table = tables[key] = be.to_device(np.asarray(key, np.int32))
-    return table
+    return cached_table(be, np.asarray([int(v) for v in values], np.int32))
 
 
 def gemm_packed(be, ap, bp, M, N, K, aidx, bidx, dtype, out=None, alpha=1.0, c=None, cm=0,

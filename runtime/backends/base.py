@@ -47,8 +47,7 @@ class Backend:
         impl = lookup(domain, op_type, opset, self.name)
         if impl is None:
             return False
-        native = getattr(impl, "dtypes", None)
-        return dtype is None or native is None or np.dtype(dtype) in native
+        return not impl.refuses([None if dtype is None else np.dtype(dtype)])
 
 
 class CpuBackend(Backend):

@@ -16,74 +16,75 @@ from ember.ops.registry import OpImpl, register
 
 
 def _float_op(formula):
-    """A unary kernel evaluating `formula(w)` on the widened input, cast back to x's dtype."""
-    def fn(x):
+    """A unary kernel fn(xp, x) evaluating `formula(xp, w)` on the widened input, cast back to
+    x's dtype."""
+    def fn(xp, x):
         with np.errstate(all="ignore"):
-            return back(formula(widen(x)), x.dtype)
+            return back(xp, formula(xp, widen(x)), x.dtype)
     return fn
 
 
-def sigmoid(x: np.ndarray) -> np.ndarray:
+def sigmoid(xp, x):
     """1 / (1 + exp(-x)) without overflow, keeping relative precision for very negative x."""
-    e = np.exp(-np.abs(x))
+    e = xp.exp(-xp.abs(x))
     s = 1 / (1 + e)
-    return np.where(x >= 0, s, e * s)
+    return xp.where(x >= 0, s, e * s)
 
 
-def softplus(x: np.ndarray) -> np.ndarray:
+def softplus(xp, x):
     """log(1 + exp(x)) without overflow."""
-    return np.logaddexp(x.dtype.type(0), x)
+    return xp.logaddexp(x.dtype.type(0), x)
 
 
-def gelu(w: np.ndarray, tanh: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+def gelu(xp, w, tanh: bool = False, out=None):
     """0.5 * w * (1 + erf(w / sqrt(2))), or with tanh's approximation, written into `out` (a
     fresh array if None; C-contiguous; `w` itself is allowed), block by block."""
     if out is None:
-        out = np.empty(w.shape, w.dtype)
+        out = xp.empty(w.shape, w.dtype)
     block = _gelu_tanh_block if tanh else \
         _gelu_erf32_block if w.dtype == np.float32 else _gelu_erf_block
-    for w_block, out_block in blocks(w, out):
-        block(w_block, out_block)
+    for w_block, out_block in blocks(xp, w, out):
+        block(xp, w_block, out_block)
     return out
 
 
-def _gelu_erf32_block(w, out):
+def _gelu_erf32_block(xp, w, out):
     half_one_plus_erf = w * np.float32(math.sqrt(0.5))
-    erf_float32_block(half_one_plus_erf, half_one_plus_erf)
+    erf_float32_block(xp, half_one_plus_erf, half_one_plus_erf)
     half_one_plus_erf *= np.float32(0.5)  # 0.5 * (1 + erf) == 0.5 + 0.5 * erf, exactly
     half_one_plus_erf += np.float32(0.5)
-    np.multiply(w, half_one_plus_erf, out=out)
+    xp.multiply(w, half_one_plus_erf, out=out)
 
 
-def _gelu_erf_block(w, out):
-    np.multiply(0.5 * w, 1 + erf(w * math.sqrt(0.5)), out=out)
+def _gelu_erf_block(xp, w, out):
+    xp.multiply(0.5 * w, 1 + erf(xp, w * math.sqrt(0.5)), out=out)
 
 
-def _gelu_tanh_block(w, out):
+def _gelu_tanh_block(xp, w, out):
     t = w * w
     t *= w
     t *= 0.044715
     t += w
     t *= math.sqrt(2 / math.pi)
-    np.tanh(t, out=t)
+    xp.tanh(t, out=t)
     t += 1
-    np.multiply(0.5 * w, t, out=out)
+    xp.multiply(0.5 * w, t, out=out)
 
 
-def _relu(x):
-    return np.maximum(x, np.zeros((), x.dtype))
+def _relu(xp, x):
+    return xp.maximum(x, xp.zeros((), x.dtype))
 
 
-def _softsign(w):
-    return w / (1 + np.abs(w))
+def _softsign(xp, w):
+    return w / (1 + xp.abs(w))
 
 
-def _hardswish(w):
-    return w * np.clip(w / 6 + 0.5, 0, 1)
+def _hardswish(xp, w):
+    return w * xp.clip(w / 6 + 0.5, 0, 1)
 
 
-def _mish(w):
-    return w * np.tanh(softplus(w))
+def _mish(xp, w):
+    return w * xp.tanh(softplus(xp, w))
 
 
 Relu      = unary("Relu",      [1, 6, 13, 14], _relu)
@@ -102,13 +103,14 @@ class _FloatActivation(OpImpl):
 
     def run(self, x):
         with np.errstate(all="ignore"):
-            return back(self.formula(widen(x)), x.dtype)
+            return back(self.xp, self.formula(widen(x)), x.dtype)
 
 
 @register("Elu", versions=[1, 6, 22])
 class Elu(_FloatActivation):
     def formula(self, w):
-        return np.where(w >= 0, w, self.alpha * np.expm1(np.minimum(w, 0)))
+        xp = self.xp
+        return xp.where(w >= 0, w, self.alpha * xp.expm1(xp.minimum(w, 0)))
 
 
 @register("Celu", versions=[12, 28])
@@ -118,31 +120,33 @@ class Celu(_FloatActivation):
             raise self.fail("alpha must not be 0")
 
     def formula(self, w):
-        return np.maximum(w, 0) + np.minimum(0, self.alpha * np.expm1(w / self.alpha))
+        xp = self.xp
+        return xp.maximum(w, 0) + xp.minimum(0, self.alpha * xp.expm1(w / self.alpha))
 
 
 @register("Selu", versions=[1, 6, 22])
 class Selu(_FloatActivation):
     def formula(self, w):
-        return self.gamma * np.where(w > 0, w, self.alpha * np.expm1(np.minimum(w, 0)))
+        xp = self.xp
+        return self.gamma * xp.where(w > 0, w, self.alpha * xp.expm1(xp.minimum(w, 0)))
 
 
 @register("LeakyRelu", versions=[1, 6, 16])
 class LeakyRelu(_FloatActivation):
     def formula(self, w):
-        return np.where(w >= 0, w, self.alpha * w)
+        return self.xp.where(w >= 0, w, self.alpha * w)
 
 
 @register("ThresholdedRelu", versions=[10, 22])
 class ThresholdedRelu(_FloatActivation):
     def formula(self, w):
-        return np.where(w > self.alpha, w, 0)
+        return self.xp.where(w > self.alpha, w, 0)
 
 
 @register("HardSigmoid", versions=[1, 6, 22])
 class HardSigmoid(_FloatActivation):
     def formula(self, w):
-        return np.clip(self.alpha * w + self.beta, 0, 1)
+        return self.xp.clip(self.alpha * w + self.beta, 0, 1)
 
 
 @register("Gelu", versions=[20])
@@ -155,13 +159,13 @@ class Gelu(_FloatActivation):
         self.tanh = approximate == "tanh"
 
     def formula(self, w):
-        return gelu(w, self.tanh)
+        return gelu(self.xp, w, self.tanh)
 
 
 @register("Swish", versions=[24])
 class Swish(_FloatActivation):
     def formula(self, w):
-        return w * sigmoid(self.alpha * w)
+        return w * sigmoid(self.xp, self.alpha * w)
 
 
 @register("SwiGLU", versions=[28])
@@ -171,9 +175,10 @@ class SwiGLU(OpImpl):
     def run(self, a, b):
         if a.shape != b.shape:
             raise self.fail(f"A and B must have the same shape, got {a.shape} and {b.shape}")
+        xp = self.xp
         with np.errstate(all="ignore"):
             wa = widen(a)
-            return back(wa * sigmoid(self.alpha * wa) * widen(b), a.dtype)
+            return back(xp, wa * sigmoid(xp, self.alpha * wa) * widen(b), a.dtype)
 
 
 @register("Shrink", versions=[9])
@@ -181,10 +186,11 @@ class Shrink(OpImpl):
     """x - bias where x > lambd, x + bias where x < -lambd, else 0 (any numeric type)."""
 
     def run(self, x):
+        xp = self.xp
         w = widen(x) if x.dtype.kind not in "iu" else x.astype(np.float64)
-        y = np.where(w > self.lambd, w - self.bias,
-                     np.where(w < -self.lambd, w + self.bias, 0))
-        return back(y, x.dtype)
+        y = xp.where(w > self.lambd, w - self.bias,
+                     xp.where(w < -self.lambd, w + self.bias, 0))
+        return back(xp, y, x.dtype)
 
 
 @register("PRelu", versions=[1, 6, 7, 9, 16])
@@ -196,4 +202,4 @@ class PRelu(OpImpl):
                 and slope.size == x.shape[1]:
             slope = slope.reshape((-1,) + (1,) * (x.ndim - 2))  # opset 1/6: per channel
         with np.errstate(all="ignore"):
-            return np.where(x < 0, x * slope, x).astype(x.dtype, copy=False)
+            return self.xp.where(x < 0, x * slope, x).astype(x.dtype, copy=False)

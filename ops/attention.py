@@ -25,14 +25,25 @@ def _precision_dtype(code):
     return np.dtype(_PRECISION[code])
 
 
-def _masked_softmax(scores: np.ndarray) -> np.ndarray:
+def _narrow_round(xp, x, dtype):
+    """`x` rounded to the narrow float `dtype`, as float32. cupy has no bfloat16 arrays: there
+    the float32 bits are rounded to bfloat16's 16 high bits (to nearest even), NaN kept."""
+    if xp is np or dtype != _precision_dtype(16):
+        return x.astype(dtype).astype(np.float32)
+    x = x.astype(np.float32)
+    bits = x.view(np.uint32)
+    bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+    return xp.where(xp.isnan(x), x, bits.view(np.float32))
+
+
+def _masked_softmax(xp, scores):
     """Softmax over the last axis; rows that are entirely -inf give zeros, not NaN."""
-    m = np.max(scores, axis=-1, keepdims=True)
-    m[~np.isfinite(m)] = 0
+    m = xp.max(scores, axis=-1, keepdims=True)
+    m[~xp.isfinite(m)] = 0
     with np.errstate(invalid="ignore", divide="ignore"):
-        e = np.subtract(scores, m)  # a fresh array: the in-place steps below never touch input
-        np.exp(e, out=e)
-        s = np.sum(e, axis=-1, keepdims=True)
+        e = xp.subtract(scores, m)  # a fresh array: the in-place steps below never touch input
+        xp.exp(e, out=e)
+        s = xp.sum(e, axis=-1, keepdims=True)
         s[s == 0] = 1
         e /= s
     return e
@@ -72,6 +83,7 @@ class _Attention(OpImpl):
 
     def run(self, Q, K, V, attn_mask=None, past_key=None, past_value=None,
             nonpad_kv_seqlen=None):
+        xp = self.xp
         out_dtype = Q.dtype
         in3d = Q.ndim == 3
         q = self._to_4d(Q, self.q_num_heads, "Q")
@@ -84,8 +96,8 @@ class _Attention(OpImpl):
         past_len = 0
         if past_key is not None:
             past_len = past_key.shape[2]
-            k = np.concatenate([past_key, k.astype(past_key.dtype, copy=False)], axis=2)
-            v = np.concatenate([past_value, v.astype(past_value.dtype, copy=False)], axis=2)
+            k = xp.concatenate([past_key, k.astype(past_key.dtype, copy=False)], axis=2)
+            v = xp.concatenate([past_value, v.astype(past_value.dtype, copy=False)], axis=2)
         present_k, present_v = k, v
 
         batch, q_heads, q_len, head = q.shape
@@ -102,12 +114,12 @@ class _Attention(OpImpl):
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head)
         root = work.type(math.sqrt(scale))
         qg = (qw * root).reshape(batch, kv_heads, group * q_len, head)
-        scores = np.matmul(qg, np.swapaxes(kw * root, -1, -2)).reshape(
+        scores = xp.matmul(qg, xp.swapaxes(kw * root, -1, -2)).reshape(
             batch, q_heads, q_len, total)
         qk_out = scores if self.mode == 0 else None
         if self.softcap > 0:
             cap = work.type(self.softcap)
-            scores = cap * np.tanh(scores / cap)
+            scores = cap * xp.tanh(scores / cap)
         if self.mode == 1:
             qk_out = scores
 
@@ -119,17 +131,18 @@ class _Attention(OpImpl):
 
         if self.softmax_precision is not None:
             sdt = _precision_dtype(self.softmax_precision)
-            probs = _masked_softmax(scores.astype(sdt).astype(np.float32) if
-                                    is_narrow_float(sdt) else scores.astype(sdt))
-            if is_narrow_float(sdt):
-                probs = probs.astype(sdt)
+            if is_narrow_float(sdt):  # rounded to the narrow type, computed in float32
+                probs = _masked_softmax(xp, _narrow_round(xp, scores, sdt))
+                probs = _narrow_round(xp, probs, sdt)
+            else:
+                probs = _masked_softmax(xp, scores.astype(sdt))
             probs = probs.astype(work)
         else:
-            probs = _masked_softmax(scores)
+            probs = _masked_softmax(xp, scores)
         if self.mode == 3:
             qk_out = probs
 
-        y = np.matmul(probs.reshape(batch, kv_heads, group * q_len, total), vw).reshape(
+        y = xp.matmul(probs.reshape(batch, kv_heads, group * q_len, total), vw).reshape(
             batch, q_heads, q_len, vw.shape[-1])
         if in3d:
             y = y.transpose(0, 2, 1, 3).reshape(batch, q_len, -1)
@@ -141,27 +154,28 @@ class _Attention(OpImpl):
 
     def _bias(self, attn_mask, batch, q_len, total, past_len, nonpad, work):
         """Additive bias broadcastable to (batch, heads, q_len, total), or None."""
+        xp = self.xp
         neg = work.type(-np.inf)
         bias = None
         if attn_mask is not None:
             m = attn_mask
             if m.dtype == bool:
-                m = np.where(m, work.type(0), neg)
+                m = xp.where(m, work.type(0), neg)
             else:
                 m = m.astype(work)
             if m.shape[-1] < total:
                 pad = [(0, 0)] * (m.ndim - 1) + [(0, total - m.shape[-1])]
-                m = np.pad(m, pad, constant_values=-np.inf)
+                m = xp.pad(m, pad, constant_values=-np.inf)
             elif m.shape[-1] > total:
                 raise self.fail(f"attn_mask last dimension {m.shape[-1]} exceeds total "
                                 f"sequence length {total}")
             bias = m
         # structural constraints: causal, sliding window, non-padded kv length
         allowed = None
-        rows = np.arange(q_len).reshape(-1, 1)
-        cols = np.arange(total).reshape(1, -1)
+        rows = xp.arange(q_len).reshape(-1, 1)
+        cols = xp.arange(total).reshape(1, -1)
         if nonpad is not None and past_len == 0:
-            offset = np.asarray(nonpad, np.int64).reshape(-1, 1, 1, 1) - q_len
+            offset = xp.asarray(nonpad, np.int64).reshape(-1, 1, 1, 1) - q_len
         else:
             offset = past_len
         pos = rows + offset  # absolute query position(s)
@@ -174,10 +188,10 @@ class _Attention(OpImpl):
             a = cols <= pos + self.right
             allowed = a if allowed is None else allowed & a
         if nonpad is not None:
-            a = cols < np.asarray(nonpad, np.int64).reshape(-1, 1, 1, 1)
+            a = cols < xp.asarray(nonpad, np.int64).reshape(-1, 1, 1, 1)
             allowed = a if allowed is None else allowed & a
         if allowed is not None:
-            structural = np.where(allowed, work.type(0), neg)
+            structural = xp.where(allowed, work.type(0), neg)
             bias = structural if bias is None else bias + structural
         return bias
 
@@ -207,6 +221,7 @@ class RotaryEmbedding(OpImpl):
         self.rot_dim = int(self.rotary_embedding_dim or 0)
 
     def run(self, x, cos_cache, sin_cache, position_ids=None):
+        xp = self.xp
         shape = x.shape
         if x.ndim == 4:
             xs = x  # (B, H, S, D); caches broadcast as (B, 1, S, d/2)
@@ -227,16 +242,16 @@ class RotaryEmbedding(OpImpl):
             raise self.fail(f"rotary_embedding_dim {rot} invalid for head size {head}")
         half = rot // 2
         if position_ids is not None:
-            cos = np.take(cos_cache, position_ids, axis=0)
-            sin = np.take(sin_cache, position_ids, axis=0)
+            cos = xp.take(cos_cache, position_ids, axis=0)
+            sin = xp.take(sin_cache, position_ids, axis=0)
         else:
             cos, sin = cos_cache, sin_cache
         if cos.shape[-1] != half or sin.shape[-1] != half:
             raise self.fail(f"cos/sin caches have last dimension {cos.shape[-1]}, "
                             f"expected {half}")
         work = work_dtype(x.dtype)
-        cos = np.expand_dims(cos.astype(work, copy=False), head_axis)  # (B, 1, S, h) / (B, S, 1, h)
-        sin = np.expand_dims(sin.astype(work, copy=False), head_axis)
+        cos = xp.expand_dims(cos.astype(work, copy=False), head_axis)  # (B, 1, S, h) / (B, S, 1, h)
+        sin = xp.expand_dims(sin.astype(work, copy=False), head_axis)
         xw = xs.astype(work, copy=False)
         xr = xw[..., :rot]
         if self.interleaved:
@@ -245,7 +260,7 @@ class RotaryEmbedding(OpImpl):
             x1, x2 = xr[..., :half], xr[..., half:]
         real = cos * x1 - sin * x2
         imag = sin * x1 + cos * x2
-        out = np.empty(xw.shape, work)
+        out = xp.empty(xw.shape, work)
         if self.interleaved:
             out[..., 0:rot:2] = real
             out[..., 1:rot:2] = imag
@@ -278,6 +293,7 @@ class LinearAttention(OpImpl):
             raise self.fail("q_num_heads must be a positive multiple of kv_num_heads")
 
     def run(self, query, key, value, past_state=None, decay=None, beta=None):
+        xp = self.xp
         if query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
             raise self.fail("query, key and value must be 3-D (B, T, H*D)")
         b, t, qh_dk = query.shape
@@ -298,13 +314,13 @@ class LinearAttention(OpImpl):
         if past_state is not None:
             state = past_state.astype(work)  # copy: never write into the input
         else:
-            state = np.zeros((b, hkv, dk, dv), work)
+            state = xp.zeros((b, hkv, dk, dv), work)
         if decay is not None:
             g = decay.astype(work)
             if g.shape[2] == hkv * dk:
-                g = np.exp(g.reshape(b, t, hkv, dk, 1))
+                g = xp.exp(g.reshape(b, t, hkv, dk, 1))
             elif g.shape[2] == hkv:
-                g = np.exp(g.reshape(b, t, hkv, 1, 1))
+                g = xp.exp(g.reshape(b, t, hkv, 1, 1))
             else:
                 raise self.fail(f"decay last dimension {g.shape[2]} must be H_kv*d_k or H_kv")
         if beta is not None:
@@ -313,18 +329,18 @@ class LinearAttention(OpImpl):
                 raise self.fail(f"beta last dimension {bt.shape[2]} must be H_kv or 1")
             bt = bt.reshape(b, t, bt.shape[2], 1, 1)
         scale = float(self.scale or 0.0) or 1.0 / math.sqrt(dk)
-        out = np.empty((b, t, hkv, group, dv), work)
+        out = xp.empty((b, t, hkv, group, dv), work)
         for i in range(t):
             kt, vt = k[:, i], v[:, i]  # (B, Hkv, dk), (B, Hkv, dv)
             if self.gated:
                 state = state * g[:, i]
             if self.delta:
-                pred = np.einsum("bhkv,bhk->bhv", state, kt)
+                pred = xp.einsum("bhkv,bhk->bhv", state, kt)
                 update = bt[:, i] * (kt[..., :, None] * (vt - pred)[..., None, :])
             else:
                 update = kt[..., :, None] * vt[..., None, :]
             state = state + update
-            out[:, i] = np.einsum("bhgk,bhkv->bhgv", q[:, i], state)
+            out[:, i] = xp.einsum("bhgk,bhkv->bhgv", q[:, i], state)
         out *= work(scale)
         state_dtype = past_state.dtype if past_state is not None else query.dtype
         return (out.reshape(b, t, hq * dv).astype(query.dtype, copy=False),
@@ -342,17 +358,19 @@ class FlexAttention(OpImpl):
             raise self.fail(f"unsupported softmax_precision {self.softmax_precision}")
 
     def _modify(self, graph, value, scope):
+        xp = self.xp
         if graph is None:
             return value
         out = graph.run([value], scope)
         if len(out) != 1:
             raise self.fail("a modifier subgraph must produce exactly one output")
-        result = np.asarray(out[0])
+        result = xp.asarray(out[0])
         if result.shape != value.shape:
-            result = np.broadcast_to(result, value.shape)
+            result = xp.broadcast_to(result, value.shape)
         return result.astype(value.dtype, copy=False)
 
     def run(self, Q, K, V, scope=None):
+        xp = self.xp
         if Q.ndim != 4 or K.ndim != 4 or V.ndim != 4:
             raise self.fail("Q, K and V must be rank-4 tensors")
         batch, q_heads, q_len, head = Q.shape
@@ -369,12 +387,13 @@ class FlexAttention(OpImpl):
         v = V.astype(work, copy=False)
         group = q_heads // kv_heads
         if group > 1:
-            k = np.repeat(k, group, axis=1)
-            v = np.repeat(v, group, axis=1)
+            k = xp.repeat(k, group, axis=1)
+            v = xp.repeat(v, group, axis=1)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head)
-        scores = np.matmul(q, np.swapaxes(k, -1, -2)) * work.type(scale)
+        scores = xp.matmul(q, xp.swapaxes(k, -1, -2)) * work.type(scale)
         scores = self._modify(self.score_mod, scores.astype(sdt, copy=False), scope)
-        probs = _masked_softmax(scores.astype(np.float32) if is_narrow_float(sdt) else scores)
+        probs = _masked_softmax(xp, scores.astype(np.float32) if is_narrow_float(sdt)
+                                else scores)
         probs = self._modify(self.prob_mod, probs.astype(sdt, copy=False), scope)
-        y = np.matmul(probs.astype(work, copy=False), v)
+        y = xp.matmul(probs.astype(work, copy=False), v)
         return y.astype(Q.dtype, copy=False)

@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
+from ember.ops import _xp
 from ember.ops.registry import OpImpl, register
 
 # ----------------------------------------------------------------------------------------------
@@ -74,7 +74,7 @@ def out_size(in_sp, kernel, strides, dilations, begin, end, ceil_mode=False):
     return outs
 
 
-def pad_array(x, begin, end, value=0):
+def pad_array(xp, x, begin, end, value=0):
     """`x` padded on its trailing len(begin) axes (negative amounts crop); a copy only if needed."""
     n = len(begin)
     if not any(begin) and not any(end):
@@ -88,7 +88,7 @@ def pad_array(x, begin, end, value=0):
     if not any(begin) and not any(end):
         return x
     shape = x.shape[:lead] + tuple(x.shape[lead + i] + begin[i] + end[i] for i in range(n))
-    out = np.empty(shape, x.dtype)
+    out = xp.empty(shape, x.dtype)
     # fill only the border slabs, then copy the interior once
     for i in range(n):
         ax = lead + i
@@ -117,21 +117,21 @@ def compute_dtype(dtype):
     return np.float64 if dtype == np.float64 else np.float32
 
 
-def _windows(xp, kernel, strides, dilations, outs):
-    """View (N, C, *kernel, *outs) of the padded input `xp` (N, C, *spatial)."""
+def _windows(xp, padded, kernel, strides, dilations, outs):
+    """Read-only view (N, C, *kernel, *outs) of the padded input `padded` (N, C, *spatial)."""
     n = len(kernel)
-    st = xp.strides
-    shape = xp.shape[:2] + tuple(kernel) + tuple(outs)
+    st = padded.strides
+    shape = padded.shape[:2] + tuple(kernel) + tuple(outs)
     strides_ = st[:2] + tuple(st[2 + i] * dilations[i] for i in range(n)) \
         + tuple(st[2 + i] * strides[i] for i in range(n))
-    return as_strided(xp, shape, strides_, writeable=False)
+    return _xp.as_strided(xp, padded, shape, strides_)
 
 
 # ----------------------------------------------------------------------------------------------
 # forward convolution core
 
 
-def conv_nd(x, w, group, kernel, strides, dilations, begin, end, bias=None, cache=None):
+def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, cache=None):
     """Cross-correlation of x (N, C, *sp) with w (M, C/group, *kernel), plus `bias` (M,) if
     given; returns a fresh (N, M, *outs) array in x's dtype (float32 or float64 here).
 
@@ -146,7 +146,7 @@ def conv_nd(x, w, group, kernel, strides, dilations, begin, end, bias=None, cach
     L = math.prod(outs)
     K = math.prod(kernel)
     if L == 0 or N == 0 or M == 0:
-        out = np.zeros((N, M, *outs), x.dtype)
+        out = xp.zeros((N, M, *outs), x.dtype)
         return _add_bias(out, bias)
     if bias is not None:
         bias = bias.astype(x.dtype, copy=False).reshape(M)
@@ -157,7 +157,7 @@ def conv_nd(x, w, group, kernel, strides, dilations, begin, end, bias=None, cach
         key = "aug"
         if cache is not None and key in cache:
             return cache[key]
-        wa = np.empty((group, Mg, Cg * K + 1), x.dtype)
+        wa = xp.empty((group, Mg, Cg * K + 1), x.dtype)
         wa[:, :, :-1] = w.reshape(group, Mg, Cg * K)
         wa[:, :, -1] = bias.reshape(group, Mg)
         if cache is not None:
@@ -166,9 +166,9 @@ def conv_nd(x, w, group, kernel, strides, dilations, begin, end, bias=None, cach
 
     def gemm(wm, cols):
         if group == 1:
-            out = np.matmul(wm[0], cols[:, 0])
+            out = xp.matmul(wm[0], cols[:, 0])
         else:
-            out = np.matmul(wm, cols)
+            out = xp.matmul(wm, cols)
         return out.reshape(N, M, *outs)
 
     if K == 1 and not any(begin) and not any(end):
@@ -178,7 +178,7 @@ def conv_nd(x, w, group, kernel, strides, dilations, begin, end, bias=None, cach
                                                     for o, s in zip(outs, strides))]
         if bias is not None and (Mg > Cg or any(s != 1 for s in strides)):
             # copying the input (with a ones row) is cheaper than a pass over the output
-            cols = np.empty((N, group, Cg + 1, L), x.dtype)
+            cols = xp.empty((N, group, Cg + 1, L), x.dtype)
             cols[:, :, :Cg].reshape((N, group, Cg) + tuple(outs))[...] = \
                 x.reshape((N, group, Cg) + tuple(outs))
             cols[:, :, Cg] = 1
@@ -186,23 +186,25 @@ def conv_nd(x, w, group, kernel, strides, dilations, begin, end, bias=None, cach
         out = gemm(w.reshape(group, Mg, Cg), x.reshape(N, group, Cg, L))
         return _add_bias(out, bias)
 
-    xp = pad_array(x, begin, end)
-    win = _windows(xp, kernel, strides, dilations, outs)  # (N, C, *kernel, *outs)
+    padded = pad_array(xp, x, begin, end)
+    win = _windows(xp, padded, kernel, strides, dilations, outs)  # (N, C, *kernel, *outs)
     win = win.reshape((N, group, Cg) + tuple(kernel) + tuple(outs))
     rows = Cg * K + (bias is not None)
     wm = w.reshape(group, Mg, Cg * K) if bias is None else augmented()
 
-    # im2col: the window view copied once into the patch matrix, then one GEMM
-    if N == 1 and (group == 1 or rows * L * group <= _IM2COL_CHUNK):
-        cols = np.empty((N, group, rows, L), x.dtype)
-        _fill_cols(cols, win, bias is not None)
+    # im2col: the window view copied once into the patch matrix, then one GEMM (on a device,
+    # always: the chunked loops below only pay off in a CPU's caches)
+    if xp is not np or (N == 1 and (group == 1 or rows * L * group <= _IM2COL_CHUNK)):
+        cols = xp.empty((N, group, rows, L), x.dtype)
+        _fill_cols(xp, cols, win, bias is not None)
         return gemm(wm, cols)
+    # the CPU from here on (xp is np)
     if group == 1:
         # a batch: one image at a time, reusing one patch matrix (a smaller working set)
         out = np.empty((N, M, L), x.dtype)
         cols = np.empty((1, 1, rows, L), x.dtype)
         for i in range(N):
-            _fill_cols(cols, win[i:i + 1], bias is not None)
+            _fill_cols(np, cols, win[i:i + 1], bias is not None)
             np.matmul(wm[0], cols[0, 0], out=out[i])
         return out.reshape(N, M, *outs)
 
@@ -214,7 +216,7 @@ def conv_nd(x, w, group, kernel, strides, dilations, begin, end, bias=None, cach
     for g0 in range(0, group, per):
         g1 = min(group, g0 + per)
         cols = buf[:, :g1 - g0]
-        _fill_cols(cols, win[:, g0:g1], bias is not None)
+        _fill_cols(np, cols, win[:, g0:g1], bias is not None)
         np.matmul(wm[g0:g1], cols, out=out[:, g0:g1])
     return out.reshape(N, M, *outs)
 
@@ -222,17 +224,17 @@ def conv_nd(x, w, group, kernel, strides, dilations, begin, end, bias=None, cach
 _IM2COL_CHUNK = 1 << 18  # patch-matrix elements per chunk when looping over groups
 
 
-def _fill_cols(cols, win, ones_row):
+def _fill_cols(xp, cols, win, ones_row):
     """Copy the window view (N, G, Cg, *kernel, *outs) into the patch matrix (N, G, rows, L),
     with a last row of ones when `ones_row` (for the bias folded into the weights)."""
     N, G = cols.shape[:2]
     ck = cols.shape[2] - ones_row
-    np.copyto(cols[:, :, :ck].reshape(win.shape), win)
+    xp.copyto(cols[:, :, :ck].reshape(win.shape), win)
     if ones_row:
         cols[:, :, ck] = 1
 
 
-def col2im_nd(cols, out_sp, kernel, strides, dilations, begin, end):
+def col2im_nd(xp, cols, out_sp, kernel, strides, dilations, begin, end):
     """Scatter-add cols (N, C, *kernel, *grid) into an image (N, C, *out_sp): the tap at grid
     position g lands at g*stride + tap*dilation - begin. Returns a new array in cols' dtype."""
     n = len(kernel)
@@ -243,7 +245,7 @@ def col2im_nd(cols, out_sp, kernel, strides, dilations, begin, end):
             for g, s, k, d in zip(grid, strides, kernel, dilations)]
     lo = [min(0, b) for b in begin]
     hi = [max(f, b + o) for f, b, o in zip(full, begin, out_sp)]
-    buf = np.zeros((N, C) + tuple(h - l for h, l in zip(hi, lo)), cols.dtype)
+    buf = xp.zeros((N, C) + tuple(h - l for h, l in zip(hi, lo)), cols.dtype)
     if all(g > 0 for g in grid):
         for taps in np.ndindex(*kernel):
             dst = tuple(slice(t * d - l, t * d - l + (g - 1) * s + 1, s)
@@ -252,7 +254,7 @@ def col2im_nd(cols, out_sp, kernel, strides, dilations, begin, end):
     if list(buf.shape[2:]) == list(out_sp):
         return buf
     crop = tuple(slice(b - l, b - l + o) for b, l, o in zip(begin, lo, out_sp))
-    return np.ascontiguousarray(buf[(slice(None), slice(None)) + crop])
+    return xp.ascontiguousarray(buf[(slice(None), slice(None)) + crop])
 
 
 def _add_bias(out, b):
@@ -298,7 +300,8 @@ class _ConvBase(OpImpl):
 
     def cached_weight(self, w, convert, *extra):
         """`convert(w)`, remembered across runs while w (and the `extra` arrays it depends on)
-        are the same read-only constants."""
+        are the same read-only numpy constants (the CUDA kernels override this: device
+        arrays have no read-only flag)."""
         key = (w,) + extra
         if self._wkey is not None and len(key) == len(self._wkey) \
                 and all(a is b for a, b in zip(key, self._wkey)):
@@ -312,35 +315,36 @@ class _ConvBase(OpImpl):
 @register("Conv", versions=[1, 11, 22])
 class Conv(_ConvBase):
     def run(self, x, w, b=None):
+        xp = self.xp
         kernel, strides, dilations, begin, end = self.geometry(x, w)
         dt = compute_dtype(x.dtype)
         # a bias computed at run time (writable; constants are read-only, and device arrays
         # don't say) is added afterwards: folding it into the weight matrix, conv_nd's way
         # with a constant bias, would copy the whole weight on every run
         late_bias = b is not None and getattr(b.flags, "writeable", True)
-        wc, cache = self.cached_weight(w, lambda a: (np.ascontiguousarray(a, dtype=dt), {}),
+        wc, cache = self.cached_weight(w, lambda a: (xp.ascontiguousarray(a, dtype=dt), {}),
                                        None if late_bias else b)
-        out = conv_nd(x.astype(dt, copy=False), wc, self.group, kernel, strides, dilations,
+        out = conv_nd(xp, x.astype(dt, copy=False), wc, self.group, kernel, strides, dilations,
                       begin, end, bias=None if late_bias else b, cache=cache)
         if late_bias:
             out = _add_bias(out, b.astype(dt, copy=False))
         return out.astype(x.dtype, copy=False)
 
 
-def _exact_int_conv(op, x, w, x_zp, w_zp, bias=None):
+def _exact_int_conv(xp, op, x, w, x_zp, w_zp, bias=None):
     """Integer convolution (N, M, *outs) as exact int64: conv(x - x_zp, w - w_zp) (+ bias)."""
     kernel, strides, dilations, begin, end = op.geometry(x, w)
     xs = x.astype(np.float64)
     if x_zp is not None:
-        xz = np.asarray(x_zp)
+        xz = xp.asarray(x_zp)
         if xz.size != 1:
             raise op.fail("x_zero_point must be a scalar")
-        xs -= float(xz.reshape(()))
+        xs -= xz.reshape(()).astype(np.float64)
 
     def prep(a):
         ws = a.astype(np.float64)
         if w_zp is not None:
-            wz = np.asarray(w_zp).astype(np.float64)
+            wz = xp.asarray(w_zp).astype(np.float64)
             if wz.size == 1:
                 ws -= wz.reshape(())
             elif wz.size == a.shape[0]:
@@ -350,8 +354,8 @@ def _exact_int_conv(op, x, w, x_zp, w_zp, bias=None):
         return ws
 
     ws = op.cached_weight(w, prep, w_zp)
-    acc = conv_nd(xs, ws, op.group, kernel, strides, dilations, begin, end)
-    acc = np.rint(acc).astype(np.int64)
+    acc = conv_nd(xp, xs, ws, op.group, kernel, strides, dilations, begin, end)
+    acc = xp.rint(acc).astype(np.int64)
     if bias is not None:
         acc += bias.astype(np.int64).reshape((1, -1) + (1,) * (acc.ndim - 2))
     return acc
@@ -360,7 +364,7 @@ def _exact_int_conv(op, x, w, x_zp, w_zp, bias=None):
 @register("ConvInteger", versions=[10])
 class ConvInteger(_ConvBase):
     def run(self, x, w, x_zero_point=None, w_zero_point=None):
-        acc = _exact_int_conv(self, x, w, x_zero_point, w_zero_point)
+        acc = _exact_int_conv(self.xp, self, x, w, x_zero_point, w_zero_point)
         return acc.astype(np.int32)  # the accumulation wraps in 32 bits, as the spec allows
 
 
@@ -368,18 +372,19 @@ class ConvInteger(_ConvBase):
 class QLinearConv(_ConvBase):
     def run(self, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point,
             B=None):
-        acc = _exact_int_conv(self, x, w, x_zero_point, w_zero_point, B)
-        ws = np.asarray(w_scale, np.float32).reshape(-1)
+        xp = self.xp
+        acc = _exact_int_conv(xp, self, x, w, x_zero_point, w_zero_point, B)
+        ws = xp.asarray(w_scale, np.float32).reshape(-1)
         if ws.size not in (1, w.shape[0]):
             raise self.fail(f"w_scale has {ws.size} values for {w.shape[0]} channels")
-        scale = (np.float32(np.asarray(x_scale, np.float32).reshape(())) * ws
-                 / np.float32(np.asarray(y_scale, np.float32).reshape(())))
+        scale = (xp.asarray(x_scale, np.float32).reshape(()) * ws
+                 / xp.asarray(y_scale, np.float32).reshape(()))
         scale = scale.reshape((1, -1) + (1,) * (acc.ndim - 2)) if ws.size > 1 else scale[0]
-        y = np.rint(acc.astype(np.float32) * scale)
-        yzp = np.asarray(y_zero_point)
-        y += np.float32(yzp.reshape(()))
+        y = xp.rint(acc.astype(np.float32) * scale)
+        yzp = xp.asarray(y_zero_point)
+        y += yzp.reshape(()).astype(np.float32)
         info = np.iinfo(yzp.dtype)
-        np.clip(y, info.min, info.max, out=y)
+        xp.clip(y, info.min, info.max, out=y)
         return y.astype(yzp.dtype)
 
 
@@ -431,6 +436,7 @@ class ConvTranspose(_ConvBase):
         return kernel, strides, dilations, begin, end, out_sp
 
     def run(self, x, w, b=None):
+        xp = self.xp
         n = x.ndim - 2
         if n < 1 or w.ndim != x.ndim:
             raise self.fail(f"bad input/weight ranks {x.shape}, {w.shape}")
@@ -445,18 +451,20 @@ class ConvTranspose(_ConvBase):
         dt = compute_dtype(x.dtype)
         K = math.prod(kernel)
         L = math.prod(in_sp)
-        wt = self.cached_weight(w, lambda a: np.ascontiguousarray(
+        wt = self.cached_weight(w, lambda a: xp.ascontiguousarray(
             a.astype(dt, copy=False).reshape(G, C // G, Mg * K).transpose(0, 2, 1)))
         xm = x.astype(dt, copy=False).reshape(N, G, C // G, L)
-        cols = np.matmul(wt, xm)  # (N, G, Mg*K, L)
+        cols = xp.matmul(wt, xm)  # (N, G, Mg*K, L)
         cols = cols.reshape((N, M) + tuple(kernel) + tuple(in_sp))
-        out = col2im_nd(cols, out_sp, kernel, strides, dilations, begin, end)
+        out = col2im_nd(xp, cols, out_sp, kernel, strides, dilations, begin, end)
         _add_bias(out, b)  # col2im_nd's result is a fresh array of ours
         return out.astype(x.dtype, copy=False)
 
 
 @register("Col2Im", versions=[18])
 class Col2Im(OpImpl):
+    shape_inputs = (1, 2)
+
     def run(self, x, image_shape, block_shape):
         image = [int(v) for v in np.asarray(image_shape).reshape(-1)]
         block = [int(v) for v in np.asarray(block_shape).reshape(-1)]
@@ -477,7 +485,7 @@ class Col2Im(OpImpl):
             raise self.fail(f"input has {L} blocks, the geometry gives {grid}")
         dt = compute_dtype(x.dtype)
         cols = x.astype(dt, copy=False).reshape((N, CK // K) + tuple(block) + tuple(grid))
-        out = col2im_nd(cols, image, block, strides, dilations, begin, end)
+        out = col2im_nd(self.xp, cols, image, block, strides, dilations, begin, end)
         return out.astype(x.dtype, copy=False)
 
 
@@ -488,6 +496,7 @@ class Col2Im(OpImpl):
 @register("DeformConv", versions=[19, 22])
 class DeformConv(_ConvBase):
     def run(self, x, w, offset, b=None, mask=None):
+        xp = self.xp
         kernel, strides, dilations, begin, end = self.geometry(x, w)
         n = len(kernel)
         N, C = x.shape[:2]
@@ -507,14 +516,14 @@ class DeformConv(_ConvBase):
             msk = mask.astype(dt, copy=False).reshape(N, OG, K, L)
         xg = x.astype(dt, copy=False).reshape(N, OG, C // OG, S)
         # base sampling positions of each output pixel, per axis: (L,)
-        grids = np.meshgrid(*[np.arange(o, dtype=dt) * s - bg
+        grids = xp.meshgrid(*[xp.arange(o, dtype=dt) * s - bg
                               for o, s, bg in zip(outs, strides, begin)], indexing="ij")
         base = [g.reshape(-1) for g in grids]
         sp_strides = [math.prod(sp[i + 1:]) for i in range(n)]
-        cols = np.empty((N, OG, C // OG, K, L), dt)
+        cols = xp.empty((N, OG, C // OG, K, L), dt)
         for t, taps in enumerate(np.ndindex(*kernel)):
             pos = [base[i] + taps[i] * dilations[i] + off[:, :, t, i] for i in range(n)]
-            lo = [np.floor(p) for p in pos]
+            lo = [xp.floor(p) for p in pos]
             frac = [p - f for p, f in zip(pos, lo)]
             lo = [f.astype(np.int64) for f in lo]
             acc = None
@@ -528,10 +537,10 @@ class DeformConv(_ConvBase):
                     ok = (c >= 0) & (c < sp[i])
                     wgt = wi if wgt is None else wgt * wi
                     valid = ok if valid is None else valid & ok
-                    term = np.clip(c, 0, sp[i] - 1) * sp_strides[i]
+                    term = xp.clip(c, 0, sp[i] - 1) * sp_strides[i]
                     flat = term if flat is None else flat + term
-                wgt = np.where(valid, wgt, 0)  # (N, OG, L)
-                vals = np.take_along_axis(xg, flat[:, :, None, :], axis=3)  # (N, OG, Cog, L)
+                wgt = xp.where(valid, wgt, 0)  # (N, OG, L)
+                vals = xp.take_along_axis(xg, flat[:, :, None, :], axis=3)  # (N, OG, Cog, L)
                 contrib = vals * wgt[:, :, None, :]
                 acc = contrib if acc is None else acc + contrib
             if mask is not None:
@@ -540,9 +549,9 @@ class DeformConv(_ConvBase):
         G = self.group
         M = w.shape[0]
         cols = cols.reshape(N, G, (C // G) * K, L)
-        wm = self.cached_weight(w, lambda a: np.ascontiguousarray(a, dtype=dt)) \
+        wm = self.cached_weight(w, lambda a: xp.ascontiguousarray(a, dtype=dt)) \
             .reshape(G, M // G, (C // G) * K)
-        out = np.matmul(wm, cols).reshape(N, M, *outs)
+        out = xp.matmul(wm, cols).reshape(N, M, *outs)
         _add_bias(out, b)  # a fresh array of ours
         return out.astype(x.dtype, copy=False)
 
@@ -561,6 +570,7 @@ class CausalConvWithState(OpImpl):
         self.act = act.lower()
 
     def run(self, x, weight, bias=None, past_state=None):
+        xp = self.xp
         if x.ndim != 3 or weight.ndim != 3 or weight.shape[1] != 1 \
                 or weight.shape[0] != x.shape[1]:
             raise self.fail(f"input {x.shape} and weight {weight.shape} do not fit together")
@@ -568,12 +578,12 @@ class CausalConvWithState(OpImpl):
         k = weight.shape[2]
         dt = compute_dtype(x.dtype)
         if past_state is None:
-            past = np.zeros((B, C, k - 1), dt)
+            past = xp.zeros((B, C, k - 1), dt)
         else:
             if tuple(past_state.shape) != (B, C, k - 1):
                 raise self.fail(f"past_state shape {past_state.shape}, expected {(B, C, k - 1)}")
             past = past_state.astype(dt, copy=False)
-        full = np.concatenate([past, x.astype(dt, copy=False)], axis=2)  # (B, C, k-1+L)
+        full = xp.concatenate([past, x.astype(dt, copy=False)], axis=2)  # (B, C, k-1+L)
         w = weight.astype(dt, copy=False).reshape(C, k)
         out = full[:, :, 0:L] * w[:, 0, None]
         for j in range(1, k):
@@ -581,6 +591,6 @@ class CausalConvWithState(OpImpl):
         if bias is not None:
             out += bias.astype(dt, copy=False)[:, None]
         if self.act != "none":
-            out = out / (1 + np.exp(-out))
-        present = full[:, :, L:].copy() if k > 1 else np.zeros((B, C, 0), dt)
+            out = out / (1 + xp.exp(-out))
+        present = full[:, :, L:].copy() if k > 1 else xp.zeros((B, C, 0), dt)
         return out.astype(x.dtype, copy=False), present.astype(x.dtype, copy=False)

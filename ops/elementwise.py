@@ -27,9 +27,9 @@ from ember.ops.registry import OpImpl, register
 
 # ------------------------------------------------------------------------------------ helpers
 
-def back(y, dtype: np.dtype) -> np.ndarray:
+def back(xp, y, dtype: np.dtype):
     """`y` (a result computed on `widen`ed inputs) cast back to the op's output dtype."""
-    return np.asarray(y).astype(dtype, copy=False)
+    return xp.asarray(y).astype(dtype, copy=False)
 
 
 # Coefficients of the rational approximations of erf (|x| <= 1) and erfc (1 <= x < 8) from
@@ -46,9 +46,9 @@ _ERFC_Q = (1.0, 1.32281951154744992508e1, 8.67072140885989742329e1, 3.5493777888
            1.65666309194161350182e3, 5.57535340817727675546e2)
 
 
-def _poly(coefs, x):
+def _poly(xp, coefs, x):
     """Horner evaluation of a polynomial (highest power first), in place, in x's dtype."""
-    acc = np.empty_like(x)
+    acc = xp.empty_like(x)
     acc.fill(coefs[0])
     for c in coefs[1:]:
         acc *= x
@@ -56,24 +56,24 @@ def _poly(coefs, x):
     return acc
 
 
-def _erf_small(z):  # |z| <= 1
+def _erf_small(xp, z):  # |z| <= 1
     z2 = z * z
-    y = _poly(_ERF_T, z2)
+    y = _poly(xp, _ERF_T, z2)
     y *= z
-    y /= _poly(_ERF_U, z2)
+    y /= _poly(xp, _ERF_U, z2)
     return y
 
 
-def _erf_big(z):  # |z| > 1 (and NaN, which propagates): sign(z) * (1 - erfc(|z|))
-    a = np.abs(z)
-    np.minimum(a, 8.0, out=a)  # erfc(8) ~ 1e-29: erf is +-1 to double precision beyond
+def _erf_big(xp, z):  # |z| > 1 (and NaN, which propagates): sign(z) * (1 - erfc(|z|))
+    a = xp.abs(z)
+    xp.minimum(a, 8.0, out=a)  # erfc(8) ~ 1e-29: erf is +-1 to double precision beyond
     e = a * a
-    np.negative(e, out=e)
-    np.exp(e, out=e)
-    e *= _poly(_ERFC_P, a)
-    e /= _poly(_ERFC_Q, a)
-    np.subtract(1.0, e, out=e)
-    return np.copysign(e, z, out=e)
+    xp.negative(e, out=e)
+    xp.exp(e, out=e)
+    e *= _poly(xp, _ERFC_P, a)
+    e /= _poly(xp, _ERFC_Q, a)
+    xp.subtract(1.0, e, out=e)
+    return xp.copysign(e, z, out=e)
 
 
 # float32: one odd/even rational approximation on [-4, 4] (erf is +-1 in float32 beyond), as
@@ -85,60 +85,62 @@ _ERF32_Q = np.array([-1.45660718464996e-05, -2.13374055278905e-04, -1.6828269743
                      -7.37332916720468e-03, -1.42647390514189e-02], np.float32)
 
 
-def _erf_float32(x: np.ndarray) -> np.ndarray:
-    out = np.empty(x.shape, np.float32)
-    for x_block, out_block in blocks(x, out):
-        erf_float32_block(x_block, out_block)
+def _erf_float32(xp, x):
+    out = xp.empty(x.shape, np.float32)
+    for x_block, out_block in blocks(xp, x, out):
+        erf_float32_block(xp, x_block, out_block)
     return out
 
 
-def erf_float32_block(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+def erf_float32_block(xp, x, out):
     """erf of a 1-D float32 block written into `out` (which may be `x` itself)."""
-    z = np.clip(x, np.float32(-4), np.float32(4))
+    z = xp.clip(x, np.float32(-4), np.float32(4))
     z2 = z * z
-    num = _poly(_ERF32_P, z2)
+    num = _poly(xp, _ERF32_P, z2)
     num *= z
-    return np.divide(num, _poly(_ERF32_Q, z2), out=out)
+    return xp.divide(num, _poly(xp, _ERF32_Q, z2), out=out)
 
 
-# Multi-step float formulas run over blocks of this many elements: a block and the few
-# temporaries of its formula stay in the core's L2 cache, so each of the formula's steps reads
-# cache instead of memory (erf: ~25 steps; 3x faster than whole-array steps on BERT's GELU).
+# Multi-step float formulas run over blocks of this many elements on the CPU: a block and the
+# few temporaries of its formula stay in the core's L2 cache, so each of the formula's steps
+# reads cache instead of memory (erf: ~25 steps; 3x faster than whole-array steps on BERT's
+# GELU). On a GPU blocks would only multiply kernel launches: there one block is the array.
 BLOCK = 1 << 15
 
 
-def blocks(x: np.ndarray, out: np.ndarray):
+def blocks(xp, x, out):
     """Matching 1-D blocks of `x` and `out` (same shape; `out` C-contiguous and writable)."""
-    flat_in = np.ascontiguousarray(x).reshape(-1)
+    flat_in = xp.ascontiguousarray(x).reshape(-1)
     flat_out = out.reshape(-1)
-    for lo in range(0, flat_in.size, BLOCK):
-        yield flat_in[lo:lo + BLOCK], flat_out[lo:lo + BLOCK]
+    block = BLOCK if xp is np else max(flat_in.size, 1)
+    for lo in range(0, flat_in.size, block):
+        yield flat_in[lo:lo + block], flat_out[lo:lo + block]
 
 
-def erf(x: np.ndarray) -> np.ndarray:
+def erf(xp, x):
     """Vectorised erf in x's dtype (float32 or float64), accurate to that dtype's precision."""
-    x = np.asarray(x)
+    x = xp.asarray(x)
     if x.ndim == 0:
-        return erf(x.reshape(1)).reshape(())
+        return erf(xp, x.reshape(1)).reshape(())
     if x.dtype == np.float32:
-        return _erf_float32(x)
+        return _erf_float32(xp, x)
     with np.errstate(all="ignore"):
-        small = np.abs(x) <= 1.0
-        n = np.count_nonzero(small)
+        small = xp.abs(x) <= 1.0
+        n = int(xp.count_nonzero(small))
         if n == small.size:
-            return _erf_small(x)
+            return _erf_small(xp, x)
         if n == 0:
-            return _erf_big(x)
-        out = np.empty_like(x)
-        out[small] = _erf_small(x[small])
+            return _erf_big(xp, x)
+        out = xp.empty_like(x)
+        out[small] = _erf_small(xp, x[small])
         big = ~small
-        out[big] = _erf_big(x[big])
+        out[big] = _erf_big(xp, x[big])
     return out
 
 
 def _legacy_align(self, a, b):
     """Opset-1/6 limited broadcasting: B aligned to A's dims starting at `axis`."""
-    if getattr(self, "broadcast", 0) and self.axis is not None and np.ndim(b) and np.ndim(a):
+    if getattr(self, "broadcast", 0) and self.axis is not None and b.ndim and a.ndim:
         axis = self.axis + a.ndim if self.axis < 0 else self.axis
         if not 0 <= axis <= a.ndim - b.ndim:
             raise self.fail(f"axis {self.axis} cannot align shape {b.shape} with {a.shape}")
@@ -149,11 +151,13 @@ def _legacy_align(self, a, b):
 # ----------------------------------------------------------------------- table-driven classes
 
 class Unary(OpImpl):
-    """y = fn(x)."""
+    """y = fn(x): `fn` is a numpy ufunc (which applies to cupy arrays too, by numpy's
+    `__array_ufunc__`), or with `takes_xp` a function of (xp, x)."""
     fn = staticmethod(np.positive)
+    takes_xp = False
 
     def run(self, x):
-        return self.fn(x)
+        return self.fn(self.xp, x) if self.takes_xp else self.fn(x)
 
 
 class QuietUnary(Unary):
@@ -162,16 +166,18 @@ class QuietUnary(Unary):
 
     def run(self, x):
         with np.errstate(all="ignore"):
-            return self.fn(x)
+            return self.fn(self.xp, x) if self.takes_xp else self.fn(x)
 
 
 class Binary(OpImpl):
-    """z = fn(a, b) with numpy (multidirectional) broadcasting. (No np.errstate here: it costs
-    more than a small Add; the kernels that can divide by zero silence warnings themselves.)"""
+    """z = fn(a, b) with numpy (multidirectional) broadcasting; `fn` a ufunc, or with
+    `takes_xp` a function of (xp, a, b). (No np.errstate here: it costs more than a small Add;
+    the kernels that can divide by zero silence warnings themselves.)"""
     fn = staticmethod(np.add)
+    takes_xp = False
 
     def run(self, a, b):
-        return self.fn(a, b)
+        return self.fn(self.xp, a, b) if self.takes_xp else self.fn(a, b)
 
 
 class LegacyBinary(Binary):
@@ -179,11 +185,11 @@ class LegacyBinary(Binary):
 
     def run(self, a, b):
         a, b = _legacy_align(self, a, b)
-        return self.fn(a, b)
+        return self.fn(self.xp, a, b) if self.takes_xp else self.fn(a, b)
 
 
 class Variadic(OpImpl):
-    """fn folded over 1..N inputs with broadcasting (Max, Min, Sum)."""
+    """fn (a ufunc) folded over 1..N inputs with broadcasting (Max, Min, Sum)."""
     fn = staticmethod(np.add)
 
     def run(self, *xs):
@@ -196,20 +202,23 @@ class Variadic(OpImpl):
 
 
 def _declare(base: type, op: str, versions: list[int], fn, name: str) -> type:
-    """A subclass of `base` computing `fn`, registered for `op` at `versions`."""
+    """A subclass of `base` computing `fn` (a numpy ufunc, or a function whose first
+    parameter is the array namespace `xp`), registered for `op` at `versions`."""
     module = sys._getframe(2).f_globals.get("__name__", __name__)  # the declaring module
-    cls = type(name, (base,), {"fn": staticmethod(fn), "__module__": module,
-                               "__qualname__": name, "__doc__": base.__doc__})
+    cls = type(name, (base,), {"fn": staticmethod(fn), "takes_xp": not isinstance(fn, np.ufunc),
+                               "__module__": module, "__qualname__": name,
+                               "__doc__": base.__doc__})
     return register(op, versions)(cls)
 
 
 def unary(op: str, versions: list[int], fn, quiet: bool = False) -> type:
-    """Declare `op` as y = fn(x); `quiet` silences numpy's floating-point warnings."""
+    """Declare `op` as y = fn(x) (a ufunc, or fn(xp, x)); `quiet` silences numpy's
+    floating-point warnings."""
     return _declare(QuietUnary if quiet else Unary, op, versions, fn, op)
 
 
 def binary(op: str, versions: list[int], fn) -> type:
-    """Declare `op` as z = fn(a, b) with numpy broadcasting."""
+    """Declare `op` as z = fn(a, b) (a ufunc, or fn(xp, a, b)) with numpy broadcasting."""
     return _declare(Binary, op, versions, fn, op)
 
 
@@ -219,16 +228,20 @@ def legacy_binary(op: str, versions: list[int], fn) -> type:
 
 
 def variadic(op: str, versions: list[int], fn) -> type:
-    """Declare `op` as fn folded over its 1..N inputs."""
+    """Declare `op` as fn (a ufunc) folded over its 1..N inputs."""
     return _declare(Variadic, op, versions, fn, op)
 
 
 # ------------------------------------------------------------------------------- unary math
 
-def _float_erf(x):
+def _float_erf(xp, x):
     if x.dtype in (np.float32, np.float64):
-        return erf(x)
-    return back(erf(x.astype(np.float32)), x.dtype)
+        return erf(xp, x)
+    return back(xp, erf(xp, x.astype(np.float32)), x.dtype)
+
+
+def _round(xp, x):  # np.round is a function, not a ufunc
+    return xp.round(x)
 
 
 Abs        = unary("Abs",        [1, 6, 13],  np.abs)
@@ -236,7 +249,7 @@ Neg        = unary("Neg",        [1, 6, 13],  np.negative)
 Sign       = unary("Sign",       [9, 13],     np.sign)
 Ceil       = unary("Ceil",       [1, 6, 13],  np.ceil)
 Floor      = unary("Floor",      [1, 6, 13],  np.floor)
-Round      = unary("Round",      [11, 22],    np.round)  # halves to even, like ONNX
+Round      = unary("Round",      [11, 22],    _round)  # halves to even, like ONNX
 IsNaN      = unary("IsNaN",      [9, 13, 20], np.isnan)
 Not        = unary("Not",        [1],         np.logical_not)
 BitwiseNot = unary("BitwiseNot", [18],        np.invert)
@@ -262,45 +275,47 @@ Atanh      = unary("Atanh",      [9, 22],     np.arctanh, quiet=True)
 @register("IsInf", versions=[10, 20])
 class IsInf(OpImpl):
     def run(self, x):
+        xp = self.xp
         if self.detect_positive and self.detect_negative:
-            return np.isinf(x)
+            return xp.isinf(x)
         if self.detect_positive:
-            return np.isposinf(widen(x))
+            return xp.isposinf(widen(x))
         if self.detect_negative:
-            return np.isneginf(widen(x))
-        return np.zeros(x.shape, dtype=bool)
+            return xp.isneginf(widen(x))
+        return xp.zeros(x.shape, dtype=bool)
 
 
 # --------------------------------------------------------------------------------- arithmetic
 
-def _div(a, b):
+def _div(xp, a, b):
     """Div: true division for floats; integers truncate toward zero (C semantics)."""
     with np.errstate(all="ignore"):  # x/0 gives inf/nan for floats, 0 for integers
         if a.dtype.kind not in "iu":
-            return np.divide(a, b)
+            return xp.divide(a, b)
         if a.dtype.kind == "u":
-            return np.floor_divide(a, b)
+            return xp.floor_divide(a, b)
         # a - fmod(a, b) is an exact multiple of b of smaller magnitude than a: no overflow.
-        return np.floor_divide(a - np.fmod(a, b), b)
+        return xp.floor_divide(a - xp.fmod(a, b), b)
 
 
-def _pow(x, y):
+def _pow(xp, x, y):
     """Pow: the output has the base's dtype whatever the exponent's (opset 12+)."""
     with np.errstate(all="ignore"):
-        return _pow_kernel(x, y)
+        return _pow_kernel(xp, x, y)
 
 
-def _pow_kernel(x, y):
+def _pow_kernel(xp, x, y):
     if x.dtype.kind in "iu":
         if y.dtype.kind in "iu" and not (y < 0).any():
-            return np.power(x, y.astype(x.dtype, copy=False))
+            return xp.power(x, y.astype(x.dtype, copy=False))
         # Non-integral or negative exponents: compute in float64, truncate like a C cast.
-        return back(np.trunc(np.power(x.astype(np.float64), y.astype(np.float64))), x.dtype)
+        return back(xp, xp.trunc(xp.power(x.astype(np.float64), y.astype(np.float64))),
+                    x.dtype)
     if y.dtype != x.dtype:
         if is_narrow_float(x.dtype):
-            return back(np.power(x.astype(np.float32), y.astype(np.float32)), x.dtype)
+            return back(xp, xp.power(x.astype(np.float32), y.astype(np.float32)), x.dtype)
         y = y.astype(x.dtype)
-    return np.power(x, y)
+    return xp.power(x, y)
 
 
 Add = binary("Add", [7, 13, 14],     np.add)
@@ -325,8 +340,9 @@ class Mod(OpImpl):
             raise self.fail(f"fmod must be 0 or 1, got {self.fmod}")
 
     def run(self, a, b):
+        xp = self.xp
         with np.errstate(all="ignore"):
-            return np.fmod(a, b) if self.fmod else np.mod(a, b)
+            return xp.fmod(a, b) if self.fmod else xp.mod(a, b)
 
 
 Max = variadic("Max", [1, 6, 8, 12, 13], np.maximum)
@@ -339,7 +355,7 @@ class Mean(Variadic):
     def run(self, *xs):
         present = [x for x in xs if x is not None]
         total = super().run(*(widen(x) for x in present))  # Sum's checks and fold
-        return back(total / len(present), present[0].dtype)
+        return back(self.xp, total / len(present), present[0].dtype)
 
 
 @register("Clip", versions=[1, 6])
@@ -347,12 +363,13 @@ class Clip1(OpImpl):
     """Clip with `min`/`max` attributes (absent: unbounded)."""
 
     def run(self, x):
+        xp = self.xp
         y = x
         with np.errstate(all="ignore"):  # the default bounds overflow float16 to +-inf
             if self.min is not None:
-                y = np.maximum(y, np.asarray(self.min).astype(x.dtype))
+                y = xp.maximum(y, xp.asarray(self.min).astype(x.dtype))
             if self.max is not None:
-                y = np.minimum(y, np.asarray(self.max).astype(x.dtype))
+                y = xp.minimum(y, xp.asarray(self.max).astype(x.dtype))
         return y if y is not x else x.copy()
 
 
@@ -361,11 +378,12 @@ class Clip(OpImpl):
     """Clip with optional scalar `min`/`max` inputs; min > max gives max everywhere."""
 
     def run(self, x, lo=None, hi=None):
+        xp = self.xp
         y = x
-        if lo is not None and np.size(lo):  # an empty tensor also means "no bound"
-            y = np.maximum(y, np.asarray(lo, dtype=x.dtype).reshape(()))
-        if hi is not None and np.size(hi):
-            y = np.minimum(y, np.asarray(hi, dtype=x.dtype).reshape(()))
+        if lo is not None and lo.size:  # an empty tensor also means "no bound"
+            y = xp.maximum(y, xp.asarray(lo, dtype=x.dtype).reshape(()))
+        if hi is not None and hi.size:
+            y = xp.minimum(y, xp.asarray(hi, dtype=x.dtype).reshape(()))
         return y if y is not x else x.copy()
 
 
@@ -404,23 +422,22 @@ class BitShift(OpImpl):
         self.left = direction == "LEFT"
 
     def run(self, x, y):
+        xp = self.xp
         bits = x.dtype.itemsize * 8
         out_of_range = (y >= bits) | (y < 0) if y.dtype.kind == "i" else y >= bits
-        if out_of_range.any():
-            safe = np.where(out_of_range, 0, y).astype(x.dtype)
-        else:
-            safe = y
-        z = np.left_shift(x, safe) if self.left else np.right_shift(x, safe)
-        if out_of_range.any():
+        clipped = bool(out_of_range.any())
+        safe = xp.where(out_of_range, 0, y).astype(x.dtype) if clipped else y
+        z = xp.left_shift(x, safe) if self.left else xp.right_shift(x, safe)
+        if clipped:
             if self.left or x.dtype.kind == "u":
-                fill = np.zeros((), x.dtype)
+                fill = xp.zeros((), x.dtype)
             else:
-                fill = np.where(x < 0, x.dtype.type(-1), x.dtype.type(0))
-            z = np.where(out_of_range, fill, z)
+                fill = xp.where(x < 0, x.dtype.type(-1), x.dtype.type(0))
+            z = xp.where(out_of_range, fill, z)
         return z
 
 
 @register("Where", versions=[9, 16])
 class Where(OpImpl):
     def run(self, condition, x, y):
-        return np.where(condition, x, y)
+        return self.xp.where(condition, x, y)

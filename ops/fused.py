@@ -27,44 +27,43 @@ ACTIVATIONS = ("", "Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid"
                "Gelu")
 
 
-def activate_in_place(y: np.ndarray, name: str, params: list[float]) -> None:
-    """y = `name`(y), written into y (a writable float array)."""
+def activate_in_place(xp, y, name: str, params: list[float]) -> None:
+    """y = `name`(y), written into y (a writable float array of namespace `xp`)."""
     t = y.dtype.type
     if not name:
         return
     if name == "Relu":
-        np.maximum(y, 0, out=y)
+        xp.maximum(y, 0, out=y)
     elif name == "LeakyRelu":
-        np.copyto(y, y * t(params[0] if params else 0.01), where=y < 0)
+        xp.copyto(y, y * t(params[0] if params else 0.01), where=y < 0)
     elif name == "Clip":
         lo, hi = (params + [-np.inf, np.inf][len(params):])[:2]
-        np.clip(y, lo, hi, out=y)
+        xp.clip(y, lo, hi, out=y)
     elif name == "Sigmoid":
         with np.errstate(over="ignore"):
-            np.negative(y, out=y)
-            np.exp(y, out=y)
+            xp.negative(y, out=y)
+            xp.exp(y, out=y)
             y += 1
-            np.reciprocal(y, out=y)
+            xp.reciprocal(y, out=y)
     elif name == "Tanh":
-        np.tanh(y, out=y)
+        xp.tanh(y, out=y)
     elif name == "HardSigmoid":
         alpha, beta = (params + [0.2, 0.5][len(params):])[:2]
         y *= t(alpha)
         y += t(beta)
-        np.clip(y, 0, 1, out=y)
+        xp.clip(y, 0, 1, out=y)
     elif name == "HardSwish":
         gate = y * t(1 / 6)
         gate += t(0.5)
-        np.clip(gate, 0, 1, out=gate)
+        xp.clip(gate, 0, 1, out=gate)
         y *= gate
     elif name == "Gelu":
-        gelu(y, tanh=bool(params and params[0]), out=y)
+        gelu(xp, y, tanh=bool(params and params[0]), out=y)
     else:
         raise ValueError(f"unknown fused activation {name!r}")
 
 
-def epilogue(y: np.ndarray, bias: np.ndarray | None, z: np.ndarray | None, activation: str,
-             params: list[float]) -> np.ndarray:
+def epilogue(xp, y, bias, z, activation: str, params: list[float]):
     """activation(y + bias + z), with `bias` broadcast over y's last axis and `z` of y's shape.
 
     On a fresh C-contiguous float `y` (the usual case) every step writes into y: no new
@@ -77,32 +76,33 @@ def epilogue(y: np.ndarray, bias: np.ndarray | None, z: np.ndarray | None, activ
     if bias is not None and y.ndim and bias.size == y.shape[-1] and y.ndim >= bias.ndim \
             and all(d == 1 for d in bias.shape[:-1]):
         row = bias.reshape(-1).astype(y.dtype, copy=False)
+    # (cupy's flags have no `writeable`: device arrays are always writable)
     if y.dtype.kind != "f" or y.ndim == 0 or not y.flags.c_contiguous or \
             not getattr(y.flags, "writeable", True) or (bias is not None and row is None) or \
             (z is not None and z.dtype != y.dtype):
-        return _epilogue_whole(y, bias, z, activation, params)
+        return _epilogue_whole(xp, y, bias, z, activation, params)
     if row is not None:
         y += row
     if z is not None:
         y += z
-    activate_in_place(y, activation, params)
+    activate_in_place(xp, y, activation, params)
     return y
 
 
-def _epilogue_whole(y, bias, z, activation, params):
+def _epilogue_whole(xp, y, bias, z, activation, params):
     dtype = y.dtype
     if bias is not None:
         y = y + bias
     if z is not None:
         y = y + z
     work = y.astype(dtype if dtype.kind == "f" else np.float32)  # a copy we may write into
-    activate_in_place(work, activation, params)
+    activate_in_place(xp, work, activation, params)
     return work.astype(dtype, copy=False)
 
 
 class _Activated(OpImpl):
-    """Base of the fused ops: reads the activation attributes once, applies the epilogue. (An
-    OpImpl, so that the CUDA backend's shadow classes rebind its methods to cupy too.)"""
+    """Base of the fused ops: reads the activation attributes once, applies the epilogue over
+    `self.xp`."""
 
     def _activation_setup(self):
         self.activation_name = getattr(self, "activation", "") or ""
@@ -116,7 +116,7 @@ class _Activated(OpImpl):
     def finish(self, y, bias=None, z=None):
         if z is not None and z.shape != y.shape:
             raise self.fail(f"residual Z has shape {z.shape}, the result {y.shape}")
-        return epilogue(y, bias, z, self.activation_name, self.activation_args)
+        return epilogue(self.xp, y, bias, z, self.activation_name, self.activation_args)
 
 
 @register("FusedConv", versions=[1], domain=DOMAIN)
@@ -150,4 +150,5 @@ class FusedMatMul(_Activated):
     def run(self, a, b, bias=None, z=None):
         if a.ndim == 0 or b.ndim == 0 or a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
             raise self.fail(f"shapes {a.shape} and {b.shape} are not aligned")
-        return self.finish(np.asarray(matmul(a, b)), bias, z)  # vector . vector: a scalar
+        xp = self.xp
+        return self.finish(xp.asarray(matmul(xp, a, b)), bias, z)  # vector . vector: a scalar

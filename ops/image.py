@@ -3,6 +3,8 @@ ImageDecoder (through Pillow).
 
 Resize is separable: for every resized axis we precompute, once per call, an (out_len, taps)
 array of source indices and one of weights, then apply the axis with a few vectorised gathers.
+The plans depend on shapes and attributes only: they are made on the host (numpy) and the
+gathers run over the kernel's array namespace `xp`.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import math
 
 import numpy as np
 
+from ember.ops import _xp
 from ember.ops.registry import OpImpl, register
 
 # ----------------------------------------------------------------------------------------------
@@ -26,7 +29,7 @@ def _to_str(v):
 
 def _source_coords(ct: str, in_len: int, out_len: int, scale: float,
                    roi_start: float, roi_end: float) -> np.ndarray:
-    """x_original for every x_resized of one axis (float64)."""
+    """x_original for every x_resized of one axis (float64, on the host)."""
     x = np.arange(out_len, dtype=np.float64)
     # Like the ONNX reference, align_corners and tf_crop_and_resize use the fractional target
     # length scale * in_len (it equals out_len whenever sizes were given).
@@ -57,17 +60,18 @@ def _source_coords(ct: str, in_len: int, out_len: int, scale: float,
     raise ValueError(ct)
 
 
-def _cubic_kernel(t: np.ndarray, a: float) -> np.ndarray:
-    t = np.abs(t)
+def _cubic_kernel(xp, t, a: float):
+    t = xp.abs(t)
     t2, t3 = t * t, t * t * t
     near = (a + 2) * t3 - (a + 3) * t2 + 1
     far = a * t3 - 5 * a * t2 + 8 * a * t - 4 * a
-    return np.where(t <= 1, near, np.where(t < 2, far, 0.0))
+    return xp.where(t <= 1, near, xp.where(t < 2, far, 0.0))
 
 
 def _axis_plan(mode: str, x: np.ndarray, in_len: int, scale: float, *, nearest_mode: str,
                cubic_a: float, exclude_outside: bool, antialias: bool):
-    """(indices, weights) of shape (out_len, taps); weights None for nearest (one tap)."""
+    """(indices, weights) of shape (out_len, taps), host arrays; weights None for nearest
+    (one tap)."""
     if mode == "nearest":
         if nearest_mode == "round_prefer_floor":
             idx = np.ceil(x - 0.5)
@@ -94,7 +98,7 @@ def _axis_plan(mode: str, x: np.ndarray, in_len: int, scale: float, *, nearest_m
     if mode == "linear":
         w = np.clip(1.0 - np.abs(args), 0.0, 1.0)
     else:
-        w = _cubic_kernel(args, cubic_a)
+        w = _cubic_kernel(np, args, cubic_a)
     idx = left[:, None].astype(np.int64) + offsets.astype(np.int64)[None, :]
     if exclude_outside:
         w = np.where((idx < 0) | (idx >= in_len), 0.0, w)
@@ -114,15 +118,17 @@ def _work_dtype(dt: np.dtype) -> np.dtype:
     return np.dtype(np.float32)
 
 
-def _apply_axis(data: np.ndarray, axis: int, idx: np.ndarray, w, work_dt) -> np.ndarray:
+def _apply_axis(xp, data, axis: int, idx: np.ndarray, w, work_dt):
+    """One axis of the resize: the gathers of plan (idx, w) (host arrays) over `data`."""
     if w is None:
-        return np.take(data, idx[:, 0], axis=axis)
+        return xp.take(data, xp.asarray(idx[:, 0]), axis=axis)
     shape = [1] * data.ndim
     shape[axis] = idx.shape[0]
-    w = w.astype(work_dt)
+    idx = xp.asarray(idx)
+    w = xp.asarray(w.astype(work_dt))
     acc = None
     for t in range(idx.shape[1]):
-        term = np.take(data, idx[:, t], axis=axis)
+        term = xp.take(data, idx[:, t], axis=axis)
         if term.dtype != work_dt:
             term = term.astype(work_dt)
         term = term * w[:, t].reshape(shape)
@@ -130,20 +136,20 @@ def _apply_axis(data: np.ndarray, axis: int, idx: np.ndarray, w, work_dt) -> np.
     return acc
 
 
-def _finish(result: np.ndarray, dt: np.dtype) -> np.ndarray:
+def _finish(xp, result, dt: np.dtype):
     if result.dtype == dt:
         return result
     if dt.kind in "iu":
         info = np.iinfo(dt)
-        return np.clip(np.rint(result), info.min, info.max).astype(dt)
+        return xp.clip(xp.rint(result), info.min, info.max).astype(dt)
     if dt == np.bool_:
         return result != 0
     return result.astype(dt)
 
 
-def resize_nd(x: np.ndarray, out_shape, scales, *, mode: str, ct: str, nearest_mode: str,
+def resize_nd(xp, x, out_shape, scales, *, mode: str, ct: str, nearest_mode: str,
               cubic_a: float = -0.75, exclude_outside: bool = False,
-              extrapolation_value: float = 0.0, antialias: bool = False, roi=None) -> np.ndarray:
+              extrapolation_value: float = 0.0, antialias: bool = False, roi=None):
     """Separable N-D resize. scales/out_shape/roi (starts, ends) cover every axis of x."""
     dt = x.dtype
     work_dt = _work_dtype(dt)
@@ -159,7 +165,7 @@ def resize_nd(x: np.ndarray, out_shape, scales, *, mode: str, ct: str, nearest_m
         if in_len == 0 or out_len == 0:
             shape = list(result.shape)
             shape[axis] = out_len
-            result = np.zeros(shape, dtype=result.dtype)
+            result = xp.zeros(shape, dtype=result.dtype)
             continue
         coords = _source_coords(ct, in_len, out_len, scale, rs, re)
         idx, w = _axis_plan(mode, coords, in_len, scale, nearest_mode=nearest_mode,
@@ -173,13 +179,14 @@ def resize_nd(x: np.ndarray, out_shape, scales, *, mode: str, ct: str, nearest_m
                 masks.append(outside.reshape(shape))
         if w is None and idx.shape[0] == in_len and np.array_equal(idx[:, 0], np.arange(in_len)):
             continue
-        result = _apply_axis(result, axis, idx, w, work_dt)
+        result = _apply_axis(xp, result, axis, idx, w, work_dt)
     if masks:
         mask = masks[0]
         for m in masks[1:]:
-            mask = mask | m
-        result = np.where(mask, np.asarray(extrapolation_value, dtype=result.dtype), result)
-    return _finish(result, dt)
+            mask = mask | m  # host arrays: the union is uploaded once
+        result = xp.where(xp.asarray(mask), xp.asarray(extrapolation_value, dtype=result.dtype),
+                          result)
+    return _finish(xp, result, dt)
 
 
 class _ResizeBase(OpImpl):
@@ -193,6 +200,8 @@ class _ResizeBase(OpImpl):
 
 @register("Resize", versions=[11, 13, 18, 19])
 class Resize11(_ResizeBase):
+    shape_inputs = (1, 2, 3)  # roi, scales, sizes
+
     def setup(self):
         self._check()
         self.ct = _to_str(self.coordinate_transformation_mode)
@@ -270,7 +279,7 @@ class Resize11(_ResizeBase):
 
     def run(self, x, roi=None, scales=None, sizes=None):
         out_shape, full_scales, roi_pair = self.target(x.shape, roi, scales, sizes)
-        return resize_nd(x, out_shape, full_scales, **self.options(roi_pair))
+        return resize_nd(self.xp, x, out_shape, full_scales, **self.options(roi_pair))
 
 
 def _upsample(impl: _ResizeBase, x: np.ndarray, scales) -> np.ndarray:
@@ -280,11 +289,14 @@ def _upsample(impl: _ResizeBase, x: np.ndarray, scales) -> np.ndarray:
     if any(s <= 0 for s in sc):
         raise impl.fail("scales must be positive")
     out_shape = [int(np.float64(s) * n) for s, n in zip(np.asarray(scales).reshape(-1), x.shape)]
-    return resize_nd(x, out_shape, sc, mode=impl.mode, ct="asymmetric", nearest_mode="simple")
+    return resize_nd(impl.xp, x, out_shape, sc, mode=impl.mode, ct="asymmetric",
+                     nearest_mode="simple")
 
 
 @register("Resize", versions=[10])
 class Resize10(_ResizeBase):
+    shape_inputs = (1,)  # scales
+
     def setup(self):
         self._check()
         if self.mode == "cubic":
@@ -318,18 +330,18 @@ class Upsample1(Resize10):
 # GridSample, AffineGrid
 
 
-def _reflect(v: np.ndarray, lo: float, hi: float) -> np.ndarray:
+def _reflect(xp, v, lo: float, hi: float):
     rng = hi - lo
     if rng <= 0:
-        return np.full_like(v, lo)
+        return xp.full_like(v, lo)
     below, above = v < lo, v > hi
-    dx = np.where(below, lo - v, np.where(above, v - hi, 0))
-    n = np.floor(dx / rng)
+    dx = xp.where(below, lo - v, xp.where(above, v - hi, 0))
+    n = xp.floor(dx / rng)
     r = dx - n * rng
     even = (n % 2) == 0
-    from_below = np.where(even, lo + r, hi - r)
-    from_above = np.where(even, hi - r, lo + r)
-    return np.where(below, from_below, np.where(above, from_above, v))
+    from_below = xp.where(even, lo + r, hi - r)
+    from_above = xp.where(even, hi - r, lo + r)
+    return xp.where(below, from_below, xp.where(above, from_above, v))
 
 
 @register("GridSample", versions=[16, 20, 22])
@@ -344,6 +356,7 @@ class GridSample(OpImpl):
             raise self.fail(f"unsupported padding_mode '{self.pad}'")
 
     def run(self, x, grid):
+        xp = self.xp
         n, c = x.shape[:2]
         dims = x.shape[2:]
         r = len(dims)
@@ -368,34 +381,34 @@ class GridSample(OpImpl):
                 xc = ((gi + 1) * d - 1) / 2
                 lo, hi = -0.5, d - 0.5
             if self.kind == "nearest":
-                xc = np.rint(xc)
+                xc = xp.rint(xc)
             out = (xc < lo) | (xc > hi)
             if self.pad == "border":
-                xc = np.where(out, np.clip(xc, 0, d - 1), xc)
+                xc = xp.where(out, xp.clip(xc, 0, d - 1), xc)
             elif self.pad == "reflection":
-                xc = np.where(out, _reflect(xc, lo, hi), xc)
+                xc = xp.where(out, _reflect(xp, xc, lo, hi), xc)
             if self.kind == "nearest":
                 offs = [(xc.astype(np.int64), None)]
             else:
-                base = np.floor(xc)
+                base = xp.floor(xc)
                 t = xc - base
                 b = base.astype(np.int64)
                 if self.kind == "linear":
                     offs = [(b, 1 - t), (b + 1, t)]
                 else:
-                    ws = [_cubic_kernel(t + 1, -0.75), _cubic_kernel(t, -0.75),
-                          _cubic_kernel(1 - t, -0.75), _cubic_kernel(2 - t, -0.75)]
+                    ws = [_cubic_kernel(xp, t + 1, -0.75), _cubic_kernel(xp, t, -0.75),
+                          _cubic_kernel(xp, 1 - t, -0.75), _cubic_kernel(xp, 2 - t, -0.75)]
                     offs = [(b + k - 1, ws[k]) for k in range(4)]
             resolved = []
             for idx, w in offs:
                 if self.pad == "zeros":
                     valid = (idx >= 0) & (idx < d)
-                    idx = np.clip(idx, 0, d - 1)
-                    w = valid.astype(cdt) if w is None else np.where(valid, w, 0)
+                    idx = xp.clip(idx, 0, d - 1)
+                    w = valid.astype(cdt) if w is None else xp.where(valid, w, 0)
                 elif self.pad == "border":
-                    idx = np.clip(idx, 0, d - 1)
+                    idx = xp.clip(idx, 0, d - 1)
                 else:
-                    idx = np.clip(_reflect(idx.astype(np.float64), lo, hi).astype(np.int64),
+                    idx = xp.clip(_reflect(xp, idx.astype(np.float64), lo, hi).astype(np.int64),
                                   0, d - 1)
                 resolved.append((idx, w))
             taps_per_dim.append(resolved)
@@ -403,23 +416,26 @@ class GridSample(OpImpl):
         strides = np.cumprod((1,) + tuple(dims[::-1]))[:-1][::-1]
         acc = None
         for combo in np.ndindex(*[len(t) for t in taps_per_dim]):
-            flat = np.zeros((n, m), dtype=np.int64)
+            flat = xp.zeros((n, m), dtype=np.int64)
             weight = None
             for i, k in enumerate(combo):
                 idx, w = taps_per_dim[i][k]
                 flat += idx * int(strides[i])
                 if w is not None:
                     weight = w if weight is None else weight * w
-            vals = np.take_along_axis(xf, flat[:, None, :], axis=2)
+            vals = xp.take_along_axis(xf, flat[:, None, :], axis=2)
             if weight is not None:
                 vals = vals.astype(work_dt, copy=False) * weight[:, None, :].astype(work_dt)
             acc = vals if acc is None else acc + vals
-        return _finish(acc, x.dtype).reshape((n, c) + tuple(out_sp))
+        return _finish(xp, acc, x.dtype).reshape((n, c) + tuple(out_sp))
 
 
 @register("AffineGrid", versions=[20])
 class AffineGrid(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, theta, size):
+        xp = self.xp
         size = [int(s) for s in np.asarray(size).reshape(-1)]
         n = theta.shape[0]
         sp = size[2:]
@@ -430,15 +446,15 @@ class AffineGrid(OpImpl):
 
         def lin(k):
             if self.align_corners:
-                return np.linspace(-1, 1, k) if k > 1 else np.zeros(k)
-            return (np.arange(k, dtype=np.float64) * 2 + 1) / k - 1
+                return xp.linspace(-1, 1, k) if k > 1 else xp.zeros(k)
+            return (xp.arange(k, dtype=np.float64) * 2 + 1) / k - 1
 
         axes = [lin(k) for k in sp]  # D, H, W order
-        mesh = np.meshgrid(*axes, indexing="ij")
+        mesh = xp.meshgrid(*axes, indexing="ij")
         coords = [m.astype(dt) for m in mesh[::-1]]  # x (W), y (H), z (D)
-        base = np.stack(coords + [np.ones(tuple(sp), dtype=dt)], axis=-1)  # (*sp, r+1)
+        base = xp.stack(coords + [xp.ones(tuple(sp), dtype=dt)], axis=-1)  # (*sp, r+1)
         base = base.reshape(-1, r + 1)
-        out = np.einsum("pk,njk->npj", base, theta)
+        out = xp.einsum("pk,njk->npj", base, theta)
         return out.reshape((n,) + tuple(sp) + (r,)).astype(dt, copy=False)
 
 
@@ -447,7 +463,8 @@ class AffineGrid(OpImpl):
 
 
 def _roi_axis_samples(start: float, bin_size: float, out_len: int, grid: int, limit: int):
-    """Bilinear taps for one axis: low/high indices and weights, shape (out_len, grid)."""
+    """Bilinear taps for one axis: low/high indices and weights, shape (out_len, grid), host
+    arrays (from one roi's geometry)."""
     p = np.arange(out_len, dtype=np.float64)[:, None]
     g = np.arange(grid, dtype=np.float64)[None, :]
     y = start + p * bin_size + (g + 0.5) * bin_size / grid
@@ -477,16 +494,18 @@ class RoiAlign(OpImpl):
         self.half_pixel = ct == "half_pixel"
 
     def run(self, x, rois, batch_indices):
+        xp = self.xp
         n, c, h, w = x.shape
         oh, ow = int(self.output_height), int(self.output_width)
         k = rois.shape[0]
         dt = x.dtype
         work_dt = _work_dtype(dt)
-        out = np.zeros((k, c, oh, ow), dtype=work_dt)
+        out = xp.zeros((k, c, oh, ow), dtype=work_dt)
         scale = float(self.spatial_scale)
         off = 0.5 if self.half_pixel else 0.0
-        bidx = np.asarray(batch_indices).reshape(-1).astype(np.int64)
-        rv = np.asarray(rois, dtype=np.float64)
+        # each roi's geometry (sample counts, tap positions) is worked out on the host
+        bidx = _xp.to_host(xp, batch_indices).reshape(-1).astype(np.int64, copy=False)
+        rv = _xp.to_host(xp, rois).astype(np.float64, copy=False)
         for i in range(k):
             b = int(bidx[i])
             if not 0 <= b < n:
@@ -513,18 +532,20 @@ class RoiAlign(OpImpl):
                 cols = np.broadcast_to(np.arange(ow)[:, None], xl.shape)
                 np.add.at(wx, (cols, xl), whx)
                 np.add.at(wx, (cols, xh), wlx)
-                out[i] = np.einsum("ph,chw,qw->cpq", wy.astype(work_dt), img,
-                                   wx.astype(work_dt)) / count
+                out[i] = xp.einsum("ph,chw,qw->cpq", xp.asarray(wy.astype(work_dt)), img,
+                                   xp.asarray(wx.astype(work_dt))) / count
             else:
                 # max over samples of the largest weighted bilinear tap
                 best = None
                 for yi, wyv in ((yl, why), (yh, wly)):
                     for xi, wxv in ((xl, whx), (xh, wlx)):
-                        v = img[:, yi[:, :, None, None], xi[None, None, :, :]]  # c,oh,gh,ow,gw
-                        v = v * (wyv[:, :, None, None] * wxv[None, None, :, :]).astype(work_dt)
-                        best = v if best is None else np.maximum(best, v)
+                        v = img[:, xp.asarray(yi[:, :, None, None]),
+                                xp.asarray(xi[None, None, :, :])]  # c,oh,gh,ow,gw
+                        v = v * xp.asarray((wyv[:, :, None, None] * wxv[None, None, :, :])
+                                           .astype(work_dt))
+                        best = v if best is None else xp.maximum(best, v)
                 out[i] = best.max(axis=(2, 4))
-        return _finish(out, dt)
+        return _finish(xp, out, dt)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -533,8 +554,14 @@ class RoiAlign(OpImpl):
 
 @register("NonMaxSuppression", versions=[10, 11])
 class NonMaxSuppression(OpImpl):
+    shape_inputs = (2, 3, 4)  # the scalar limits
+
     def run(self, boxes, scores, max_output_boxes_per_class=None, iou_threshold=None,
             score_threshold=None):
+        # a greedy, data-dependent selection loop: it runs on the host, on host copies of the
+        # boxes and scores (a no-op on the CPU), and the selected indices go back to `xp`
+        xp = self.xp
+        boxes, scores = _xp.to_host(xp, boxes), _xp.to_host(xp, scores)
         max_out = 0 if max_output_boxes_per_class is None or max_output_boxes_per_class.size == 0 \
             else int(np.asarray(max_output_boxes_per_class).reshape(-1)[0])
         iou_t = 0.0 if iou_threshold is None or iou_threshold.size == 0 \
@@ -578,7 +605,7 @@ class NonMaxSuppression(OpImpl):
                         union = area[b, i] + area[b, rest] - inter
                         iou = np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
                         order = rest[iou <= iou_t]
-        return np.array(selected, dtype=np.int64).reshape(-1, 3)
+        return xp.asarray(np.array(selected, dtype=np.int64).reshape(-1, 3))
 
 
 # ----------------------------------------------------------------------------------------------

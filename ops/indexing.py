@@ -1,9 +1,13 @@
 """Indexing ops: Gather, GatherElements, GatherND, Scatter, ScatterElements, ScatterND,
-TensorScatter, NonZero, OneHot, Compress, ReverseSequence, Unique, TopK, CumSum, CumProd."""
+TensorScatter, NonZero, OneHot, Compress, ReverseSequence, Unique, TopK, CumSum, CumProd.
+
+Kernels compute over `xp = self.xp` (numpy, or cupy on CUDA); the inputs listed in a class's
+`shape_inputs` (TopK's k, CumSum's axis, OneHot's depth and values) are host numpy arrays."""
 from __future__ import annotations
 
 import numpy as np
 
+from ember.ops import _xp
 from ember.ops.registry import OpImpl, register
 
 
@@ -16,26 +20,29 @@ def _norm_axis(op: OpImpl, axis: int, rank: int) -> int:
 
 
 def _scalar_int(value) -> int:
+    """A one-element shape input (host data) as a Python int."""
     return int(np.asarray(value).reshape(-1)[0])
 
 
-def _fix_indices(op: OpImpl, indices: np.ndarray, dim) -> np.ndarray:
+def _fix_indices(xp, op: OpImpl, indices, dim):
     """int64 indices with negatives wrapped; raises on out-of-range values.
-    `dim` is a size or an array of sizes broadcastable to `indices`."""
-    idx = np.asarray(indices).astype(np.int64, copy=False)
+    `dim` is a size, or a tuple of sizes for the last axis of `indices`."""
+    idx = xp.asarray(indices).astype(np.int64, copy=False)
     if idx.size:
-        bad = (idx < -np.asarray(dim)) | (idx >= np.asarray(dim))
-        if bad.any():
-            raise op.fail(f"index {int(idx[bad].reshape(-1)[0])} is out of bounds "
-                          f"(dimension size {dim if np.ndim(dim) == 0 else list(np.ravel(dim))})")
-        if (idx < 0).any():
-            idx = np.where(idx < 0, idx + dim, idx)
+        size = xp.asarray(dim, dtype=np.int64)
+        bad = (idx < -size) | (idx >= size)
+        if _xp.to_host(xp, bad.any()):
+            first = int(_xp.to_host(xp, idx[bad].reshape(-1)[0]))
+            raise op.fail(f"index {first} is out of bounds "
+                          f"(dimension size {dim if np.ndim(dim) == 0 else list(dim)})")
+        if _xp.to_host(xp, (idx < 0).any()):
+            idx = xp.where(idx < 0, idx + size, idx)
     return idx
 
 
-def _along_axis_index(indices: np.ndarray, axis: int) -> tuple:
+def _along_axis_index(xp, indices, axis: int) -> tuple:
     """Index tuple addressing data[i0, .., indices[i], .., in] for every position of indices."""
-    grids = list(np.ogrid[tuple(slice(0, d) for d in indices.shape)]) if indices.ndim else []
+    grids = list(xp.ogrid[tuple(slice(0, d) for d in indices.shape)]) if indices.ndim else []
     grids[axis] = indices
     return tuple(grids)
 
@@ -43,15 +50,16 @@ def _along_axis_index(indices: np.ndarray, axis: int) -> tuple:
 _REDUCERS = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
-def _scatter_into(op: OpImpl, out: np.ndarray, index: tuple, updates: np.ndarray,
-                  reduction: str) -> np.ndarray:
-    updates = np.asarray(updates).astype(out.dtype, copy=False)
+def _scatter_into(xp, op: OpImpl, out, index: tuple, updates, reduction: str):
+    updates = xp.asarray(updates).astype(out.dtype, copy=False)
     if reduction == "none":
         out[index] = updates
         return out
     ufunc = _REDUCERS.get(reduction)
     if ufunc is None:
         raise op.fail(f"unknown reduction '{reduction}'")
+    if xp is not np:
+        return _scatter_reduce(xp, ufunc, out, index, updates)
     try:
         ufunc.at(out, index, updates)
     except TypeError:  # dtypes without ufunc.at loops (ml_dtypes, bool): go through float64/int
@@ -62,14 +70,46 @@ def _scatter_into(op: OpImpl, out: np.ndarray, index: tuple, updates: np.ndarray
     return out
 
 
+def _scatter_reduce(xp, ufunc, out, index: tuple, updates):
+    """`ufunc.at(out, index, updates)` without ufunc.at, which cupy has for add, maximum and
+    minimum on some dtypes only: the updates are sorted by target, each run of equal targets
+    is combined by a segmented scan (log2(n) whole-array steps), and every target then gets
+    its run's total once. `index` holds non-negative int arrays addressing the leading
+    len(index) axes of `out`; `updates` has their broadcast shape + the remaining axes."""
+    lead = out.shape[:len(index)]
+    keys = xp.zeros((), dtype=np.int64)
+    for i, d in zip(index, lead):  # flat position in the leading axes
+        keys = keys * d + i
+    shape = updates.shape[:updates.ndim - (out.ndim - len(index))]
+    keys = xp.broadcast_to(keys, shape).reshape(-1)
+    n = keys.shape[0]
+    if n == 0:
+        return out
+    values = updates.reshape((n, -1))
+    order = xp.argsort(keys)
+    keys, values = keys[order], values[order]
+    step = 1
+    while step < n:  # values[i] <- ufunc over its run's elements i-2*step+1 .. i
+        same = (keys[step:] == keys[:-step])[:, None]
+        values[step:] = xp.where(same, ufunc(values[:-step], values[step:]), values[step:])
+        step *= 2
+    last = xp.ones(n, dtype=bool)
+    last[:-1] = keys[1:] != keys[:-1]
+    flat = out.reshape((int(np.prod(lead, dtype=np.int64)), -1))
+    targets = keys[last]
+    flat[targets] = ufunc(flat[targets], values[last]).astype(out.dtype, copy=False)
+    return flat.reshape(out.shape)
+
+
 # ----------------------------------------------------------------------------- Gather family
 
 @register("Gather", versions=[1, 11, 13])
 class Gather(OpImpl):
     def run(self, data, indices):
+        xp = self.xp
         axis = _norm_axis(self, self.axis, data.ndim)
-        idx = _fix_indices(self, indices, data.shape[axis])
-        return np.take(data, idx, axis=axis)
+        idx = _fix_indices(xp, self, indices, data.shape[axis])
+        return xp.take(data, idx, axis=axis)
 
 
 @register("GatherElements", versions=[11, 13])
@@ -78,11 +118,12 @@ class GatherElements(OpImpl):
         axis = _norm_axis(self, self.axis, data.ndim)
         if indices.ndim != data.ndim:
             raise self.fail(f"indices rank {indices.ndim} differs from data rank {data.ndim}")
-        idx = _fix_indices(self, indices, data.shape[axis])
-        return data[_along_axis_index(idx, axis)]
+        xp = self.xp
+        idx = _fix_indices(xp, self, indices, data.shape[axis])
+        return data[_along_axis_index(xp, idx, axis)]
 
 
-def _gather_nd(op: OpImpl, data: np.ndarray, indices: np.ndarray, b: int) -> np.ndarray:
+def _gather_nd(xp, op: OpImpl, data, indices, b: int):
     if indices.ndim < 1:
         raise op.fail("indices must have rank >= 1")
     k = indices.shape[-1]
@@ -95,8 +136,8 @@ def _gather_nd(op: OpImpl, data: np.ndarray, indices: np.ndarray, b: int) -> np.
     batch = int(np.prod(data.shape[:b], dtype=np.int64))
     d = data.reshape((batch,) + data.shape[b:])
     idx = indices.reshape(batch, -1, k)
-    idx = _fix_indices(op, idx, np.array(data.shape[b:b + k], dtype=np.int64))
-    index = (np.arange(batch)[:, None],) + tuple(idx[..., j] for j in range(k))
+    idx = _fix_indices(xp, op, idx, data.shape[b:b + k])
+    index = (xp.arange(batch)[:, None],) + tuple(idx[..., j] for j in range(k))
     out = d[index]
     return out.reshape(indices.shape[:-1] + data.shape[b + k:])
 
@@ -104,13 +145,13 @@ def _gather_nd(op: OpImpl, data: np.ndarray, indices: np.ndarray, b: int) -> np.
 @register("GatherND", versions=[11])
 class GatherND11(OpImpl):
     def run(self, data, indices):
-        return _gather_nd(self, data, indices, 0)
+        return _gather_nd(self.xp, self, data, indices, 0)
 
 
 @register("GatherND", versions=[12, 13])
 class GatherND12(OpImpl):
     def run(self, data, indices):
-        return _gather_nd(self, data, indices, self.batch_dims)
+        return _gather_nd(self.xp, self, data, indices, self.batch_dims)
 
 
 # ----------------------------------------------------------------------------- Scatter family
@@ -126,8 +167,9 @@ class _ScatterElementsBase(OpImpl):
                             f"{updates.shape}")
         if indices.ndim != data.ndim:
             raise self.fail(f"indices rank {indices.ndim} differs from data rank {data.ndim}")
-        idx = _fix_indices(self, indices, data.shape[axis])
-        return _scatter_into(self, data.copy(), _along_axis_index(idx, axis), updates,
+        xp = self.xp
+        idx = _fix_indices(xp, self, indices, data.shape[axis])
+        return _scatter_into(xp, self, data.copy(), _along_axis_index(xp, idx, axis), updates,
                              self._reduction())
 
 
@@ -172,12 +214,12 @@ class _ScatterNDBase(OpImpl):
         return k
 
     def run(self, data, indices, updates):
+        xp = self.xp
         k = self.check_shapes(data, indices, updates)
-        idx = _fix_indices(self, indices.reshape(-1, k),
-                           np.array(data.shape[:k], dtype=np.int64))
+        idx = _fix_indices(xp, self, indices.reshape(-1, k), data.shape[:k])
         upd = updates.reshape((idx.shape[0],) + data.shape[k:])
         index = tuple(idx[:, j] for j in range(k))
-        return _scatter_into(self, data.copy(), index, upd, self._reduction())
+        return _scatter_into(xp, self, data.copy(), index, upd, self._reduction())
 
 
 @register("ScatterND", versions=[11, 13])
@@ -215,21 +257,22 @@ class TensorScatter(OpImpl):
         if any(p != u for i, (p, u) in enumerate(zip(past.shape, update.shape)) if i != axis):
             raise self.fail(f"update shape {update.shape} does not match past_cache "
                             f"{past.shape} outside axis {axis}")
+        xp = self.xp
         batch, cap, seq = past.shape[0], past.shape[axis], update.shape[axis]
         if write_indices is None:
-            w = np.zeros(batch, dtype=np.int64)
+            w = xp.zeros(batch, dtype=np.int64)
         else:
-            w = np.asarray(write_indices).astype(np.int64).reshape(-1)
+            w = xp.asarray(write_indices).astype(np.int64).reshape(-1)
             if w.shape[0] != batch:
                 raise self.fail(f"write_indices has {w.shape[0]} entries for batch {batch}")
-        pos = w[:, None] + np.arange(seq, dtype=np.int64)[None, :]
+        pos = w[:, None] + xp.arange(seq, dtype=np.int64)[None, :]
         if self.mode == "circular":
             pos %= cap
-        elif seq and ((pos < 0).any() or (pos >= cap).any()):
+        elif seq and _xp.to_host(xp, (pos < 0).any() | (pos >= cap).any()):
             raise self.fail(f"writes past the end of the cache (size {cap})")
         out = past.copy()
-        view = np.moveaxis(out, axis, 1)
-        view[np.arange(batch)[:, None], pos] = np.moveaxis(update, axis, 1)
+        view = xp.moveaxis(out, axis, 1)
+        view[xp.arange(batch)[:, None], pos] = xp.moveaxis(update, axis, 1)
         return out
 
 
@@ -238,16 +281,19 @@ class TensorScatter(OpImpl):
 @register("NonZero", versions=[9, 13])
 class NonZero(OpImpl):
     def run(self, x):
+        xp = self.xp
         if x.ndim == 0:
-            return np.zeros((0, 1 if bool(x) else 0), dtype=np.int64)
+            return xp.zeros((0, 1 if bool(_xp.to_host(xp, x)) else 0), dtype=np.int64)
         mask = x != 0 if x.dtype != object else x.astype(bool)
-        return np.array(np.nonzero(mask), dtype=np.int64).reshape(x.ndim, -1)
+        return xp.stack(xp.nonzero(mask)).astype(np.int64, copy=False).reshape(x.ndim, -1)
 
 
 class _OneHotBase(OpImpl):
     wrap_negative = True
 
     def run(self, indices, depth, values):
+        # depth and values are shape inputs (host arrays); indices is tensor data
+        xp = self.xp
         depth = np.asarray(depth).reshape(-1)[0]
         depth = int(depth)
         if depth < 0:
@@ -255,33 +301,38 @@ class _OneHotBase(OpImpl):
         values = np.asarray(values).reshape(-1)
         if values.shape[0] != 2:
             raise self.fail(f"values must have 2 entries, got {values.shape[0]}")
-        idx = np.asarray(indices)
+        idx = xp.asarray(indices)
         if idx.dtype.kind not in "iub":
-            idx = np.trunc(idx.astype(np.float64))
+            idx = xp.trunc(idx.astype(np.float64))
         idx = idx.astype(np.int64)
         if self.wrap_negative:
-            idx = np.where(idx < 0, idx + depth, idx)
+            idx = xp.where(idx < 0, idx + depth, idx)
         rank = idx.ndim + 1
         axis = _norm_axis(self, self.axis, rank)
-        hot = idx[..., None] == np.arange(depth, dtype=np.int64)
-        hot = np.moveaxis(hot, -1, axis)
-        return np.where(hot, values[1], values[0]).astype(values.dtype, copy=False)
+        hot = idx[..., None] == xp.arange(depth, dtype=np.int64)
+        hot = xp.moveaxis(hot, -1, axis)
+        return xp.where(hot, values[1], values[0]).astype(values.dtype, copy=False)
 
 
 @register("OneHot", versions=[9])
 class OneHot9(_OneHotBase):
+    shape_inputs = (1, 2)
+
     wrap_negative = False
 
 
 @register("OneHot", versions=[11, 28])
 class OneHot11(_OneHotBase):
+    shape_inputs = (1, 2)
+
     pass
 
 
 @register("Compress", versions=[9, 11, 28])
 class Compress(OpImpl):
     def run(self, x, condition):
-        cond = np.asarray(condition).reshape(-1).astype(bool)
+        xp = self.xp
+        cond = xp.asarray(condition).reshape(-1).astype(bool)
         if self.axis is None:
             flat = x.reshape(-1)
             if cond.shape[0] > flat.shape[0]:
@@ -291,7 +342,7 @@ class Compress(OpImpl):
         if cond.shape[0] > x.shape[axis]:
             raise self.fail(f"condition of length {cond.shape[0]} is longer than axis "
                             f"{axis} ({x.shape[axis]})")
-        return np.compress(cond, x, axis=axis)
+        return xp.compress(cond, x, axis=axis)
 
 
 # ----------------------------------------------------------------------------- ReverseSequence
@@ -305,17 +356,19 @@ class ReverseSequence(OpImpl):
         time_axis = _norm_axis(self, self.time_axis, x.ndim)
         if batch_axis == time_axis:
             raise self.fail("batch_axis and time_axis must differ")
-        lens = np.asarray(sequence_lens).astype(np.int64).reshape(-1)
+        xp = self.xp
+        lens = xp.asarray(sequence_lens).astype(np.int64).reshape(-1)
         n_batch, n_time = x.shape[batch_axis], x.shape[time_axis]
         if lens.shape[0] != n_batch:
             raise self.fail(f"sequence_lens has {lens.shape[0]} entries for batch {n_batch}")
-        if (lens < 0).any() or (lens > n_time).any():
-            raise self.fail(f"sequence_lens {lens.tolist()} out of range [0, {n_time}]")
-        t = np.arange(n_time, dtype=np.int64)[None, :]
-        src = np.where(t < lens[:, None], lens[:, None] - 1 - t, t)  # (batch, time)
-        moved = np.moveaxis(x, (batch_axis, time_axis), (0, 1))
-        out = moved[np.arange(n_batch)[:, None], src]
-        return np.ascontiguousarray(np.moveaxis(out, (0, 1), (batch_axis, time_axis)))
+        if _xp.to_host(xp, (lens < 0).any() | (lens > n_time).any()):
+            raise self.fail(f"sequence_lens {_xp.to_host(xp, lens).tolist()} out of range "
+                            f"[0, {n_time}]")
+        t = xp.arange(n_time, dtype=np.int64)[None, :]
+        src = xp.where(t < lens[:, None], lens[:, None] - 1 - t, t)  # (batch, time)
+        moved = xp.moveaxis(x, (batch_axis, time_axis), (0, 1))
+        out = moved[xp.arange(n_batch)[:, None], src]
+        return xp.ascontiguousarray(xp.moveaxis(out, (0, 1), (batch_axis, time_axis)))
 
 
 # ----------------------------------------------------------------------------- Unique
@@ -323,19 +376,20 @@ class ReverseSequence(OpImpl):
 @register("Unique", versions=[11, 28])
 class Unique(OpImpl):
     def run(self, x):
+        xp = self.xp
         if self.axis is None:
             data, axis = x.reshape(-1), None
         else:
             axis = _norm_axis(self, self.axis, x.ndim)
             data = x
-        y, first, inverse, counts = np.unique(data, return_index=True, return_inverse=True,
+        y, first, inverse, counts = xp.unique(data, return_index=True, return_inverse=True,
                                               return_counts=True, axis=axis)
         inverse = inverse.reshape(-1)
         if not self.sorted:
-            order = np.argsort(first, kind="stable")  # unique values by first occurrence
-            rank = np.empty_like(order)
-            rank[order] = np.arange(order.shape[0])
-            y = np.take(y, order, axis=0 if axis is None else axis)
+            order = _stable_argsort(xp, first)  # unique values by first occurrence
+            rank = xp.empty_like(order)
+            rank[order] = xp.arange(order.shape[0])
+            y = xp.take(y, order, axis=0 if axis is None else axis)
             first, counts, inverse = first[order], counts[order], rank[inverse]
         i64 = np.int64
         return (y, first.astype(i64), inverse.astype(i64), counts.astype(i64))
@@ -343,7 +397,15 @@ class Unique(OpImpl):
 
 # ----------------------------------------------------------------------------- TopK
 
-def _topk(op: OpImpl, x: np.ndarray, k: int, axis: int, largest: bool):
+def _stable_argsort(xp, a, axis: int = -1):
+    """`np.argsort(a, axis, kind="stable")`; cupy's argsort is always stable and accepts no
+    `kind`."""
+    if xp is np:
+        return np.argsort(a, axis=axis, kind="stable")
+    return xp.argsort(a, axis=axis)
+
+
+def _topk(xp, op: OpImpl, x, k: int, axis: int, largest: bool):
     axis = _norm_axis(op, axis, x.ndim)
     n = x.shape[axis]
     if not 0 <= k <= n:
@@ -351,39 +413,44 @@ def _topk(op: OpImpl, x: np.ndarray, k: int, axis: int, largest: bool):
     if largest:
         # Stable ascending sort of the reversed axis, read backwards: descending values,
         # ties in ascending original index.
-        rev = np.flip(x, axis=axis)
-        order = np.argsort(rev, axis=axis, kind="stable")
-        order = np.flip(order, axis=axis)
-        idx = (n - 1) - np.take(order, np.arange(k), axis=axis)
+        rev = xp.flip(x, axis=axis)
+        order = _stable_argsort(xp, rev, axis=axis)
+        order = xp.flip(order, axis=axis)
+        idx = (n - 1) - xp.take(order, xp.arange(k), axis=axis)
     else:
-        order = np.argsort(x, axis=axis, kind="stable")
-        idx = np.take(order, np.arange(k), axis=axis)
+        order = _stable_argsort(xp, x, axis=axis)
+        idx = xp.take(order, xp.arange(k), axis=axis)
     idx = idx.astype(np.int64, copy=False)
-    return np.take_along_axis(x, idx, axis=axis), idx
+    return xp.take_along_axis(x, idx, axis=axis), idx
 
 
 @register("TopK", versions=[1])
 class TopK1(OpImpl):
     def run(self, x):
-        return _topk(self, x, self.k, self.axis, True)
+        return _topk(self.xp, self, x, self.k, self.axis, True)
 
 
 @register("TopK", versions=[10])
 class TopK10(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, x, k):
-        return _topk(self, x, _scalar_int(k), self.axis, True)
+        return _topk(self.xp, self, x, _scalar_int(k), self.axis, True)
 
 
 @register("TopK", versions=[11, 24])
 class TopK11(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, x, k):
-        return _topk(self, x, _scalar_int(k), self.axis, bool(self.largest))
+        return _topk(self.xp, self, x, _scalar_int(k), self.axis, bool(self.largest))
 
 
 # ----------------------------------------------------------------------------- CumSum / CumProd
 
-def _cumulative(op: OpImpl, ufunc, identity, x: np.ndarray, axis, exclusive: int,
-                reverse: int) -> np.ndarray:
+def _cumulative(xp, op: OpImpl, accumulate, identity, x, axis, exclusive: int, reverse: int):
+    """`accumulate` is xp.cumsum or xp.cumprod (numpy's add/multiply.accumulate; cupy's
+    ufuncs have no accumulate); `axis` is a shape input (host)."""
     if x.ndim == 0:
         raise op.fail("input must have rank >= 1")
     axis = _norm_axis(op, _scalar_int(axis), x.ndim)
@@ -392,10 +459,10 @@ def _cumulative(op: OpImpl, ufunc, identity, x: np.ndarray, axis, exclusive: int
                                                       >= 4) else np.dtype(np.float32)
     data = x.astype(acc_dtype, copy=False)
     if reverse:
-        data = np.flip(data, axis=axis)
-    out = ufunc.accumulate(data, axis=axis, dtype=acc_dtype)
+        data = xp.flip(data, axis=axis)
+    out = accumulate(data, axis=axis, dtype=acc_dtype)
     if exclusive:
-        shifted = np.empty_like(out)
+        shifted = xp.empty_like(out)
         head = [slice(None)] * x.ndim
         head[axis] = slice(0, 1)
         rest = [slice(None)] * x.ndim
@@ -406,17 +473,23 @@ def _cumulative(op: OpImpl, ufunc, identity, x: np.ndarray, axis, exclusive: int
         shifted[tuple(rest)] = out[tuple(body)]
         out = shifted
     if reverse:
-        out = np.flip(out, axis=axis)
-    return np.ascontiguousarray(out).astype(x.dtype, copy=False)
+        out = xp.flip(out, axis=axis)
+    return xp.ascontiguousarray(out).astype(x.dtype, copy=False)
 
 
 @register("CumSum", versions=[11, 14])
 class CumSum(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, x, axis):
-        return _cumulative(self, np.add, 0, x, axis, self.exclusive, self.reverse)
+        return _cumulative(self.xp, self, self.xp.cumsum, 0, x, axis, self.exclusive,
+                           self.reverse)
 
 
 @register("CumProd", versions=[26])
 class CumProd(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, x, axis):
-        return _cumulative(self, np.multiply, 1, x, axis, self.exclusive, self.reverse)
+        return _cumulative(self.xp, self, self.xp.cumprod, 1, x, axis, self.exclusive,
+                           self.reverse)

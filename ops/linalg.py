@@ -13,30 +13,34 @@ from ember.ops._dtypes import is_narrow_float, widen
 from ember.ops.registry import OpImpl, register
 
 
-def _int_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _magnitude(a) -> float:
+    """max |a| as a Python float (0 for an empty array), read on the host; from the max and
+    the min, so that an integer type's most negative value does not overflow abs."""
+    return max(float(a.max()), -float(a.min())) if a.size else 0.0
+
+
+def _int_matmul(xp, a, b):
     """Exact integer matmul of small-integer operands, as int64."""
     k = a.shape[-1] if a.ndim else 1
-    bound = (np.abs(a).max(initial=0) if a.size else 0) * (np.abs(b).max(initial=0)
-                                                             if b.size else 0)
-    if float(bound) * max(k, 1) < 2.0 ** 52:
-        return np.rint(np.matmul(a.astype(np.float64), b.astype(np.float64))).astype(np.int64)
-    return np.matmul(a.astype(np.int64), b.astype(np.int64))
+    if _magnitude(a) * _magnitude(b) * max(k, 1) < 2.0 ** 52:
+        return xp.rint(xp.matmul(a.astype(np.float64), b.astype(np.float64))).astype(np.int64)
+    return xp.matmul(a.astype(np.int64), b.astype(np.int64))
 
 
-def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """np.matmul keeping the operand dtype, with narrow floats computed in float32."""
+def matmul(xp, a, b):
+    """xp.matmul keeping the operand dtype, with narrow floats computed in float32."""
     dtype = a.dtype
     if dtype.kind in "fc" and not is_narrow_float(dtype):
         if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous and a.shape[-1]:
             # [..., M, K] @ [K, N] as one [(...*M), K] GEMM: one large BLAS call instead of
             # one per batch entry (about 15% faster on transformer projections)
-            return np.matmul(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + b.shape[-1:])
-        return np.matmul(a, b)
+            return xp.matmul(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + b.shape[-1:])
+        return xp.matmul(a, b)
     if dtype.kind in "iu":
         if dtype.itemsize <= 2:
-            return _int_matmul(a, b).astype(dtype)
-        return np.matmul(a, b)
-    return np.matmul(widen(a), widen(b)).astype(dtype)
+            return _int_matmul(xp, a, b).astype(dtype)
+        return xp.matmul(a, b)
+    return xp.matmul(widen(a), widen(b)).astype(dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -48,7 +52,7 @@ class MatMul(OpImpl):
             raise self.fail("MatMul inputs must have rank >= 1")
         if a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
             raise self.fail(f"shapes {a.shape} and {b.shape} are not aligned")
-        return matmul(a, b)
+        return matmul(self.xp, a, b)
 
 
 class _Gemm(OpImpl):
@@ -59,6 +63,7 @@ class _Gemm(OpImpl):
         self.transB = bool(self.transB)
 
     def run(self, a, b, c=None):
+        xp = self.xp
         if a.ndim != 2 or b.ndim != 2:
             raise self.fail(f"Gemm needs 2-D A and B, got shapes {a.shape} and {b.shape}")
         dtype = a.dtype
@@ -69,7 +74,7 @@ class _Gemm(OpImpl):
         if a.shape[1] != b.shape[0]:
             raise self.fail(f"inner dimensions differ: {a.shape} x {b.shape}")
         if dtype.kind in "iu":
-            y = matmul(a, b)
+            y = matmul(xp, a, b)
             if self.alpha == 1.0 and (c is None or self.beta == 1.0):
                 return y if c is None else (y + c).astype(dtype, copy=False)
             yf = self.alpha * y.astype(np.float64)  # non-unit factors: scale in float64
@@ -78,7 +83,7 @@ class _Gemm(OpImpl):
             return yf.astype(dtype)
         narrow = is_narrow_float(dtype)
         wa, wb = widen(a), widen(b)
-        y = np.matmul(wa, wb)
+        y = xp.matmul(wa, wb)
         if self.alpha != 1.0:
             y *= y.dtype.type(self.alpha)
         if c is not None and self.beta != 0.0:
@@ -125,6 +130,7 @@ class Einsum(OpImpl):
             raise self.fail("empty equation")
 
     def run(self, *inputs):
+        xp = self.xp
         if not inputs:
             raise self.fail("Einsum needs at least one input")
         dtype = inputs[0].dtype
@@ -132,10 +138,10 @@ class Einsum(OpImpl):
         if dtype.kind in "iu" and dtype.itemsize < 8:
             work = [x.astype(np.int64) for x in work]
         try:
-            out = np.einsum(self.eq, *work, optimize=len(work) > 1)
+            out = xp.einsum(self.eq, *work, optimize=len(work) > 1)
         except ValueError as exc:
             raise self.fail(f"equation '{self.eq}': {exc}")
-        return np.asarray(out).astype(dtype, copy=False)
+        return xp.asarray(out).astype(dtype, copy=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,8 +151,8 @@ class Det(OpImpl):
     def run(self, x):
         if x.ndim < 2 or x.shape[-1] != x.shape[-2]:
             raise self.fail(f"Det needs square matrices, got shape {x.shape}")
-        w = widen(x)
-        return np.asarray(np.linalg.det(w)).astype(x.dtype, copy=False)
+        xp = self.xp
+        return xp.asarray(xp.linalg.det(widen(x))).astype(x.dtype, copy=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,36 +173,38 @@ class MatMulInteger(OpImpl):
             wa = wa - _per_row(a_zero_point.astype(np.int32), a)
         if b_zero_point is not None:
             wb = wb - b_zero_point.astype(np.int32)
-        return _int_matmul(wa, wb).astype(np.int32)
+        return _int_matmul(self.xp, wa, wb).astype(np.int32)
 
 
-def _saturate_cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def _saturate_cast(xp, x, dtype: np.dtype):
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
-        return np.clip(np.rint(x), info.min, info.max).astype(dtype)
-    # float8 outputs: saturate to the finite range, round to nearest
+        return xp.clip(xp.rint(x), info.min, info.max).astype(dtype)
+    # float8 outputs (host arrays only: cupy has no float8): saturate to the finite range,
+    # round to nearest
     import ml_dtypes
 
     finfo = ml_dtypes.finfo(dtype)
-    return np.clip(x, float(finfo.min), float(finfo.max)).astype(dtype)
+    return xp.clip(x, float(finfo.min), float(finfo.max)).astype(dtype)
 
 
 @register("QLinearMatMul", versions=[10, 21])
 class QLinearMatMul(OpImpl):
     def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point):
+        xp = self.xp
         out_dtype = y_zero_point.dtype
         if a.dtype.kind in "iu" and b.dtype.kind in "iu":
             wa = a.astype(np.int32) - _per_row(a_zero_point.astype(np.int32), a)
             wb = b.astype(np.int32) - b_zero_point.astype(np.int32)
-            acc = _int_matmul(wa, wb).astype(np.float64)
+            acc = _int_matmul(xp, wa, wb).astype(np.float64)
         else:
             wa = a.astype(np.float32) - _per_row(a_zero_point.astype(np.float32), a)
             wb = b.astype(np.float32) - b_zero_point.astype(np.float32)
-            acc = np.matmul(wa.astype(np.float64), wb.astype(np.float64))
+            acc = xp.matmul(wa.astype(np.float64), wb.astype(np.float64))
         # the requantization multiplier a_scale * b_scale / y_scale, in the scales' precision
         sdt = a_scale.dtype if a_scale.dtype in (np.float16, np.float32) else np.float32
         sa = _per_row(a_scale.astype(sdt), a)
         sy = _per_row(y_scale.astype(sdt), a)
         mult = (sa * b_scale.astype(sdt) / sy).astype(np.float64)
         y = acc * mult + _per_row(y_zero_point, a).astype(np.float64)
-        return _saturate_cast(y, out_dtype)
+        return _saturate_cast(xp, y, out_dtype)

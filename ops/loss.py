@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ember.ops import _xp
 from ember.ops.reduction import log_softmax
 from ember.ops._dtypes import widen
 from ember.ops.registry import OpImpl, register
@@ -22,8 +23,9 @@ class _LossBase(OpImpl):
             raise self.fail(f"unknown reduction '{red}'")
         self.red = red
 
-    def nll(self, logp: np.ndarray, target: np.ndarray, weight) -> np.ndarray:
+    def nll(self, logp, target, weight):
         """logp: (N, C, d...) in a working float dtype; returns the reduced loss there."""
+        xp = self.xp
         if logp.ndim < 2:
             raise self.fail(f"input must have shape (N, C, ...), got {logp.shape}")
         n_classes = logp.shape[1]
@@ -34,12 +36,12 @@ class _LossBase(OpImpl):
         if self.ignore_index is not None:
             keep = target != int(self.ignore_index)
         else:
-            keep = np.ones(target.shape, bool)
+            keep = xp.ones(target.shape, bool)
         bad = keep & ((target < 0) | (target >= n_classes))
-        if bad.any():
+        if _xp.to_host(xp, bad.any()):
             raise self.fail(f"target value out of range [0, {n_classes})")
-        safe = np.where(keep, target, 0)
-        picked = np.take_along_axis(logp, safe[:, None], axis=1)[:, 0]
+        safe = xp.where(keep, target, 0)
+        picked = xp.take_along_axis(logp, safe[:, None], axis=1)[:, 0]
         if weight is not None:
             w = weight.astype(logp.dtype)[safe] * keep
         else:
@@ -48,16 +50,16 @@ class _LossBase(OpImpl):
         if self.red == "none":
             return loss
         if self.red == "sum":
-            return np.sum(loss)
+            return xp.sum(loss)
         with np.errstate(divide="ignore", invalid="ignore"):
-            return np.sum(loss) / np.sum(w)
+            return xp.sum(loss) / xp.sum(w)
 
 
 @register("NegativeLogLikelihoodLoss", versions=[12, 13, 22])
 class NegativeLogLikelihoodLoss(_LossBase):
     def run(self, x, target, weight=None):
         work = widen(x)
-        return np.asarray(self.nll(work, target, weight)).astype(x.dtype, copy=False)
+        return self.xp.asarray(self.nll(work, target, weight)).astype(x.dtype, copy=False)
 
 
 @register("SoftmaxCrossEntropyLoss", versions=[12, 13])
@@ -66,8 +68,8 @@ class SoftmaxCrossEntropyLoss(_LossBase):
         work = widen(scores)
         if work.ndim < 2:
             raise self.fail(f"scores must have shape (N, C, ...), got {scores.shape}")
-        logp = log_softmax(work, 1)
-        loss = np.asarray(self.nll(logp, labels, weights)).astype(scores.dtype, copy=False)
+        logp = log_softmax(self.xp, work, 1)
+        loss = self.xp.asarray(self.nll(logp, labels, weights)).astype(scores.dtype, copy=False)
         if self.n_outputs > 1:
             return loss, logp.astype(scores.dtype, copy=False)
         return loss

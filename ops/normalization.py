@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
+from ember.ops import _xp
 from ember.ops.registry import OpImpl, register
 
 
@@ -30,21 +31,23 @@ def _norm_axis(impl: OpImpl, axis: int, rank: int) -> int:
     return a
 
 
-def _mean_var(x: np.ndarray, axes: tuple[int, ...]):
-    mean = np.mean(x, axis=axes, keepdims=True)
+def _mean_var(xp, x, axes: tuple[int, ...]):
+    mean = xp.mean(x, axis=axes, keepdims=True)
     d = x - mean
-    var = np.mean(d * d, axis=axes, keepdims=True)
+    var = xp.mean(d * d, axis=axes, keepdims=True)
     return mean, d, var
 
 
-def _apply(ufunc, y: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """ufunc(y, p), in y (a fresh array) when the result has y's shape and dtype."""
-    if np.result_type(y, p) == y.dtype and np.broadcast_shapes(y.shape, p.shape) == y.shape:
+def _apply(ufunc, y, p):
+    """ufunc(y, p) (an `xp` ufunc), in y (a fresh array) when the result has y's shape and
+    dtype."""
+    if np.result_type(y.dtype, p.dtype) == y.dtype \
+            and np.broadcast_shapes(y.shape, p.shape) == y.shape:
         return ufunc(y, p, out=y)
     return ufunc(y, p)
 
 
-def _channel_shape(param: np.ndarray, rank: int) -> np.ndarray:
+def _channel_shape(param, rank: int):
     """A per-channel vector (C,) shaped to broadcast against (N, C, D1, ...)."""
     return param.reshape((1, -1) + (1,) * (rank - 2))
 
@@ -53,12 +56,12 @@ def _channel_shape(param: np.ndarray, rank: int) -> np.ndarray:
 # BatchNormalization
 
 
-def batchnorm_inference(x, scale, b, mean, var, eps):
+def batchnorm_inference(xp, x, scale, b, mean, var, eps):
     """(x - mean) * scale / sqrt(var + eps) + b (parameters broadcastable to x) as
     x * k + (b - mean * k): one multiply into a fresh array and one add in place."""
-    k = scale / np.sqrt(var + eps)
+    k = scale / xp.sqrt(var + eps)
     shift = (b - mean * k).astype(x.dtype, copy=False)
-    y = np.multiply(x, k.astype(x.dtype, copy=False))
+    y = xp.multiply(x, k.astype(x.dtype, copy=False))
     y += shift
     return y
 
@@ -79,16 +82,17 @@ class BatchNormalization1(OpImpl):
         return p.reshape((1,) + p.shape)
 
     def run(self, x, scale, b, mean, var):
+        xp = self.xp
         dt = x.dtype
-        eps = np.asarray(self.epsilon, dtype=dt)
+        eps = xp.asarray(self.epsilon, dtype=dt)
         s, bb = self._shape(scale, x), self._shape(b, x)
         m, v = self._shape(mean, x), self._shape(var, x)
-        y = batchnorm_inference(x, s, bb, m, v, eps)
+        y = batchnorm_inference(xp, x, s, bb, m, v, eps)
         if self.n_outputs <= 1:
             return y
         axes = tuple(i for i in range(x.ndim) if i != 1) if self.spatial else (0,)
-        bm = np.mean(x, axis=axes)
-        bv = np.var(x, axis=axes)
+        bm = xp.mean(x, axis=axes)
+        bv = xp.var(x, axis=axes)
         mom = self.momentum
         run_mean = (mean * mom + bm.reshape(mean.shape) * (1 - mom)).astype(mean.dtype)
         run_var = (var * mom + bv.reshape(var.shape) * (1 - mom)).astype(var.dtype)
@@ -99,24 +103,25 @@ class BatchNormalization1(OpImpl):
 @register("BatchNormalization", versions=[14, 15])
 class BatchNormalization14(OpImpl):
     def run(self, x, scale, b, mean, var):
+        xp = self.xp
         dt = x.dtype
         rank = x.ndim
         s, bb = _channel_shape(scale, rank), _channel_shape(b, rank)
         if not self.training_mode:
             m, v = _channel_shape(mean, rank), _channel_shape(var, rank)
-            y = batchnorm_inference(x, s, bb, m, v, np.asarray(self.epsilon, dtype=v.dtype))
+            y = batchnorm_inference(xp, x, s, bb, m, v, xp.asarray(self.epsilon, dtype=v.dtype))
             if self.n_outputs > 1:
                 return y, mean, var
             return y
         axes = (0,) + tuple(range(2, rank))
-        bm = np.mean(x, axis=axes, keepdims=True)
+        bm = xp.mean(x, axis=axes, keepdims=True)
         d = x - bm
-        bv = np.mean(d * d, axis=axes, keepdims=True)
-        y = d * (s.astype(dt, copy=False) / np.sqrt(bv + np.asarray(self.epsilon, dtype=dt))) \
+        bv = xp.mean(d * d, axis=axes, keepdims=True)
+        y = d * (s.astype(dt, copy=False) / xp.sqrt(bv + xp.asarray(self.epsilon, dtype=dt))) \
             + bb.astype(dt, copy=False)
         y = y.astype(dt, copy=False)
-        mom = np.asarray(self.momentum, dtype=mean.dtype)
-        one = np.asarray(1, dtype=mean.dtype)
+        mom = xp.asarray(self.momentum, dtype=mean.dtype)
+        one = xp.asarray(1, dtype=mean.dtype)
         run_mean = (mean * mom + bm.reshape(-1).astype(mean.dtype) * (one - mom)).astype(mean.dtype)
         run_var = (var * mom + bv.reshape(-1).astype(var.dtype) * (one - mom)).astype(var.dtype)
         return y, run_mean, run_var
@@ -129,11 +134,12 @@ class BatchNormalization14(OpImpl):
 @register("InstanceNormalization", versions=[1, 6, 22])
 class InstanceNormalization(OpImpl):
     def run(self, x, scale, b):
+        xp = self.xp
         dt = x.dtype
         work = x.astype(np.float32) if dt.itemsize < 4 else x
         axes = tuple(range(2, x.ndim))
-        mean, d, var = _mean_var(work, axes)
-        inv = 1.0 / np.sqrt(var + np.asarray(self.epsilon, dtype=work.dtype))
+        mean, d, var = _mean_var(xp, work, axes)
+        inv = 1.0 / xp.sqrt(var + xp.asarray(self.epsilon, dtype=work.dtype))
         y = d * inv
         y = y * _channel_shape(scale, x.ndim).astype(work.dtype) \
             + _channel_shape(b, x.ndim).astype(work.dtype)
@@ -143,17 +149,18 @@ class InstanceNormalization(OpImpl):
 @register("LayerNormalization", versions=[17])
 class LayerNormalization17(OpImpl):
     def run(self, x, scale, b=None):
+        xp = self.xp
         dt = x.dtype
         axis = _norm_axis(self, self.axis, x.ndim)
         sd = _stash_dtype(self, x)
         work = x.astype(sd, copy=False)
         axes = tuple(range(axis, x.ndim))
-        mean, d, var = _mean_var(work, axes)
-        inv = np.reciprocal(np.sqrt(var + np.asarray(self.epsilon, dtype=sd)))
+        mean, d, var = _mean_var(xp, work, axes)
+        inv = xp.reciprocal(xp.sqrt(var + xp.asarray(self.epsilon, dtype=sd)))
         d *= inv  # d is a fresh array: normalise, scale and shift it in place
-        y = _apply(np.multiply, d.astype(dt, copy=False), scale)
+        y = _apply(xp.multiply, d.astype(dt, copy=False), scale)
         if b is not None:
-            y = _apply(np.add, y, b)
+            y = _apply(xp.add, y, b)
         y = y.astype(dt, copy=False)
         if self.n_outputs == 1:
             return y
@@ -164,6 +171,7 @@ class _GroupNorm(OpImpl):
     per_channel_params = True
 
     def run(self, x, scale, b):
+        xp = self.xp
         dt = x.dtype
         n, c = x.shape[0], x.shape[1]
         g = int(self.num_groups)
@@ -171,12 +179,12 @@ class _GroupNorm(OpImpl):
             raise self.fail(f"num_groups {g} does not divide the {c} channels")
         sd = _stash_dtype(self, x)
         work = x.astype(sd, copy=False).reshape(n, g, -1)
-        mean, d, var = _mean_var(work, (2,))
-        norm = (d / np.sqrt(var + np.asarray(self.epsilon, dtype=sd))).reshape(x.shape)
+        mean, d, var = _mean_var(xp, work, (2,))
+        norm = (d / xp.sqrt(var + xp.asarray(self.epsilon, dtype=sd))).reshape(x.shape)
         norm = norm.astype(dt, copy=False)
         if not self.per_channel_params:
-            scale = np.repeat(scale, c // g)
-            b = np.repeat(b, c // g)
+            scale = xp.repeat(scale, c // g)
+            b = xp.repeat(b, c // g)
         y = norm * _channel_shape(scale, x.ndim) + _channel_shape(b, x.ndim)
         return y.astype(dt, copy=False)
 
@@ -194,12 +202,13 @@ class GroupNormalization21(_GroupNorm):
 @register("RMSNormalization", versions=[23])
 class RMSNormalization23(OpImpl):
     def run(self, x, scale):
+        xp = self.xp
         axis = _norm_axis(self, self.axis, x.ndim)
         sd = _stash_dtype(self, x)
         work = x.astype(sd, copy=False)
         axes = tuple(range(axis, x.ndim))
-        ms = np.mean(work * work, axis=axes, keepdims=True)
-        norm = work / np.sqrt(ms + np.asarray(self.epsilon, dtype=sd))
+        ms = xp.mean(work * work, axis=axes, keepdims=True)
+        norm = work / xp.sqrt(ms + xp.asarray(self.epsilon, dtype=sd))
         y = norm.astype(x.dtype, copy=False).astype(scale.dtype, copy=False) * scale
         return y.astype(scale.dtype, copy=False)
 
@@ -215,32 +224,35 @@ class LpNormalization(OpImpl):
             raise self.fail(f"p must be 1 or 2, got {self.p}")
 
     def run(self, x):
+        xp = self.xp
         axis = _norm_axis(self, self.axis, x.ndim)
         w = x.astype(np.float32) if x.dtype.itemsize < 4 else x
         if self.p == 1:
-            norm = np.sum(np.abs(w), axis=axis, keepdims=True)
+            norm = xp.sum(xp.abs(w), axis=axis, keepdims=True)
         else:
-            norm = np.sqrt(np.sum(w * w, axis=axis, keepdims=True))
+            norm = xp.sqrt(xp.sum(w * w, axis=axis, keepdims=True))
         zero = norm == 0
-        y = w / np.where(zero, np.ones_like(norm), norm)
-        y = np.where(zero, np.zeros_like(y), y)
+        y = w / xp.where(zero, xp.ones_like(norm), norm)
+        y = xp.where(zero, xp.zeros_like(y), y)
         return y.astype(x.dtype, copy=False)
 
 
 @register("MeanVarianceNormalization", versions=[9, 13])
 class MeanVarianceNormalization(OpImpl):
     def run(self, x):
+        xp = self.xp
         rank = x.ndim
         axes = tuple(sorted({a + rank if a < 0 else a for a in self.axes}))
         work = x.astype(np.float32) if x.dtype.itemsize < 4 else x
-        mean, d, var = _mean_var(work, axes)
-        y = d / (np.sqrt(var) + np.asarray(1e-9, dtype=work.dtype))
+        mean, d, var = _mean_var(xp, work, axes)
+        y = d / (xp.sqrt(var) + xp.asarray(1e-9, dtype=work.dtype))
         return y.astype(x.dtype, copy=False)
 
 
 @register("LRN", versions=[1, 13])
 class LRN(OpImpl):
     def run(self, x):
+        xp = self.xp
         size = int(self.size)
         c = x.shape[1]
         lo = (size - 1) // 2
@@ -249,9 +261,9 @@ class LRN(OpImpl):
         # Sum over the channel window [c-lo, c+hi] with a zero-padded cumulative sum.
         pad = [(0, 0)] * x.ndim
         pad[1] = (lo + 1, hi)
-        cs = np.cumsum(np.pad(sq, pad), axis=1)
-        upper = np.take(cs, np.arange(c) + lo + 1 + hi, axis=1)
-        lower = np.take(cs, np.arange(c), axis=1)
+        cs = xp.cumsum(xp.pad(sq, pad), axis=1)
+        upper = xp.take(cs, xp.arange(c) + lo + 1 + hi, axis=1)
+        lower = xp.take(cs, xp.arange(c), axis=1)
         square_sum = upper - lower
         base = self.bias + (self.alpha / size) * square_sum
         y = x / base ** self.beta
@@ -262,10 +274,10 @@ class LRN(OpImpl):
 # Dropout
 
 
-def _dropout_train(impl: OpImpl, x: np.ndarray, ratio: float, mask_dtype):
+def _dropout_train(xp, impl: OpImpl, x, ratio: float, mask_dtype):
     rng = np.random.RandomState(impl.seed) if getattr(impl, "seed", None) is not None \
         else np.random.RandomState()
-    mask = rng.uniform(0, 1.0, x.shape) >= ratio
+    mask = xp.asarray(rng.uniform(0, 1.0, x.shape) >= ratio)  # numpy's generator, on the host
     scale = 1.0 / (1.0 - ratio)
     y = (mask * x * scale).astype(x.dtype, copy=False)
     return y, mask.astype(mask_dtype)
@@ -278,7 +290,7 @@ class Dropout1(OpImpl):
 
     def run(self, x):
         if self.n_outputs > 1:
-            return x, np.ones(x.shape, dtype=x.dtype)
+            return x, self.xp.ones(x.shape, dtype=x.dtype)
         return x
 
 
@@ -288,7 +300,7 @@ class Dropout7(OpImpl):
 
     def run(self, x):
         if self.n_outputs > 1:
-            return x, np.ones(x.shape, dtype=self.mask_dtype or x.dtype)
+            return x, self.xp.ones(x.shape, dtype=self.mask_dtype or x.dtype)
         return x
 
 
@@ -300,13 +312,15 @@ class Dropout10(Dropout7):
 @register("Dropout", versions=[12, 13, 22])
 class Dropout12(OpImpl):
     def run(self, x, ratio=None, training_mode=None):
-        r = 0.5 if ratio is None else float(np.asarray(ratio).reshape(()))
-        training = training_mode is not None and bool(np.asarray(training_mode).reshape(()))
+        xp = self.xp
+        r = 0.5 if ratio is None else float(_xp.to_host(xp, ratio).reshape(()))
+        training = training_mode is not None and \
+            bool(_xp.to_host(xp, training_mode).reshape(()))
         if not training or r == 0:
             if self.n_outputs > 1:
-                return x, np.ones(x.shape, dtype=np.bool_)
+                return x, xp.ones(x.shape, dtype=np.bool_)
             return x
         if not 0 <= r < 1:
             raise self.fail(f"ratio must be in [0, 1), got {r}")
-        y, mask = _dropout_train(self, x, r, np.bool_)
+        y, mask = _dropout_train(xp, self, x, r, np.bool_)
         return (y, mask) if self.n_outputs > 1 else y

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from ember.ops import _xp
 from ember.ops.conv import auto_pads, compute_dtype, ints, out_size, pad_array, tap_slices
 from ember.ops.registry import OpImpl, register
 
@@ -46,7 +47,7 @@ class _WindowPool(OpImpl):
         return kernel, strides, dilations, begin, end, end_eff, outs
 
     @staticmethod
-    def reduce_separable(x, kernel, strides, dilations, begin, outs, combine, fill):
+    def reduce_separable(xp, x, kernel, strides, dilations, begin, outs, combine, fill):
         """Window reduction (max or sum) of the unpadded input, one spatial axis at a time, so a
         k1 x k2 window costs k1 + k2 slice operations instead of k1 * k2. Padding is never
         materialised: each tap only touches the outputs whose input lies inside the tensor,
@@ -72,7 +73,7 @@ class _WindowPool(OpImpl):
                 if spans:
                     acc, owned = acc.copy(), True
             else:
-                acc, owned = np.full(shape, fill, y.dtype), True
+                acc, owned = xp.full(shape, fill, y.dtype), True
             for lo, hi, off in spans:
                 dst = [slice(None)] * y.ndim
                 dst[ax] = slice(lo, hi)
@@ -104,45 +105,47 @@ def _lowest(dtype):
 @register("MaxPool", versions=[1, 8, 10, 11, 12, 22])
 class MaxPool(_WindowPool):
     def run(self, x):
+        xp = self.xp
         kernel, strides, dilations, begin, end, end_eff, outs = self.geometry(x)
         N, C = x.shape[:2]
         in_sp = x.shape[2:]
         want_idx = self.n_outputs > 1
         work = x if x.dtype.kind in "fiu" else x.astype(np.float32)
         if not want_idx:
-            out = self.reduce_separable(work, kernel, strides, dilations, begin, outs,
+            out = self.reduce_separable(xp, work, kernel, strides, dilations, begin, outs,
                                         np.maximum, _lowest(work.dtype))
             return out.astype(x.dtype, copy=False)
-        xp = pad_array(work, begin, end_eff, _lowest(work.dtype))
+        padded = pad_array(xp, work, begin, end_eff, _lowest(work.dtype))
         # with Indices: a tap loop remembering which tap won (the first one on ties)
         out = None
         best = None
         for t, (taps, sl) in enumerate(self.taps(kernel, strides, dilations, outs)):
-            v = xp[sl]
+            v = padded[sl]
             if out is None:
                 out = v.copy()
-                best = np.zeros(out.shape, np.int64)
+                best = xp.zeros(out.shape, np.int64)
                 continue
             better = v > out
-            np.copyto(out, v, where=better)
+            xp.copyto(out, v, where=better)
             best[better] = t
         if out is None:
-            out = np.zeros((N, C, *outs), work.dtype)
+            out = xp.zeros((N, C, *outs), work.dtype)
         out = out.astype(x.dtype, copy=False)
         # flat index (into the unpadded input) of each selected element
-        tap_coords = np.array(list(np.ndindex(*kernel)), np.int64).reshape(-1, len(kernel))
+        tap_coords = xp.asarray(np.array(list(np.ndindex(*kernel)), np.int64)
+                                .reshape(-1, len(kernel)))
         n = len(kernel)
         column_major = int(getattr(self, "storage_order", 0) or 0) == 1
         if column_major:
             sp_strides = [math.prod(in_sp[:i]) for i in range(n)]
         else:
             sp_strides = [math.prod(in_sp[i + 1:]) for i in range(n)]
-        idx = np.arange(N * C, dtype=np.int64).reshape(N, C, *([1] * n)) * math.prod(in_sp)
-        idx = np.broadcast_to(idx, out.shape).copy()
+        idx = xp.arange(N * C, dtype=np.int64).reshape(N, C, *([1] * n)) * math.prod(in_sp)
+        idx = xp.broadcast_to(idx, out.shape).copy()
         for i in range(n):
             shape = [1] * (n + 2)
             shape[2 + i] = outs[i]
-            pos = (np.arange(outs[i], dtype=np.int64) * strides[i] - begin[i]).reshape(shape)
+            pos = (xp.arange(outs[i], dtype=np.int64) * strides[i] - begin[i]).reshape(shape)
             if best is not None:
                 pos = pos + tap_coords[best, i] * dilations[i]
             idx += pos * sp_strides[i]
@@ -152,25 +155,27 @@ class MaxPool(_WindowPool):
 @register("AveragePool", versions=[1, 7, 10, 11, 19, 22])
 class AveragePool(_WindowPool):
     def run(self, x):
+        xp = self.xp
         kernel, strides, dilations, begin, end, end_eff, outs = self.geometry(x)
         include_pad = bool(getattr(self, "count_include_pad", 0) or 0)
-        total = _window_sum(self, x, kernel, strides, dilations, begin, outs)
-        total /= _divisor(x.shape[2:], kernel, strides, dilations, begin, end, outs,
-                          include_pad, total.dtype)
+        total = _window_sum(xp, self, x, kernel, strides, dilations, begin, outs)
+        total /= xp.asarray(_divisor(x.shape[2:], kernel, strides, dilations, begin, end, outs,
+                                     include_pad, total.dtype))
         return total.astype(x.dtype, copy=False)
 
 
-def _window_sum(op, x, kernel, strides, dilations, begin, outs, power=None):
+def _window_sum(xp, op, x, kernel, strides, dilations, begin, outs, power=None):
     dt = compute_dtype(x.dtype)
-    xp = x.astype(dt, copy=False)
+    a = x.astype(dt, copy=False)
     if power is not None:
-        xp = np.abs(xp)
-        xp = xp * xp if power == 2 else (xp if power == 1 else xp ** dt(power))
-    return op.reduce_separable(xp, kernel, strides, dilations, begin, outs, np.add, 0)
+        a = xp.abs(a)
+        a = a * a if power == 2 else (a if power == 1 else a ** dt(power))
+    return op.reduce_separable(xp, a, kernel, strides, dilations, begin, outs, np.add, 0)
 
 
 def _divisor(in_sp, kernel, strides, dilations, begin, end, outs, include_pad, dtype):
-    """Per-window element counts, as a broadcastable array (windows are products of axes)."""
+    """Per-window element counts, as a broadcastable host array (windows are products of
+    axes; it depends on the geometry only)."""
     div = np.ones((1, 1) + (1,) * len(outs), dtype)
     for i, (o, k, s, d, b, e) in enumerate(zip(outs, kernel, strides, dilations, begin, end)):
         starts = np.arange(o) * s - b  # first tap position of each window, in input coordinates
@@ -186,10 +191,11 @@ def _divisor(in_sp, kernel, strides, dilations, begin, end, outs, include_pad, d
 @register("LpPool", versions=[1, 2, 11, 18, 22])
 class LpPool(_WindowPool):
     def run(self, x):
+        xp = self.xp
         kernel, strides, dilations, begin, end, end_eff, outs = self.geometry(x)
         p = float(self.p if self.p is not None else 2)
-        total = _window_sum(self, x, kernel, strides, dilations, begin, outs, power=p)
-        out = np.sqrt(total) if p == 2 else total ** total.dtype.type(1.0 / p)
+        total = _window_sum(xp, self, x, kernel, strides, dilations, begin, outs, power=p)
+        out = xp.sqrt(total) if p == 2 else total ** total.dtype.type(1.0 / p)
         return out.astype(x.dtype, copy=False)
 
 
@@ -219,11 +225,12 @@ class GlobalMaxPool(OpImpl):
 @register("GlobalLpPool", versions=[1, 2, 22])
 class GlobalLpPool(OpImpl):
     def run(self, x):
+        xp = self.xp
         p = float(self.p if self.p is not None else 2)
         dt = compute_dtype(x.dtype)
-        a = np.abs(x.astype(dt, copy=False))
+        a = xp.abs(x.astype(dt, copy=False))
         if p == 2:
-            out = np.sqrt((a * a).sum(axis=_spatial_axes(x), keepdims=True))
+            out = xp.sqrt((a * a).sum(axis=_spatial_axes(x), keepdims=True))
         else:
             out = (a ** dt(p)).sum(axis=_spatial_axes(x), keepdims=True) ** dt(1.0 / p)
         return out.astype(x.dtype, copy=False)
@@ -235,7 +242,10 @@ class GlobalLpPool(OpImpl):
 
 @register("MaxUnpool", versions=[9, 11, 22])
 class MaxUnpool(OpImpl):
+    shape_inputs = (2,)
+
     def run(self, x, indices, output_shape=None):
+        xp = self.xp
         n = x.ndim - 2
         if n < 1 or indices.shape != x.shape:
             raise self.fail(f"input {x.shape} and indices {indices.shape} do not fit together")
@@ -255,19 +265,21 @@ class MaxUnpool(OpImpl):
             target = [N, C] + default
         idx = indices.reshape(-1).astype(np.int64, copy=False)
         default_total = N * C * math.prod(default)
-        if idx.size and (idx.min() < 0 or idx.max() >= max(default_total,
-                                                           math.prod(target))):
-            raise self.fail("an index is out of range")
-        if idx.size == 0 or idx.max() < default_total:
+        if idx.size:
+            # the index range decides the layout: read on the host (one transfer for both)
+            lo, hi = (int(v) for v in _xp.to_host(xp, xp.stack([idx.min(), idx.max()])))
+            if lo < 0 or hi >= max(default_total, math.prod(target)):
+                raise self.fail("an index is out of range")
+        if idx.size == 0 or hi < default_total:
             # indices address the unpooled shape implied by the attributes: scatter there,
             # then place that block at the start of the requested output shape
-            buf = np.zeros(default_total, x.dtype)
+            buf = xp.zeros(default_total, x.dtype)
             buf[idx] = x.reshape(-1)
             buf = buf.reshape([N, C] + default)
-            out = np.zeros(target, x.dtype)
+            out = xp.zeros(target, x.dtype)
             common = tuple(slice(0, min(a, b)) for a, b in zip(target, buf.shape))
             out[common] = buf[common]
             return out
-        out = np.zeros(math.prod(target), x.dtype)
+        out = xp.zeros(math.prod(target), x.dtype)
         out[idx] = x.reshape(-1)
         return out.reshape(target)

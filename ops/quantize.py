@@ -2,13 +2,14 @@
 
 Scales and zero points are per-tensor (a scalar or one-element tensor), per-axis (1-D, one per
 index of `axis`) or blocked (same rank as the input, `block_size` consecutive elements along
-`axis` sharing one entry).
+`axis` sharing one entry). Kernels compute over `xp = self.xp` (numpy, or cupy on CUDA).
 """
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
 
+from ember.ops import _xp
 from ember.ops.registry import OpImpl, register
 from ember.ops.tensor import (SUBBYTE_INTS, cast_array, is_floatlike, is_intlike, onnx_dtype)
 
@@ -36,7 +37,8 @@ class _LinearQuantBase(OpImpl):
 
     def _broadcast(self, p: np.ndarray, x_shape: tuple[int, ...], what: str) -> np.ndarray:
         """`p` (a scale or zero point) reshaped/repeated to broadcast against the input."""
-        p = np.asarray(p)
+        xp = self.xp
+        p = xp.asarray(p)
         rank = len(x_shape)
         if p.ndim == 0 or (p.ndim == 1 and p.size == 1 and self.q_block == 0):
             return p.reshape(())
@@ -63,9 +65,9 @@ class _LinearQuantBase(OpImpl):
         if p.shape[axis] != blocks:
             raise self.fail(f"{what} has {p.shape[axis]} entries on axis {axis}; input dimension "
                             f"{x_shape[axis]} with block_size {self.q_block} needs {blocks}")
-        full = np.repeat(p, self.q_block, axis=axis)
+        full = xp.repeat(p, self.q_block, axis=axis)
         if full.shape[axis] != x_shape[axis]:
-            full = np.take(full, np.arange(x_shape[axis]), axis=axis)
+            full = xp.take(full, xp.arange(x_shape[axis]), axis=axis)
         return full
 
 
@@ -85,6 +87,7 @@ class QuantizeLinear(_LinearQuantBase):
             raise self.fail(f"attribute 'precision': {exc}") from None
 
     def run(self, x, y_scale, y_zero_point=None):
+        xp = self.xp
         if y_zero_point is not None:
             out_dtype = y_zero_point.dtype
             if self.q_output_dtype is not None and self.q_output_dtype != out_dtype:
@@ -99,29 +102,30 @@ class QuantizeLinear(_LinearQuantBase):
             prec = np.dtype(np.float32)  # integer (or exponent-only) scales divide in float
         work = np.float64 if prec == np.float64 else np.float32
 
-        scale = self._broadcast(cast_array(y_scale, prec), x.shape, "y_scale")
+        scale = self._broadcast(cast_array(xp, y_scale, prec), x.shape, "y_scale")
         with np.errstate(all="ignore"):
-            q = cast_array(x, prec) / scale
+            q = cast_array(xp, x, prec) / scale
             q = q.astype(work, copy=False)
             if y_zero_point is not None:
-                zp = self._broadcast(cast_array(y_zero_point, work), x.shape, "y_zero_point")
+                zp = self._broadcast(cast_array(xp, y_zero_point, work), x.shape,
+                                     "y_zero_point")
             else:
                 zp = None
 
             if is_intlike(out_dtype):
                 lo, hi = _int_range(out_dtype)
-                q = np.rint(q)
+                q = xp.rint(q)
                 if zp is not None:
                     q = q + zp
-                q = np.clip(q, lo, hi)
-                q = np.where(np.isnan(q), 0, q)
+                q = xp.clip(q, lo, hi)
+                q = xp.where(xp.isnan(q), 0, q)
                 if out_dtype in SUBBYTE_INTS:
                     return q.astype(np.int8).astype(out_dtype)
                 return q.astype(out_dtype)
             # float8 / float4 / float6 targets: round-to-nearest-even in the cast
             if zp is not None:
                 q = q + zp
-            return cast_array(q, out_dtype, saturate=self.q_saturate)
+            return cast_array(xp, q, out_dtype, saturate=self.q_saturate)
 
 
 @register("QuantizeLinear", versions=[10, 13])
@@ -146,6 +150,7 @@ class QuantizeLinear21(QuantizeLinear):
 
 class DequantizeLinear(_LinearQuantBase):
     def run(self, x, x_scale, x_zero_point=None):
+        xp = self.xp
         if self.q_output_dtype is not None:
             out_dtype = self.q_output_dtype
         elif x_scale.dtype in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16):
@@ -155,22 +160,22 @@ class DequantizeLinear(_LinearQuantBase):
         if x_zero_point is not None and x_zero_point.dtype != x.dtype:
             raise self.fail(f"x_zero_point has type {x_zero_point.dtype}, x has {x.dtype}")
         work = np.float64 if out_dtype == np.float64 else np.float32
-        scale = self._broadcast(cast_array(x_scale, work), x.shape, "x_scale")
+        scale = self._broadcast(cast_array(xp, x_scale, work), x.shape, "x_scale")
         if is_intlike(x.dtype) and x.dtype.itemsize >= 4:
             # 32-bit: subtract exactly before rounding to float
-            diff = cast_array(x, np.int64)
+            diff = cast_array(xp, x, np.int64)
             if x_zero_point is not None:
-                diff = diff - self._broadcast(cast_array(x_zero_point, np.int64), x.shape,
+                diff = diff - self._broadcast(cast_array(xp, x_zero_point, np.int64), x.shape,
                                               "x_zero_point")
             diff = diff.astype(work)
         else:
-            diff = cast_array(x, work)
+            diff = cast_array(xp, x, work)
             if x_zero_point is not None:
-                diff = diff - self._broadcast(cast_array(x_zero_point, work), x.shape,
+                diff = diff - self._broadcast(cast_array(xp, x_zero_point, work), x.shape,
                                               "x_zero_point")
         with np.errstate(all="ignore"):
             y = diff * scale
-        return cast_array(y, out_dtype)
+        return cast_array(xp, y, out_dtype)
 
 
 @register("DequantizeLinear", versions=[10, 13])
@@ -198,10 +203,12 @@ class DynamicQuantizeLinear(OpImpl):
     """uint8 quantisation with scale and zero point computed from the data range (0 included)."""
 
     def run(self, x):
-        x = cast_array(x, np.float32)
-        if x.size:
-            x_min = np.minimum(np.float32(0), np.min(x))
-            x_max = np.maximum(np.float32(0), np.max(x))
+        xp = self.xp
+        x = cast_array(xp, x, np.float32)
+        if x.size:  # the range is read on the host: the scale and zero point are scalars
+            lo, hi = _xp.to_host(xp, xp.stack([xp.min(x), xp.max(x)]))
+            x_min = np.minimum(np.float32(0), lo)
+            x_max = np.maximum(np.float32(0), hi)
         else:
             x_min = x_max = np.float32(0)
         # an all-zero input gives scale 1 (as onnxruntime does) rather than a zero scale
@@ -209,9 +216,9 @@ class DynamicQuantizeLinear(OpImpl):
         with np.errstate(all="ignore"):
             if not np.isfinite(scale):
                 zero_point = np.float32(0)
-                q = np.zeros(x.shape, dtype=np.float32)
+                q = xp.zeros(x.shape, dtype=np.float32)
             else:
                 zero_point = np.clip(np.rint((np.float32(0) - x_min) / scale), 0, 255)
-                q = np.rint(x / scale) + zero_point
-        y = np.clip(q, 0, 255).astype(np.uint8)
-        return y, np.array(scale, dtype=np.float32), np.array(zero_point, dtype=np.uint8)
+                q = xp.rint(x / scale) + zero_point
+        y = xp.clip(q, 0, 255).astype(np.uint8)
+        return y, xp.array(scale, dtype=np.float32), xp.array(zero_point, dtype=np.uint8)

@@ -66,13 +66,13 @@ def _shape_attr(op: OpImpl) -> tuple[int, ...]:
 def _uniform(rng: np.random.Generator, shape, low: float, high: float, dtype) -> np.ndarray:
     work = np.float64 if dtype == np.float64 else np.float32
     values = rng.random(shape, dtype=work) * work(high - low) + work(low)
-    return cast_array(values, dtype)
+    return cast_array(np, values, dtype)
 
 
 def _normal(rng: np.random.Generator, shape, mean: float, scale: float, dtype) -> np.ndarray:
     work = np.float64 if dtype == np.float64 else np.float32
     values = rng.standard_normal(shape, dtype=work) * work(scale) + work(mean)
-    return cast_array(values, dtype)
+    return cast_array(np, values, dtype)
 
 
 @register("RandomUniform", versions=[1, 22])
@@ -124,9 +124,9 @@ class Bernoulli(_RandomOp):
     def run(self, p):
         dtype = self.like_dtype(p)
         # same draw as RandomUniformLike(p) followed by Less(u, p), the op's function body
-        u = cast_array(self.rng.random(p.shape, dtype=np.float64 if p.dtype == np.float64
-                                        else np.float32), p.dtype)
-        return cast_array(u < p, dtype)
+        u = cast_array(np, self.rng.random(p.shape, dtype=np.float64 if p.dtype == np.float64
+                                            else np.float32), p.dtype)
+        return cast_array(np, u < p, dtype)
 
 
 @register("Multinomial", versions=[7, 22])
@@ -145,7 +145,7 @@ class Multinomial(_RandomOp):
         n = int(self.sample_size)
         if n < 1:
             raise self.fail(f"sample_size must be positive, got {n}")
-        logits = cast_array(x, np.float64)
+        logits = cast_array(np, x, np.float64)
         batch, classes = logits.shape
         out = np.zeros((batch, n), dtype=self.out_dtype)
         if classes == 0 or batch == 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ember.ops import _xp
 from ember.ops._dtypes import widen
 from ember.ops.registry import OpImpl, register
 
@@ -30,7 +31,8 @@ def _normalize_axes(axes, rank: int, fail) -> tuple[int, ...]:
 # Reductions
 
 class _Reduce(OpImpl):
-    """Base: subclasses implement `reduce(x, axes, keepdims)` on the original-dtype array,
+    """Base: subclasses implement `reduce(x, axes, keepdims)` on the original-dtype array
+    (computing over `self.xp`),
     `axes` a sorted tuple of non-negative ints; () reduces nothing (a scalar input, or
     noop_with_empty_axes) but still applies the op's elementwise steps."""
 
@@ -56,28 +58,29 @@ class _Reduce(OpImpl):
         return _normalize_axes(self.axes, rank, self.fail)
 
     def run(self, data, axes=None):
+        xp = self.xp
         rank = data.ndim
         axes = self.reduced_axes(rank, axes)
         if rank == 0:
-            out = np.asarray(self.reduce(data, (), True)).reshape(())
+            out = xp.asarray(self.reduce(data, (), True)).reshape(())
         else:
             out = self.reduce(data, axes, self.keepdims)
-        return np.asarray(out).astype(data.dtype, copy=False)
+        return xp.asarray(out).astype(data.dtype, copy=False)
 
     def reduce(self, x, axes, keepdims):  # pragma: no cover
         raise NotImplementedError
 
 
-def _sum(x, axes, keepdims):
+def _sum(xp, x, axes, keepdims):
     if x.dtype.kind in "iub":
-        return np.sum(x, axis=axes, keepdims=keepdims, dtype=x.dtype if x.dtype != bool
+        return xp.sum(x, axis=axes, keepdims=keepdims, dtype=x.dtype if x.dtype != bool
                       else np.int64)
-    return np.sum(x, axis=axes, keepdims=keepdims)
+    return xp.sum(x, axis=axes, keepdims=keepdims)
 
 
 class _ReduceSum(_Reduce):
     def reduce(self, x, axes, keepdims):
-        return _sum(widen(x), axes, keepdims)
+        return _sum(self.xp, widen(x), axes, keepdims)
 
 
 @register("ReduceSum", versions=[1, 11])
@@ -87,13 +90,15 @@ class ReduceSum1(_ReduceSum):
 
 @register("ReduceSum", versions=[13])
 class ReduceSum13(_ReduceSum):
+    shape_inputs = (1,)
+
     axes_from_input = True
 
 
 class _ReduceSumSquare(_Reduce):
     def reduce(self, x, axes, keepdims):
         x = widen(x)
-        return _sum(x * x, axes, keepdims)
+        return _sum(self.xp, x * x, axes, keepdims)
 
 
 @register("ReduceSumSquare", versions=[1, 11, 13])
@@ -103,24 +108,27 @@ class ReduceSumSquare1(_ReduceSumSquare):
 
 @register("ReduceSumSquare", versions=[18])
 class ReduceSumSquare18(_ReduceSumSquare):
+    shape_inputs = (1,)
+
     axes_from_input = True
 
 
 class _ReduceMean(_Reduce):
     def reduce(self, x, axes, keepdims):
+        xp = self.xp
         x = widen(x)
         count = int(np.prod([x.shape[a] for a in axes])) if axes else 1
         if x.dtype.kind in "iu":
-            total = np.sum(x, axis=axes, keepdims=keepdims, dtype=np.int64 if x.dtype.kind == "i"
+            total = xp.sum(x, axis=axes, keepdims=keepdims, dtype=np.int64 if x.dtype.kind == "i"
                            else np.uint64)
             if count == 0:
-                return np.zeros(total.shape, x.dtype)
+                return xp.zeros(total.shape, x.dtype)
             # integer mean rounds toward zero, like C integer division
-            q = np.abs(total) // count
-            return np.where(total < 0, -q, q) if x.dtype.kind == "i" else q
-        total = np.sum(x, axis=axes, keepdims=keepdims)
+            q = xp.abs(total) // count
+            return xp.where(total < 0, -q, q) if x.dtype.kind == "i" else q
+        total = xp.sum(x, axis=axes, keepdims=keepdims)
         if count == 0:
-            return np.full(total.shape, np.nan, x.dtype)
+            return xp.full(total.shape, np.nan, x.dtype)
         return total / x.dtype.type(count)
 
 
@@ -131,15 +139,18 @@ class ReduceMean1(_ReduceMean):
 
 @register("ReduceMean", versions=[18])
 class ReduceMean18(_ReduceMean):
+    shape_inputs = (1,)
+
     axes_from_input = True
 
 
 class _ReduceProd(_Reduce):
     def reduce(self, x, axes, keepdims):
+        xp = self.xp
         x = widen(x)
         if x.dtype.kind in "iu":
-            return np.prod(x, axis=axes, keepdims=keepdims, dtype=x.dtype)
-        return np.prod(x, axis=axes, keepdims=keepdims)
+            return xp.prod(x, axis=axes, keepdims=keepdims, dtype=x.dtype)
+        return xp.prod(x, axis=axes, keepdims=keepdims)
 
 
 @register("ReduceProd", versions=[1, 11, 13])
@@ -149,6 +160,8 @@ class ReduceProd1(_ReduceProd):
 
 @register("ReduceProd", versions=[18])
 class ReduceProd18(_ReduceProd):
+    shape_inputs = (1,)
+
     axes_from_input = True
 
 
@@ -165,13 +178,15 @@ def _extreme(dtype: np.dtype, largest: bool):
 class _ReduceMax(_Reduce):
     def reduce(self, x, axes, keepdims):
         x = widen(x)
-        return np.max(x, axis=axes, keepdims=keepdims, initial=_extreme(x.dtype, False))
+        return _xp.amax(self.xp, x, axis=axes, keepdims=keepdims,
+                        initial=_extreme(x.dtype, False))
 
 
 class _ReduceMin(_Reduce):
     def reduce(self, x, axes, keepdims):
         x = widen(x)
-        return np.min(x, axis=axes, keepdims=keepdims, initial=_extreme(x.dtype, True))
+        return _xp.amin(self.xp, x, axis=axes, keepdims=keepdims,
+                        initial=_extreme(x.dtype, True))
 
 
 @register("ReduceMax", versions=[1, 11, 12, 13])
@@ -181,6 +196,8 @@ class ReduceMax1(_ReduceMax):
 
 @register("ReduceMax", versions=[18, 20])
 class ReduceMax18(_ReduceMax):
+    shape_inputs = (1,)
+
     axes_from_input = True
 
 
@@ -191,12 +208,15 @@ class ReduceMin1(_ReduceMin):
 
 @register("ReduceMin", versions=[18, 20])
 class ReduceMin18(_ReduceMin):
+    shape_inputs = (1,)
+
     axes_from_input = True
 
 
 class _ReduceL1(_Reduce):
     def reduce(self, x, axes, keepdims):
-        return _sum(np.abs(widen(x)), axes, keepdims)
+        xp = self.xp
+        return _sum(xp, xp.abs(widen(x)), axes, keepdims)
 
 
 @register("ReduceL1", versions=[1, 11, 13])
@@ -206,16 +226,19 @@ class ReduceL1_1(_ReduceL1):
 
 @register("ReduceL1", versions=[18])
 class ReduceL1_18(_ReduceL1):
+    shape_inputs = (1,)
+
     axes_from_input = True
 
 
 class _ReduceL2(_Reduce):
     def reduce(self, x, axes, keepdims):
+        xp = self.xp
         x = widen(x)
         if x.dtype.kind in "iu":
-            s = np.sum(x.astype(np.float64) ** 2, axis=axes, keepdims=keepdims)
-            return np.trunc(np.sqrt(s))
-        return np.sqrt(np.sum(x * x, axis=axes, keepdims=keepdims))
+            s = xp.sum(x.astype(np.float64) ** 2, axis=axes, keepdims=keepdims)
+            return xp.trunc(xp.sqrt(s))
+        return xp.sqrt(xp.sum(x * x, axis=axes, keepdims=keepdims))
 
 
 @register("ReduceL2", versions=[1, 11, 13])
@@ -225,17 +248,20 @@ class ReduceL2_1(_ReduceL2):
 
 @register("ReduceL2", versions=[18])
 class ReduceL2_18(_ReduceL2):
+    shape_inputs = (1,)
+
     axes_from_input = True
 
 
 class _ReduceLogSum(_Reduce):
     def reduce(self, x, axes, keepdims):
+        xp = self.xp
         x = widen(x)
         if x.dtype.kind in "iu":
             x = x.astype(np.float64)
-        s = np.sum(x, axis=axes, keepdims=keepdims)
+        s = xp.sum(x, axis=axes, keepdims=keepdims)
         with np.errstate(divide="ignore", invalid="ignore"):
-            return np.log(s)
+            return xp.log(s)
 
 
 @register("ReduceLogSum", versions=[1, 11, 13])
@@ -245,21 +271,24 @@ class ReduceLogSum1(_ReduceLogSum):
 
 @register("ReduceLogSum", versions=[18, 28])
 class ReduceLogSum18(_ReduceLogSum):
+    shape_inputs = (1,)
+
     axes_from_input = True
 
 
 class _ReduceLogSumExp(_Reduce):
     def reduce(self, x, axes, keepdims):
+        xp = self.xp
         x = widen(x)
         if x.dtype.kind in "iu":
             x = x.astype(np.float64)
-        m = np.max(x, axis=axes, keepdims=True, initial=-np.inf)
-        m = np.where(np.isfinite(m), m, np.zeros((), x.dtype))
+        m = _xp.amax(xp, x, axis=axes, keepdims=True, initial=-np.inf)
+        m = xp.where(xp.isfinite(m), m, xp.zeros((), x.dtype))
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            s = np.sum(np.exp(x - m), axis=axes, keepdims=True)
-            out = np.log(s) + m
+            s = xp.sum(xp.exp(x - m), axis=axes, keepdims=True)
+            out = xp.log(s) + m
         if not keepdims:
-            out = np.squeeze(out, axis=axes)
+            out = xp.squeeze(out, axis=axes)
         return out
 
 
@@ -270,6 +299,8 @@ class ReduceLogSumExp1(_ReduceLogSumExp):
 
 @register("ReduceLogSumExp", versions=[18, 28])
 class ReduceLogSumExp18(_ReduceLogSumExp):
+    shape_inputs = (1,)
+
     axes_from_input = True
 
 
@@ -284,23 +315,24 @@ class _ArgReduce(OpImpl):
         self.last = bool(getattr(self, "select_last_index", 0) or 0)
 
     def run(self, data):
+        xp = self.xp
         rank = data.ndim
         if rank == 0:
-            return np.zeros((), np.int64)
+            return xp.zeros((), np.int64)
         axis = int(self.axis)
         if not -rank <= axis < rank:
             raise self.fail(f"axis {axis} is out of range for a tensor of rank {rank}")
         axis %= rank
         x = widen(data)
-        fn = np.argmax if self.largest else np.argmin
+        fn = xp.argmax if self.largest else xp.argmin
         if data.shape[axis] == 0:
             raise self.fail("cannot take ArgMax/ArgMin over an empty axis")
         if self.last:
             n = x.shape[axis]
-            idx = (n - 1) - fn(np.flip(x, axis=axis), axis=axis, keepdims=self.keepdims)
+            idx = (n - 1) - fn(xp.flip(x, axis=axis), axis=axis, keepdims=self.keepdims)
         else:
             idx = fn(x, axis=axis, keepdims=self.keepdims)
-        return np.asarray(idx, dtype=np.int64)
+        return xp.asarray(idx, dtype=np.int64)
 
 
 @register("ArgMax", versions=[1, 11, 12, 13])
@@ -316,33 +348,33 @@ class ArgMin(_ArgReduce):
 # --------------------------------------------------------------------------------------------
 # Softmax family
 
-def softmax(x: np.ndarray, axis: int) -> np.ndarray:
+def softmax(xp, x, axis: int):
     """Numerically stable softmax along `axis`, computed in `x`'s (widened) dtype."""
-    m = np.max(x, axis=axis, keepdims=True)
-    m[~np.isfinite(m)] = 0
+    m = xp.max(x, axis=axis, keepdims=True)
+    m[~xp.isfinite(m)] = 0
     with np.errstate(invalid="ignore"):  # an all -inf (or NaN) row gives NaN, like the spec
-        e = np.subtract(x, m)  # a fresh array: the in-place steps below never touch `x`
-        np.exp(e, out=e)
-        e /= np.sum(e, axis=axis, keepdims=True)
+        e = xp.subtract(x, m)  # a fresh array: the in-place steps below never touch `x`
+        xp.exp(e, out=e)
+        e /= xp.sum(e, axis=axis, keepdims=True)
         return e
 
 
-def log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    m = np.max(x, axis=axis, keepdims=True)
-    m[~np.isfinite(m)] = 0
+def log_softmax(xp, x, axis: int):
+    m = xp.max(x, axis=axis, keepdims=True)
+    m[~xp.isfinite(m)] = 0
     with np.errstate(divide="ignore", invalid="ignore"):
-        shifted = np.subtract(x, m)
-        lse = np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+        shifted = xp.subtract(x, m)
+        lse = xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True))
         shifted -= lse
         return shifted
 
 
-def hardmax(x: np.ndarray, axis: int) -> np.ndarray:
+def hardmax(xp, x, axis: int):
     if x.size == 0:
-        return np.zeros(x.shape, x.dtype)
-    idx = np.argmax(x, axis=axis, keepdims=True)
-    out = np.zeros(x.shape, x.dtype)
-    np.put_along_axis(out, idx, x.dtype.type(1), axis=axis)
+        return xp.zeros(x.shape, x.dtype)
+    idx = xp.argmax(x, axis=axis, keepdims=True)
+    out = xp.zeros(x.shape, x.dtype)
+    xp.put_along_axis(out, idx, x.dtype.type(1), axis=axis)
     return out
 
 
@@ -353,6 +385,7 @@ class _SoftmaxBase(OpImpl):
         raise NotImplementedError
 
     def run(self, x):
+        xp = self.xp
         rank = x.ndim
         axis = int(self.axis)
         if rank == 0:
@@ -366,7 +399,7 @@ class _SoftmaxBase(OpImpl):
         if axis < 0:
             axis += rank
         if x.size == 0:
-            return np.zeros(x.shape, x.dtype)
+            return xp.zeros(x.shape, x.dtype)
         w = widen(x)
         if self.coerce_2d:
             rows = int(np.prod(x.shape[:axis], dtype=np.int64))
@@ -381,7 +414,7 @@ class Softmax1(_SoftmaxBase):
     coerce_2d = True
 
     def fn(self, x, axis):
-        return softmax(x, axis)
+        return softmax(self.xp, x, axis)
 
 
 @register("Softmax", versions=[13])
@@ -394,7 +427,7 @@ class LogSoftmax1(_SoftmaxBase):
     coerce_2d = True
 
     def fn(self, x, axis):
-        return log_softmax(x, axis)
+        return log_softmax(self.xp, x, axis)
 
 
 @register("LogSoftmax", versions=[13])
@@ -407,7 +440,7 @@ class Hardmax1(_SoftmaxBase):
     coerce_2d = True
 
     def fn(self, x, axis):
-        return hardmax(x, axis)
+        return hardmax(self.xp, x, axis)
 
 
 @register("Hardmax", versions=[13])

@@ -27,6 +27,7 @@ import functools
 import importlib
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import onnx
 from onnx import defs
 
@@ -49,7 +50,14 @@ class OpImpl:
     # Attribute names that would shadow members of this class are stored with a trailing "_".
     _reserved = frozenset({"run", "setup", "node", "n_inputs", "n_outputs", "domain", "op_type",
                            "versions", "backend", "version", "attrs", "dtypes", "host_inputs",
-                           "run_on_cpu", "fail", "refuses", "device"})
+                           "run_on_cpu", "fail", "refuses", "device", "xp",
+                           "shape_inputs", "defaults"})
+    # Attribute defaults of ops that have no ONNX schema (com.microsoft contrib ops), as the
+    # op's documentation gives them; ops with a schema take its defaults.
+    defaults: dict[str, Any] = {}
+    # Indices of inputs that are shape data (shapes, axes, pads, repeats, k...): small host
+    # arrays that a device kernel running this op's array code keeps on the host.
+    shape_inputs: tuple[int, ...] = ()
     # Device kernels only: dtypes run natively (None: all), and indices of inputs the kernel
     # wants as host numpy arrays (shapes, axes, pads...) rather than device arrays.
     dtypes: frozenset | None = None
@@ -59,6 +67,9 @@ class OpImpl:
         # The backend instance a device kernel runs on (its context, queue, allocator), bound
         # at plan time; None for CPU kernels.
         self.device = device
+        # The array namespace the kernel computes with: numpy, or the device's (cupy for
+        # CUDA), in the array-API style: kernels call `self.xp.<function>`, never a global.
+        self.xp = np if device is None else device.xp
         self.node = node
         self.version = node.version
         self.n_inputs = len(node.inputs)
@@ -69,10 +80,11 @@ class OpImpl:
         self.setup()
 
     @classmethod
-    def refuses(cls, input_dtypes: list) -> str:
+    def refuses(cls, input_dtypes: list, output_dtypes: list = ()) -> str:
         """For device kernels, at plan time: why this kernel would not run a node whose inputs
-        have these dtypes (None where unknown) natively, or '' if it would. By default the
-        first input's dtype must be one of `dtypes`; kernels with other rules override this."""
+        and outputs have these dtypes (None where unknown) natively, or '' if it would. By
+        default the first input's dtype must be one of `dtypes`; kernels with other rules
+        override this."""
         if cls.dtypes is None or not input_dtypes or input_dtypes[0] is None:
             return ""
         return "" if input_dtypes[0] in cls.dtypes else f"dtype {input_dtypes[0]}"
@@ -90,11 +102,21 @@ class OpImpl:
         backend.fallbacks += 1
         label = self.node.name or (self.node.outputs[0] if self.node.outputs else "")
         backend.fallback_nodes[label] = backend.fallback_nodes.get(label, 0) + 1
-        cpu = lookup(self.domain, self.op_type, self.version, "cpu")
-        result = cpu.run(self, *[backend.to_host(x) for x in inputs])
+        result = self._host_twin().run(*[backend.to_host(x) for x in inputs])
         if isinstance(result, tuple):
             return tuple(backend.to_device(r) for r in result)
         return backend.to_device(result)
+
+    def _host_twin(self) -> "OpImpl":
+        """This node's CPU kernel with this kernel's attributes and set-up state, on numpy."""
+        twin = self.__dict__.get("_twin")
+        if twin is None:
+            cpu = lookup(self.domain, self.op_type, self.version, "cpu")
+            twin = object.__new__(cpu)
+            twin.__dict__.update(self.__dict__)
+            twin.device, twin.xp = None, np
+            self._twin = twin
+        return twin
 
     def fail(self, message: str) -> InvalidModelError:
         """An error about this node's attributes or inputs, naming the node."""
@@ -196,7 +218,8 @@ def bind(node: Node, impl: type[OpImpl], attrs: dict[str, Any], device: Any = No
         raise InvalidModelError(
             f"{node.op_type} node '{node.name or node.outputs[0]}' lacks required attribute(s) "
             f"{', '.join(missing)}")
-    return impl(node, {**defaults, **attrs}, device if impl.backend != "cpu" else None)
+    return impl(node, {**impl.defaults, **defaults, **attrs},
+                device if impl.backend != "cpu" else None)
 
 
 _loaded: set[str] = set()

@@ -14,43 +14,45 @@ from __future__ import annotations
 
 import numpy as np
 
+from ember.ops import _xp
 from ember.ops.registry import OpImpl, register
 
 
 # ---------------------------------------------------------------- activations
-def _sigmoid(x):
+def _sigmoid(xp, x):
     # Numerically stable: exp of a non-positive argument only.
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(x.dtype, copy=False)
+    e = xp.exp(-xp.abs(x))
+    return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(x.dtype, copy=False)
 
 
-def _softplus(x):
-    return (np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))).astype(x.dtype, copy=False)
+def _softplus(xp, x):
+    return (xp.maximum(x, 0) + xp.log1p(xp.exp(-xp.abs(x)))).astype(x.dtype, copy=False)
 
 
-# name (lower case) -> (function(x, alpha, beta), number of alphas used, number of betas used,
-#                       default alpha, default beta); defaults are those of the ONNX ops.
+# name (lower case) -> (function(xp, x, alpha, beta), number of alphas used, number of betas
+#                       used, default alpha, default beta); defaults are those of the ONNX ops.
 _ACTIVATIONS = {
-    "relu": (lambda x, a, b: np.maximum(x, 0), 0, 0, None, None),
-    "tanh": (lambda x, a, b: np.tanh(x), 0, 0, None, None),
-    "sigmoid": (lambda x, a, b: _sigmoid(x), 0, 0, None, None),
-    "affine": (lambda x, a, b: a * x + b, 1, 1, 1.0, 0.0),
-    "leakyrelu": (lambda x, a, b: np.where(x >= 0, x, a * x), 1, 0, 0.01, None),
-    "thresholdedrelu": (lambda x, a, b: np.where(x > a, x, 0), 1, 0, 1.0, None),
-    "scaledtanh": (lambda x, a, b: a * np.tanh(b * x), 1, 1, 1.0, 1.0),
-    "hardsigmoid": (lambda x, a, b: np.clip(a * x + b, 0, 1), 1, 1, 0.2, 0.5),
-    "elu": (lambda x, a, b: np.where(x >= 0, x, a * np.expm1(np.minimum(x, 0))), 1, 0, 1.0, None),
-    "softsign": (lambda x, a, b: x / (1 + np.abs(x)), 0, 0, None, None),
-    "softplus": (lambda x, a, b: _softplus(x), 0, 0, None, None),
+    "relu": (lambda xp, x, a, b: xp.maximum(x, 0), 0, 0, None, None),
+    "tanh": (lambda xp, x, a, b: xp.tanh(x), 0, 0, None, None),
+    "sigmoid": (lambda xp, x, a, b: _sigmoid(xp, x), 0, 0, None, None),
+    "affine": (lambda xp, x, a, b: a * x + b, 1, 1, 1.0, 0.0),
+    "leakyrelu": (lambda xp, x, a, b: xp.where(x >= 0, x, a * x), 1, 0, 0.01, None),
+    "thresholdedrelu": (lambda xp, x, a, b: xp.where(x > a, x, 0), 1, 0, 1.0, None),
+    "scaledtanh": (lambda xp, x, a, b: a * xp.tanh(b * x), 1, 1, 1.0, 1.0),
+    "hardsigmoid": (lambda xp, x, a, b: xp.clip(a * x + b, 0, 1), 1, 1, 0.2, 0.5),
+    "elu": (lambda xp, x, a, b: xp.where(x >= 0, x, a * xp.expm1(xp.minimum(x, 0))), 1, 0,
+            1.0, None),
+    "softsign": (lambda xp, x, a, b: x / (1 + xp.abs(x)), 0, 0, None, None),
+    "softplus": (lambda xp, x, a, b: _softplus(xp, x), 0, 0, None, None),
 }
 
 
-def _make_activation(fn, alpha, beta, dtype):
+def _make_activation(xp, fn, alpha, beta, dtype):
     a = None if alpha is None else dtype.type(alpha)
     b = None if beta is None else dtype.type(beta)
 
     def act(x):
-        return np.asarray(fn(x, a, b), dtype=dtype)
+        return xp.asarray(fn(xp, x, a, b), dtype=dtype)
 
     return act
 
@@ -111,7 +113,7 @@ class _RecurrentBase(OpImpl):
 
     def _activations(self, d, dtype):
         per_dir = len(self.default_activations)
-        return [_make_activation(fn, a, b, dtype)
+        return [_make_activation(self.xp, fn, a, b, dtype)
                 for fn, a, b in self.act_specs[d * per_dir:(d + 1) * per_dir]]
 
     # --- helpers for run
@@ -119,6 +121,7 @@ class _RecurrentBase(OpImpl):
         """Validate and normalise inputs. Returns the output and compute dtypes, X as
         [seq, batch, in], the lengths (None when all are full), the hidden size, and the initial
         states as [dirs, batch, hidden] arrays (None when absent)."""
+        xp = self.xp
         if X.ndim != 3:
             raise self.fail(f"X must have rank 3, got shape {X.shape}")
         out_dtype = X.dtype
@@ -141,9 +144,11 @@ class _RecurrentBase(OpImpl):
         if sequence_lens is None:
             lens = None
         else:
-            lens = np.asarray(sequence_lens).astype(np.int64).reshape(-1)
+            # read on the host: validated here, and the loop bound of the recurrence
+            host_lens = _xp.to_host(xp, sequence_lens)
+            lens = host_lens.astype(np.int64).reshape(-1)
             if lens.shape != (batch,):
-                raise self.fail(f"sequence_lens has shape {np.shape(sequence_lens)}, "
+                raise self.fail(f"sequence_lens has shape {host_lens.shape}, "
                                 f"expected [{batch}]")
             if np.any(lens < 0) or np.any(lens > seq):
                 raise self.fail(f"sequence_lens values must lie in [0, {seq}]")
@@ -159,58 +164,63 @@ class _RecurrentBase(OpImpl):
             if s.shape != (D, batch, H):
                 raise self.fail(f"initial state has shape {s.shape}, expected {(D, batch, H)} "
                                 f"in layout 0 terms")
-            states.append(np.asarray(s, dtype=cdt))
-        return out_dtype, cdt, np.asarray(X, dtype=cdt), lens, H, states
+            states.append(xp.asarray(s, dtype=cdt))
+        return out_dtype, cdt, xp.asarray(X, dtype=cdt), lens, H, states
 
-    @staticmethod
-    def _time_order(seq, batch, lens, reverse):
-        """Per (step, batch) index into the time axis for this direction, or None for identity."""
+    def _time_order(self, seq, batch, lens, reverse):
+        """Per (step, batch) index into the time axis for this direction, or None for identity
+        (`lens` an `xp` array, or None)."""
+        xp = self.xp
         if not reverse:
             return None
-        t = np.arange(seq)[:, None]
+        t = xp.arange(seq)[:, None]
         if lens is None:
-            return np.broadcast_to(seq - 1 - t, (seq, batch))
+            return xp.broadcast_to(seq - 1 - t, (seq, batch))
         L = lens[None, :]
-        return np.where(t < L, L - 1 - t, t)
+        return xp.where(t < L, L - 1 - t, t)
 
     def _finish(self, Ys, finals, out_dtype):
         """Ys: list per direction of [seq, batch, H]; finals: list (per state) of lists per
         direction of [batch, H]. Returns outputs in the node's layout and dtype."""
-        Y = np.stack(Ys, axis=1)                         # [seq, dirs, batch, H]
-        states = [np.stack(f, axis=0) for f in finals]   # [dirs, batch, H]
+        xp = self.xp
+        Y = xp.stack(Ys, axis=1)                         # [seq, dirs, batch, H]
+        states = [xp.stack(f, axis=0) for f in finals]   # [dirs, batch, H]
         if self.lay == 1:
             Y = Y.transpose(2, 0, 1, 3)
             states = [s.transpose(1, 0, 2) for s in states]
-        return tuple(np.ascontiguousarray(a).astype(out_dtype, copy=False)
+        return tuple(xp.ascontiguousarray(a).astype(out_dtype, copy=False)
                      for a in [Y, *states])
 
     def _clip(self, x):
         if self.clip is None:
             return x
         c = float(self.clip)
-        return np.clip(x, -c, c)
+        return self.xp.clip(x, -c, c)
 
     def _run_all(self, X, W, R, B, lens, states, H, cdt, step_fn, n_state):
-        """Run every direction. step_fn(d, xw_t, state, acts, P) -> new state tuple (H first)."""
+        """Run every direction. step_fn(d, xw_t, state, acts, P) -> new state tuple (H first).
+        `lens` is a host array (or None)."""
+        xp = self.xp
         seq, batch, _ = X.shape
+        lens_x = None if lens is None else xp.asarray(lens)  # for the masks, in xp
         Ys, finals = [], [[] for _ in range(n_state)]
         ng = self.n_gates
         for d in range(self.num_directions):
             reverse = self.dir_name == "reverse" or d == 1
-            order = self._time_order(seq, batch, lens, reverse)
-            Xd = X if order is None else X[order, np.arange(batch)[None, :]]
-            Wd = np.asarray(W[d], dtype=cdt)
-            Rt = np.ascontiguousarray(np.asarray(R[d], dtype=cdt).T)   # [H, ng*H]
+            order = self._time_order(seq, batch, lens_x, reverse)
+            Xd = X if order is None else X[order, xp.arange(batch)[None, :]]
+            Wd = xp.asarray(W[d], dtype=cdt)
+            Rt = xp.ascontiguousarray(xp.asarray(R[d], dtype=cdt).T)   # [H, ng*H]
             if B is not None:
-                Wb = np.asarray(B[d, :ng * H], dtype=cdt)
-                Rb = np.asarray(B[d, ng * H:], dtype=cdt)
+                Wb = xp.asarray(B[d, :ng * H], dtype=cdt)
+                Rb = xp.asarray(B[d, ng * H:], dtype=cdt)
             else:
-                Wb = np.zeros(ng * H, cdt)
-                Rb = np.zeros(ng * H, cdt)
+                Wb = xp.zeros(ng * H, cdt)
+                Rb = xp.zeros(ng * H, cdt)
             XW = Xd @ Wd.T                                   # [seq, batch, ng*H]
             acts = self._activations(d, np.dtype(cdt))
-            state = tuple(np.zeros((batch, H), cdt) if s is None else s[d] for s in states)
-            Y = np.zeros((seq, batch, H), cdt)
+            state = tuple(xp.zeros((batch, H), cdt) if s is None else s[d] for s in states)
+            Y = xp.zeros((seq, batch, H), cdt)
             steps = seq if lens is None else int(lens.max(initial=0))
             for t in range(steps):
                 new = step_fn(d, XW[t], Wb, Rt, Rb, state, acts)
@@ -218,11 +228,11 @@ class _RecurrentBase(OpImpl):
                     state = new
                     Y[t] = new[0]
                 else:
-                    m = (t < lens)[:, None]
-                    state = tuple(np.where(m, n, s) for n, s in zip(new, state))
-                    Y[t] = np.where(m, new[0], 0)
+                    m = (t < lens_x)[:, None]
+                    state = tuple(xp.where(m, n, s) for n, s in zip(new, state))
+                    Y[t] = xp.where(m, new[0], 0)
             if order is not None:
-                Y = Y[order, np.arange(batch)[None, :]]      # the permutation is an involution
+                Y = Y[order, xp.arange(batch)[None, :]]      # the permutation is an involution
             Ys.append(Y)
             for i in range(n_state):
                 finals[i].append(state[i])
@@ -312,7 +322,7 @@ class _LSTM(_RecurrentBase):
         D = self.num_directions
         if P is not None and P.shape != (D, 3 * H):
             raise self.fail(f"P has shape {P.shape}, expected [{D}, {3 * H}]")
-        Pc = None if P is None else np.asarray(P, dtype=cdt)
+        Pc = None if P is None else self.xp.asarray(P, dtype=cdt)
         couple = bool(self.input_forget)
 
         def step(d, xw, wb, rt, rb, state, acts):

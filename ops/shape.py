@@ -1,8 +1,10 @@
 """Data movement and shape ops: Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Expand, Tile,
 Concat, Split, Slice, Pad, DepthToSpace, SpaceToDepth, CenterCropPad.
 
-Ops that only reinterpret the layout (Reshape, Flatten, Squeeze, Unsqueeze, Slice) return numpy
+Ops that only reinterpret the layout (Reshape, Flatten, Squeeze, Unsqueeze, Slice) return
 views of their input; kernels never write into their inputs, so sharing memory is safe.
+Kernels compute over `xp = self.xp` (numpy, or cupy on CUDA); shape data (shapes, axes, pads,
+repeats: each class's `shape_inputs`) are host numpy arrays on every backend.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from ember.ops.registry import OpImpl, register
 # ----------------------------------------------------------------------------- helpers
 
 def _ints(value) -> list[int]:
-    """A shape/axes/pads tensor (or attribute list) as a list of Python ints."""
+    """A shape/axes/pads tensor (a shape input: host data) or attribute list, as a list of
+    Python ints."""
     if value is None:
         return []
     return [int(v) for v in np.asarray(value).reshape(-1)]
@@ -74,6 +77,8 @@ class Reshape1(OpImpl):
 
 @register("Reshape", versions=[5, 13, 14, 19, 21, 23, 24, 25])
 class Reshape5(OpImpl):
+    shape_inputs = (1,)
+
     def setup(self):
         self._allowzero = int(getattr(self, "allowzero", 0) or 0)
 
@@ -123,6 +128,8 @@ class Squeeze1(OpImpl):
 
 @register("Squeeze", versions=[13, 21, 23, 24, 25])
 class Squeeze13(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, x, axes=None):
         return _squeeze(self, x, None if axes is None else _ints(axes))
 
@@ -135,6 +142,8 @@ class Unsqueeze1(OpImpl):
 
 @register("Unsqueeze", versions=[13, 21, 23, 24, 25])
 class Unsqueeze13(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, x, axes):
         return _unsqueeze(self, x, _ints(axes))
 
@@ -152,21 +161,22 @@ class Transpose(OpImpl):
                 raise self.fail(f"perm {list(self.perm)} is not a permutation of the "
                                 f"{x.ndim} axes")
         if x.ndim >= 2 and perm == list(range(x.ndim - 2)) + [x.ndim - 1, x.ndim - 2]:
-            return swap_last_axes(x)
+            return swap_last_axes(self.xp, x)
         return x.transpose(perm).copy()  # copy() keeps 0-d arrays 0-d
 
 
 _TRANSPOSE_BLOCK = 64  # rows per block: the block and its transposed image stay in L1/L2
 
 
-def swap_last_axes(x: np.ndarray) -> np.ndarray:
+def swap_last_axes(xp, x):
     """x with its last two axes swapped, as a new C-contiguous array. numpy's copy of a
     transposed view reads one element per cache line on large matrices; copying a band of
     rows at a time is about 8x faster on a 3072x768 weight (an unsimplified model
-    transposes its weights on every run)."""
+    transposes its weights on every run). The banded copy is a CPU cache optimisation: other
+    namespaces copy the whole view at once."""
     rows, cols = x.shape[-2:] if x.ndim >= 2 else (0, 0)
-    if rows < 2 * _TRANSPOSE_BLOCK or cols < 2 * _TRANSPOSE_BLOCK:
-        return np.swapaxes(x, -1, -2).copy()
+    if xp is not np or rows < 2 * _TRANSPOSE_BLOCK or cols < 2 * _TRANSPOSE_BLOCK:
+        return xp.swapaxes(x, -1, -2).copy()
     out = np.empty(x.shape[:-2] + (cols, rows), x.dtype)
     for lo in range(0, rows, _TRANSPOSE_BLOCK):
         band = x[..., lo:lo + _TRANSPOSE_BLOCK, :]
@@ -178,6 +188,8 @@ def swap_last_axes(x: np.ndarray) -> np.ndarray:
 
 @register("Expand", versions=[8, 13])
 class Expand(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, x, shape):
         shape = _ints(shape)
         try:
@@ -186,27 +198,31 @@ class Expand(OpImpl):
             raise self.fail(f"cannot broadcast shape {x.shape} to {shape}") from None
         if target == x.shape:
             return x.copy()
-        return np.broadcast_to(x, target).copy()
+        return self.xp.broadcast_to(x, target).copy()
 
 
 @register("Tile", versions=[1])
 class Tile1(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, x, tiles, axis):
         axis = _norm_axis(self, _scalar_int(axis), x.ndim)
         reps = [1] * x.ndim
         reps[axis] = _scalar_int(tiles)
-        return np.tile(x, reps)
+        return self.xp.tile(x, reps)
 
 
 @register("Tile", versions=[6, 13])
 class Tile6(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, x, repeats):
         reps = _ints(repeats)
         if len(reps) != x.ndim:
             raise self.fail(f"repeats has {len(reps)} entries for a tensor of rank {x.ndim}")
         if any(r < 0 for r in reps):
             raise self.fail(f"negative repeats {reps}")
-        return np.tile(x, reps)
+        return self.xp.tile(x, reps)
 
 
 # ----------------------------------------------------------------------------- Concat
@@ -220,7 +236,7 @@ class Concat(OpImpl):
         axis = 1 if self.axis is None else self.axis
         axis = _norm_axis(self, axis, xs[0].ndim)
         try:
-            return np.concatenate(xs, axis=axis)
+            return self.xp.concatenate(xs, axis=axis)
         except ValueError as exc:
             raise self.fail(f"inputs of shapes {[x.shape for x in xs]} cannot be "
                             f"concatenated on axis {axis}: {exc}") from None
@@ -251,6 +267,8 @@ def _split(op: OpImpl, x: np.ndarray, axis: int, sizes: list[int] | None, n: int
 
 @register("Split", versions=[1])
 class Split1(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, x, split=None):
         sizes = _ints(split) if split is not None else (list(self.split) if self.split else None)
         return _split(self, x, self.axis or 0, sizes, self.n_outputs)
@@ -258,6 +276,8 @@ class Split1(OpImpl):
 
 @register("Split", versions=[2, 11])
 class Split2(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, x):
         return _split(self, x, self.axis, list(self.split) if self.split else None,
                       self.n_outputs)
@@ -265,6 +285,8 @@ class Split2(OpImpl):
 
 @register("Split", versions=[13])
 class Split13(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, x, split=None):
         sizes = _ints(split) if split is not None and np.size(split) else None
         return _split(self, x, self.axis, sizes, self.n_outputs)
@@ -272,6 +294,8 @@ class Split13(OpImpl):
 
 @register("Split", versions=[18])
 class Split18(OpImpl):
+    shape_inputs = (1,)
+
     def setup(self):
         if self.num_outputs is not None and self.num_outputs < 1:
             raise self.fail(f"num_outputs must be positive, got {self.num_outputs}")
@@ -328,13 +352,16 @@ class Slice1(OpImpl):
 
 @register("Slice", versions=[10, 11, 13])
 class Slice10(OpImpl):
+    shape_inputs = (1, 2, 3, 4)
+
     def run(self, x, starts, ends, axes=None, steps=None):
         return _slice(self, x, starts, ends, axes, steps)
 
 
 # ----------------------------------------------------------------------------- Pad
 
-def _pad(op: OpImpl, x: np.ndarray, pads: list[int], mode: str, value, axes=None):
+def _pad(xp, op: OpImpl, x, pads: list[int], mode: str, value, axes=None):
+    """`value` is a host value (an attribute, or the constant_value shape input)."""
     rank = x.ndim
     axes = list(range(rank)) if axes is None else _norm_axes(op, axes, rank)
     if len(pads) != 2 * len(axes):
@@ -359,8 +386,8 @@ def _pad(op: OpImpl, x: np.ndarray, pads: list[int], mode: str, value, axes=None
         else:
             fill = np.asarray(value).reshape(-1)
             fill = fill[0] if fill.size else ("" if x.dtype == object else 0)
-        out = np.empty(shape, dtype=x.dtype)
-        out[...] = np.asarray(fill).astype(x.dtype) if x.dtype != object else fill
+        fill = np.asarray(fill).astype(x.dtype)[()] if x.dtype != object else fill
+        out = xp.full(shape, fill, dtype=x.dtype)
         out[tuple(slice(b, b + d) for b, d in zip(before, x.shape))] = x
         return out
     if mode in ("reflect", "edge", "wrap"):
@@ -369,44 +396,50 @@ def _pad(op: OpImpl, x: np.ndarray, pads: list[int], mode: str, value, axes=None
                 raise op.fail(f"cannot {mode}-pad an empty axis {a}")
             if mode == "reflect" and (before[a] or after[a]) and x.shape[a] == 1:
                 mode_a = "edge"  # reflecting a single element repeats it
-                x = np.pad(x, [(before[a], after[a]) if i == a else (0, 0)
+                x = xp.pad(x, [(before[a], after[a]) if i == a else (0, 0)
                                for i in range(rank)], mode=mode_a)
                 before[a] = after[a] = 0
-        return np.pad(x, list(zip(before, after)), mode=mode)
+        return xp.pad(x, list(zip(before, after)), mode=mode)
     raise op.fail(f"unknown mode '{mode}'")
 
 
 @register("Pad", versions=[1])
 class Pad1(OpImpl):
     def run(self, x):
-        return _pad(self, x, list(self.paddings), self.mode, self.value)
+        return _pad(self.xp, self, x, list(self.paddings), self.mode, self.value)
 
 
 @register("Pad", versions=[2])
 class Pad2(OpImpl):
     def run(self, x):
-        return _pad(self, x, list(self.pads), self.mode, self.value)
+        return _pad(self.xp, self, x, list(self.pads), self.mode, self.value)
 
 
 @register("Pad", versions=[11, 13])
 class Pad11(OpImpl):
+    shape_inputs = (1, 2, 3)
+
     def setup(self):
         if self.mode not in ("constant", "reflect", "edge"):
             raise self.fail(f"unknown mode '{self.mode}'")
 
     def run(self, x, pads, constant_value=None):
-        return _pad(self, x, _ints(pads), self.mode, constant_value)
+        return _pad(self.xp, self, x, _ints(pads), self.mode, constant_value)
 
 
 @register("Pad", versions=[18])
 class Pad18(Pad11):
+    shape_inputs = (1, 2, 3)
+
     def run(self, x, pads, constant_value=None, axes=None):
-        return _pad(self, x, _ints(pads), self.mode, constant_value,
+        return _pad(self.xp, self, x, _ints(pads), self.mode, constant_value,
                     None if axes is None else _ints(axes))
 
 
 @register("Pad", versions=[19, 21, 23, 24, 25])
 class Pad19(Pad18):
+    shape_inputs = (1, 2, 3)
+
     def setup(self):
         if self.mode not in ("constant", "reflect", "edge", "wrap"):
             raise self.fail(f"unknown mode '{self.mode}'")
@@ -471,6 +504,8 @@ class SpaceToDepth(_BlockOp):
 
 @register("CenterCropPad", versions=[18])
 class CenterCropPad(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, x, shape):
         target = _ints(shape)
         axes = list(range(x.ndim)) if self.axes is None else _norm_axes(self, self.axes, x.ndim)
@@ -488,6 +523,6 @@ class CenterCropPad(OpImpl):
             elif t > d:
                 start = (t - d) // 2
                 dst[a] = slice(start, start + d)
-        out = np.zeros(out_shape, dtype=x.dtype)
+        out = self.xp.zeros(out_shape, dtype=x.dtype)
         out[tuple(dst)] = x[tuple(src)]
         return out

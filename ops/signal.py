@@ -1,8 +1,9 @@
 """Signal-processing ops: DFT, STFT, the Blackman / Hamming / Hann windows, MelWeightMatrix.
 
 Complex values travel as real tensors with a trailing dimension of 2 (real, imaginary); a real
-signal has a trailing dimension of 1. Transforms are computed with np.fft in float32 (float64 for
-double inputs) and cast back to the input's dtype.
+signal has a trailing dimension of 1. Transforms are computed with xp.fft (numpy's, or cupy's on
+CUDA) in float32 (float64 for double inputs) and cast back to the input's dtype. Sizes, lengths,
+steps and axes are shape inputs (host arrays, read by `_scalar_int` / `_scalar_float`).
 """
 from __future__ import annotations
 
@@ -47,21 +48,21 @@ def _output_dtype(op: OpImpl, allowed) -> np.dtype:
     return dt
 
 
-def _as_complex(op: OpImpl, x: np.ndarray, name: str):
+def _as_complex(xp, op: OpImpl, x, name: str):
     """[..., 1] real or [..., 2] complex tensor -> (array without the last dim, is_complex)."""
     if x.ndim < 2 or x.shape[-1] not in (1, 2):
         raise op.fail(f"{name} must end in a dimension of 1 (real) or 2 (complex), "
                       f"got shape {x.shape}")
     cdt = _compute_dtype(x.dtype)
-    xc = np.asarray(x, dtype=cdt)
+    xc = xp.asarray(x, dtype=cdt)
     if x.shape[-1] == 1:
         return xc[..., 0], False
     return xc[..., 0] + 1j * xc[..., 1], True
 
 
-def _pack(y: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def _pack(xp, y, dtype: np.dtype):
     """Complex array -> [..., 2] real tensor of `dtype`."""
-    return np.stack((y.real, y.imag), axis=-1).astype(dtype)
+    return xp.stack((y.real, y.imag), axis=-1).astype(dtype)
 
 
 # ---------------------------------------------------------------- DFT
@@ -73,6 +74,7 @@ class _DFT(OpImpl):
             raise self.fail(f"inverse must be 0 or 1, got {self.inverse}")
 
     def _dft(self, x, dft_length, axis):
+        xp = self.xp
         r = x.ndim
         if r < 2:
             raise self.fail(f"input must have rank >= 2, got shape {x.shape}")
@@ -80,7 +82,7 @@ class _DFT(OpImpl):
         if not 0 <= a <= r - 2:
             raise self.fail(f"axis {axis} out of range for input of rank {r} (the last "
                             "dimension holds real/imaginary parts)")
-        sig, is_complex = _as_complex(self, x, "input")
+        sig, is_complex = _as_complex(xp, self, x, "input")
         if self.onesided and self.inverse and not is_complex:
             raise self.fail("an inverse one-sided DFT (IRFFT) needs complex input (last dim 2)")
         if self.onesided and not self.inverse and is_complex:
@@ -95,20 +97,22 @@ class _DFT(OpImpl):
                 n = 2 * (sig.shape[a] - 1)
                 if n <= 0:
                     raise self.fail("IRFFT needs at least 2 frequency bins to infer dft_length")
-            y = np.fft.irfft(sig, n=n, axis=a)
+            y = xp.fft.irfft(sig, n=n, axis=a)
             return y[..., None].astype(x.dtype)
         if self.inverse:
-            y = np.fft.ifft(sig, n=n, axis=a)
+            y = xp.fft.ifft(sig, n=n, axis=a)
         elif self.onesided:
-            y = np.fft.rfft(sig, n=n, axis=a)
+            y = xp.fft.rfft(sig, n=n, axis=a)
         else:
-            y = np.fft.fft(sig, n=n, axis=a)
-        return _pack(y, x.dtype)
+            y = xp.fft.fft(sig, n=n, axis=a)
+        return _pack(xp, y, x.dtype)
 
 
 @register("DFT", versions=[17])
 class DFT17(_DFT):
     """The axis is an attribute (default 1)."""
+
+    shape_inputs = (1,)  # dft_length
 
     def run(self, x, dft_length=None):
         return self._dft(x, dft_length, int(self.axis))
@@ -118,6 +122,8 @@ class DFT17(_DFT):
 class DFT20(_DFT):
     """The axis is an optional scalar input (default -2)."""
 
+    shape_inputs = (1, 2)  # dft_length, axis
+
     def run(self, x, dft_length=None, axis=None):
         a = -2 if axis is None else _scalar_int(self, axis, "axis")
         return self._dft(x, dft_length, a)
@@ -126,14 +132,17 @@ class DFT20(_DFT):
 # ---------------------------------------------------------------- STFT
 @register("STFT", versions=[17])
 class STFT17(OpImpl):
+    shape_inputs = (1, 3)  # frame_step, frame_length
+
     def setup(self):
         if self.onesided not in (0, 1):
             raise self.fail(f"onesided must be 0 or 1, got {self.onesided}")
 
     def run(self, signal, frame_step, window=None, frame_length=None):
+        xp = self.xp
         if signal.ndim != 3:
             raise self.fail(f"signal must have rank 3 [batch, length, 1|2], got {signal.shape}")
-        sig, is_complex = _as_complex(self, signal, "signal")      # [batch, length]
+        sig, is_complex = _as_complex(xp, self, signal, "signal")  # [batch, length]
         length = sig.shape[1]
         step = _scalar_int(self, frame_step, "frame_step")
         if step <= 0:
@@ -151,23 +160,24 @@ class STFT17(OpImpl):
         if fl <= 0 or fl > length:
             raise self.fail(f"frame_length {fl} must lie in [1, signal length {length}]")
         n_frames = (length - fl) // step + 1
-        idx = np.arange(n_frames)[:, None] * step + np.arange(fl)[None, :]
+        idx = xp.arange(n_frames)[:, None] * step + xp.arange(fl)[None, :]
         frames = sig[:, idx]                                          # [batch, frames, fl]
         if window is not None:
-            frames = frames * np.asarray(window, dtype=_compute_dtype(signal.dtype))
+            frames = frames * xp.asarray(window, dtype=_compute_dtype(signal.dtype))
         if self.onesided and not is_complex:
-            y = np.fft.rfft(frames, axis=-1)
+            y = xp.fft.rfft(frames, axis=-1)
         else:
-            y = np.fft.fft(frames, axis=-1)
+            y = xp.fft.fft(frames, axis=-1)
             if self.onesided:  # the spec says impossible for complex input; keep the first half
                 y = y[..., :fl // 2 + 1]                # as onnxruntime does
-        return _pack(y, signal.dtype)
+        return _pack(xp, y, signal.dtype)
 
 
 # ---------------------------------------------------------------- windows
 class _Window(OpImpl):
     # Cosine-sum coefficients: w[n] = sum_k a_k cos(2 pi k n / N)
     coefficients: tuple[float, ...] = ()
+    shape_inputs = (0,)  # size
 
     def setup(self):
         if self.periodic not in (0, 1):
@@ -175,20 +185,21 @@ class _Window(OpImpl):
         self.out_dtype = _output_dtype(self, _NUMERIC_OUT)
 
     def run(self, size):
+        xp = self.xp
         n = _scalar_int(self, size, "size")
         if n < 0:
             raise self.fail(f"size must be non-negative, got {n}")
         denom = n if self.periodic else n - 1
         if denom <= 0:  # a symmetric window of one point: [1], as numpy / scipy (not 0/0)
-            return np.ones(n, dtype=self.out_dtype)
-        phase = np.arange(n, dtype=np.float64) * (2.0 * np.pi / denom)
-        w = np.zeros(n, dtype=np.float64)
+            return xp.ones(n, dtype=self.out_dtype)
+        phase = xp.arange(n, dtype=np.float64) * (2.0 * np.pi / denom)
+        w = xp.zeros(n, dtype=np.float64)
         for j, a in enumerate(self.coefficients):
-            w += a * np.cos(j * phase)
+            w += a * xp.cos(j * phase)
         if self.out_dtype.kind in "iu":
             # Values lie in [0, 1] and truncate; a peak of exactly 1 must not become 0 through
             # rounding noise (onnxruntime gives 1 there too).
-            w = np.floor(w + 1e-9)
+            w = xp.floor(w + 1e-9)
         return w.astype(self.out_dtype)
 
 
@@ -217,10 +228,13 @@ class MelWeightMatrix17(OpImpl):
     floor((dft_length + 1) * f / sample_rate).
     """
 
+    shape_inputs = (0, 1, 2, 3, 4)  # every input is a scalar read on the host
+
     def setup(self):
         self.out_dtype = _output_dtype(self, _NUMERIC_OUT)
 
     def run(self, num_mel_bins, dft_length, sample_rate, lower_edge_hertz, upper_edge_hertz):
+        xp = self.xp
         n_mel = _scalar_int(self, num_mel_bins, "num_mel_bins")
         n_fft = _scalar_int(self, dft_length, "dft_length")
         rate = _scalar_int(self, sample_rate, "sample_rate")
@@ -240,12 +254,13 @@ class MelWeightMatrix17(OpImpl):
         if edges[0] < 0 or edges[-1] >= n_spec:
             raise self.fail(f"upper_edge_hertz {high} puts a mel filter past the last of the "
                             f"{n_spec} spectrogram bins (dft_length {n_fft}, sample_rate {rate})")
+        edges = xp.asarray(edges)  # the band edges (host, checked above) meet xp's arrays
         left, center, right = edges[:-2], edges[1:-1], edges[2:]       # one per mel bin
-        j = np.arange(n_spec, dtype=np.int64)[:, None]
-        rise_den = np.maximum(center - left, 1)
-        rise = np.where((j >= left) & (j <= center),
-                        np.where(center > left, (j - left) / rise_den, 1.0), 0.0)
-        fall_den = np.maximum(right - center, 1)
+        j = xp.arange(n_spec, dtype=np.int64)[:, None]
+        rise_den = xp.maximum(center - left, 1)
+        rise = xp.where((j >= left) & (j <= center),
+                        xp.where(center > left, (j - left) / rise_den, 1.0), 0.0)
+        fall_den = xp.maximum(right - center, 1)
         fall_mask = (j >= center) & (j < right)
-        w = np.where(fall_mask, (right - j) / fall_den, rise)
+        w = xp.where(fall_mask, (right - j) / fall_den, rise)
         return w.astype(self.out_dtype)

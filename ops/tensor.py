@@ -102,8 +102,9 @@ def is_floatlike(dtype: np.dtype) -> bool:
 # casting
 
 
-def cast_array(x, to, saturate: bool = True, round_mode: str = "up") -> np.ndarray:
-    """`x` converted to dtype `to` with ONNX Cast semantics.
+def cast_array(xp, x, to, saturate: bool = True, round_mode: str = "up"):
+    """`x` converted to dtype `to` with ONNX Cast semantics, over the array namespace `xp`
+    (numpy, or cupy for device arrays; strings and ml_dtypes exist on the host only).
 
     - float8 (E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ): round to nearest even; with `saturate`, values
       beyond the largest finite value (infinities included) clamp to it, otherwise they become
@@ -114,7 +115,7 @@ def cast_array(x, to, saturate: bool = True, round_mode: str = "up") -> np.ndarr
       numbers format as the shortest representation that round-trips.
     The input is never modified; the result may be the input itself when no conversion is needed.
     """
-    x = np.asarray(x)
+    x = xp.asarray(x)
     to = np.dtype(to)
     src = x.dtype
     if is_string(to):
@@ -129,7 +130,7 @@ def cast_array(x, to, saturate: bool = True, round_mode: str = "up") -> np.ndarr
         src = x.dtype
     with np.errstate(all="ignore"):
         if to == FLOAT8E8M0:
-            return _to_e8m0(_as_float32(x), saturate, round_mode)
+            return _to_e8m0(xp, _as_float32(x), saturate, round_mode)
         if to in FLOAT8_SATURATING and saturate:
             if src.kind == "f":
                 xf = x
@@ -138,7 +139,7 @@ def cast_array(x, to, saturate: bool = True, round_mode: str = "up") -> np.ndarr
             else:
                 xf = _as_float32(x)
             limit = float(ml_dtypes.finfo(to).max)
-            return np.clip(xf, -limit, limit).astype(to)
+            return xp.clip(xf, -limit, limit).astype(to)
         if src in ML_FLOATS and to.kind in "iu":
             # through float32 so NaN/out-of-range behave as they do for float32 inputs
             x = x.astype(np.float32)
@@ -169,11 +170,11 @@ def _as_float32(x: np.ndarray) -> np.ndarray:
         return x.astype(mid).astype(np.float32)
 
 
-def _to_e8m0(x: np.ndarray, saturate: bool, round_mode: str) -> np.ndarray:
+def _to_e8m0(xp, x, saturate: bool, round_mode: str):
     """float32 -> float8e8m0 (a bare biased exponent: 2**(e-127), 0xFF is NaN)."""
     if round_mode not in ("up", "down", "nearest"):
         raise ValueError(f"round_mode must be 'up', 'down' or 'nearest', got '{round_mode}'")
-    bits = np.array(x, dtype=np.float32, order="C").view(np.uint32)
+    bits = xp.array(x, dtype=np.float32, order="C").view(np.uint32)
     exponent = ((bits >> 23) & 0xFF).astype(np.int32)
     mantissa = bits & 0x7FFFFF
     nan = (exponent == 0xFF) & (mantissa != 0)
@@ -187,14 +188,15 @@ def _to_e8m0(x: np.ndarray, saturate: bool, round_mode: str) -> np.ndarray:
         exponent = exponent + (guard & (rest | (exponent > 0)))
     overflow = (exponent > 0xFE) & ~nan & ~inf
     if saturate:
-        exponent = np.where(overflow | inf, 0xFE, exponent)
+        exponent = xp.where(overflow | inf, 0xFE, exponent)
     else:
-        exponent = np.where(overflow | inf | (x == 0), 0xFF, exponent)
-    exponent = np.where(nan, 0xFF, exponent)
+        exponent = xp.where(overflow | inf | (x == 0), 0xFF, exponent)
+    exponent = xp.where(nan, 0xFF, exponent)
     return exponent.astype(np.uint8).view(FLOAT8E8M0)
 
 
 def _to_strings(x: np.ndarray) -> np.ndarray:
+    """Host only: cupy has no string arrays."""
     src = x.dtype
     if src in ML_FLOATS:
         x = x.astype(np.float32)
@@ -210,7 +212,7 @@ _SPECIAL_FLOATS = {"nan": math.nan, "+nan": math.nan, "-nan": math.nan,
 
 def _from_strings(x: np.ndarray, to: np.dtype) -> np.ndarray:
     """Strings parsed into float64, or int64 when the target is an integer type and every
-    string is an integer literal (so large 64-bit values survive)."""
+    string is an integer literal (so large 64-bit values survive). Host only."""
     text = np.asarray(x, dtype=object).astype(np.str_)
     text = np.asarray(np.char.strip(text)).reshape(text.shape)
     if to == np.bool_:
@@ -266,13 +268,13 @@ class Cast(_CastBase):
         self.dtype = self._target(self.to)
 
     def run(self, x):
-        return cast_array(x, self.dtype)
+        return cast_array(self.xp, x, self.dtype)
 
 
 @register("Cast", versions=[19, 21, 23])
 class Cast19(Cast):
     def run(self, x):
-        return cast_array(x, self.dtype, saturate=bool(self.saturate))
+        return cast_array(self.xp, x, self.dtype, saturate=bool(self.saturate))
 
 
 @register("Cast", versions=[24, 25, 28])
@@ -284,25 +286,26 @@ class Cast24(Cast):
                             f"got '{self.round_mode}'")
 
     def run(self, x):
-        return cast_array(x, self.dtype, saturate=bool(self.saturate), round_mode=self.round_mode)
+        return cast_array(self.xp, x, self.dtype, saturate=bool(self.saturate),
+                          round_mode=self.round_mode)
 
 
 @register("CastLike", versions=[15])
 class CastLike(OpImpl):
     def run(self, x, target_type):
-        return cast_array(x, target_type.dtype)
+        return cast_array(self.xp, x, target_type.dtype)
 
 
 @register("CastLike", versions=[19, 21, 23])
 class CastLike19(OpImpl):
     def run(self, x, target_type):
-        return cast_array(x, target_type.dtype, saturate=bool(self.saturate))
+        return cast_array(self.xp, x, target_type.dtype, saturate=bool(self.saturate))
 
 
 @register("CastLike", versions=[24, 25])
 class CastLike24(OpImpl):
     def run(self, x, target_type):
-        return cast_array(x, target_type.dtype, saturate=bool(self.saturate),
+        return cast_array(self.xp, x, target_type.dtype, saturate=bool(self.saturate),
                           round_mode=self.round_mode)
 
 
@@ -400,6 +403,8 @@ def _shape_from(shape, op: OpImpl) -> tuple[int, ...]:
 
 @register("ConstantOfShape", versions=[9, 20, 21, 23, 24, 25])
 class ConstantOfShape(OpImpl):
+    shape_inputs = (0,)
+
     def setup(self):
         if self.value is None:
             self.fill = np.zeros((), dtype=np.float32)
@@ -411,9 +416,7 @@ class ConstantOfShape(OpImpl):
 
     def run(self, shape):
         dims = _shape_from(shape, self)
-        out = np.empty(dims, dtype=self.fill.dtype)
-        out[...] = self.fill
-        return out
+        return self.xp.full(dims, self.fill[()], dtype=self.fill.dtype)
 
 
 @register("EyeLike", versions=[9, 22])
@@ -427,12 +430,13 @@ class EyeLike(OpImpl):
                 raise self.fail(f"attribute 'dtype': {exc}") from None
 
     def run(self, x):
+        xp = self.xp
         if x.ndim != 2:
             raise self.fail(f"input must be 2-D, got shape {x.shape}")
         dtype = self.out_dtype if self.out_dtype is not None else x.dtype
         n, m = x.shape
-        eye = np.eye(n, m, k=int(self.k), dtype=np.uint8)
-        return cast_array(eye, dtype) if dtype != np.uint8 else eye
+        eye = xp.eye(n, m, k=int(self.k), dtype=np.uint8)
+        return cast_array(xp, eye, dtype) if dtype != np.uint8 else eye
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,9 +452,13 @@ def _scalar(v, name: str, op: OpImpl) -> np.ndarray:
 
 @register("Range", versions=[11])
 class Range(OpImpl):
+    shape_inputs = (0, 1, 2)
+
     stash_float = True
 
     def run(self, start, limit, delta):
+        # start, limit and delta are shape inputs (host arrays); the result is made with xp
+        xp = self.xp
         start = _scalar(start, "start", self)
         limit = _scalar(limit, "limit", self)
         delta = _scalar(delta, "delta", self)
@@ -460,24 +468,27 @@ class Range(OpImpl):
             if d == 0:
                 raise self.fail("delta must not be zero")
             n = max(-((s - l) // d), 0)  # ceil((l - s) / d) with exact integers
-            return (s + np.arange(n, dtype=np.int64) * d).astype(dtype)
+            return (s + xp.arange(n, dtype=np.int64) * d).astype(dtype)
         s, l, d = (float(np.asarray(v, dtype=np.float64)) for v in (start, limit, delta))
         if d == 0:
             raise self.fail("delta must not be zero")
         n = max(int(math.ceil((l - s) / d)), 0) if math.isfinite((l - s) / d) else 0
         if dtype in (np.float16, BFLOAT16) and not self.stash_float:
-            # accumulate in the input type: out[i] = out[i-1] + delta
+            # accumulate in the input type: out[i] = out[i-1] + delta, sequentially on the host
+            # (the inputs are host scalars; a device scan would round in another order)
             steps = np.full(n, delta, dtype=dtype)
             if n:
                 steps[0] = start
-            return np.add.accumulate(steps, dtype=dtype) if n else steps
+            return xp.asarray(np.add.accumulate(steps, dtype=dtype) if n else steps)
         work = np.float64 if dtype == np.float64 else np.float32
-        out = work(s) + np.arange(n, dtype=work) * work(d)
+        out = work(s) + xp.arange(n, dtype=work) * work(d)
         return out.astype(dtype, copy=False)
 
 
 @register("Range", versions=[27])
 class Range27(Range):
+    shape_inputs = (0, 1, 2)
+
     def setup(self):
         self.stash_float = self.stash_type == TensorProto.FLOAT
 
@@ -522,13 +533,16 @@ class Size(OpImpl):
 
 @register("Trilu", versions=[14])
 class Trilu(OpImpl):
+    shape_inputs = (1,)
+
     def run(self, x, k=None):
         if x.ndim < 2:
             raise self.fail(f"input must have rank >= 2, got shape {x.shape}")
-        kk = 0 if k is None else int(_scalar(k, "k", self))
+        xp = self.xp
+        kk = 0 if k is None else int(_scalar(k, "k", self))  # k: a shape input (host)
         n, m = x.shape[-2:]
-        rows = np.arange(n)[:, None]
-        cols = np.arange(m)[None, :]
+        rows = xp.arange(n)[:, None]
+        cols = xp.arange(m)[None, :]
         keep = (cols - rows >= kk) if self.upper else (cols - rows <= kk)
-        zero = np.zeros((), dtype=x.dtype) if x.dtype != STRING else np.array("", dtype=object)
-        return np.where(keep, x, zero)
+        zero = xp.zeros((), dtype=x.dtype) if x.dtype != STRING else np.array("", dtype=object)
+        return xp.where(keep, x, zero)

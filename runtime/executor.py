@@ -234,7 +234,8 @@ class Plan:
         impl = lookup(node.domain, node.op_type, node.version, self.backend.name)
         if impl is None:
             return "fallback", f"no {self.backend.name} kernel"
-        refusal = impl.refuses([dtypes.get(n) if n else None for n in node.inputs])
+        refusal = impl.refuses([dtypes.get(n) if n else None for n in node.inputs],
+                               [dtypes.get(n) if n else None for n in node.outputs])
         if refusal:
             return "fallback", refusal
         return "device", ""

@@ -266,7 +266,7 @@ _EMBER_EMULATE_KERNELS = True
 def _erf(x):
     from ember.ops.elementwise import erf  # numpy, vectorised
 
-    return erf(np.asarray(x))
+    return erf(np, np.asarray(x))
 
 
 def _softplus(x):

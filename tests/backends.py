@@ -54,19 +54,17 @@ def real_cuda_device() -> bool:
 @contextlib.contextmanager
 def cuda_backend(mode: str):
     """The CUDA backend on real cupy (`mode` "gpu") or on tests/_fake_cupy.py, the numpy
-    stand-in for cupy ("emulated"), with EMBER_CUDA_STRICT=1; restores the previous cupy
-    module, backend instance and environment afterwards."""
+    stand-in for cupy ("emulated"); restores the previous cupy module and backend instance
+    afterwards."""
     from ember.ops.cuda import _common
     from ember.runtime import backends
 
     saved_module, saved_instance = sys.modules.get("cupy"), backends._instances.pop("cuda", None)
-    saved_env = os.environ.get("EMBER_CUDA_STRICT")
-    os.environ["EMBER_CUDA_STRICT"] = "1"
     if mode == "emulated":
         import _fake_cupy
 
         _fake_cupy.install()
-        _common.reset_namespace()
+        _common.reset_kernels()
     try:
         yield backends.get_backend("cuda")
     finally:
@@ -78,11 +76,7 @@ def cuda_backend(mode: str):
                 sys.modules["cupy"] = saved_module
             else:
                 sys.modules.pop("cupy", None)
-            _common.reset_namespace()
-        if saved_env is None:
-            os.environ.pop("EMBER_CUDA_STRICT", None)
-        else:
-            os.environ["EMBER_CUDA_STRICT"] = saved_env
+            _common.reset_kernels()
 
 
 def run_checking_placement(session, feeds) -> dict:

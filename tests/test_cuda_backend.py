@@ -12,8 +12,9 @@ Two modes, one set of tests:
   match the CPU. CUDA C cannot run in it; tests/test_cuda_sources.py compiles that code.
 
 Every node case runs, with the CPU's expected failures (tests/xfail_cpu.txt) as strict
-xfails. In both modes EMBER_CUDA_STRICT=1 is set, so a shared kernel meeting something cupy
-lacks fails instead of quietly falling back to the CPU.
+xfails. Shared kernels compute over `self.xp` (cupy) and have no per-call CPU fallback: one that
+meets something cupy lacks fails the case. Which nodes run on the CPU is decided at plan time,
+and `run_checking_placement` checks that every node placed on the device ran there.
 """
 from __future__ import annotations
 
@@ -67,7 +68,9 @@ def _param(case_dir: str):
 
 @pytest.mark.parametrize("case_dir", [_param(d) for d in CASES[SHARD::SHARDS]])
 def test_node_case(cuda, case_dir):
+    before = cuda.fallbacks
     run_case(load_case_dir(case_dir), backend="cuda")
+    assert cuda.fallbacks == before, "a node placed on the device ran on the CPU"
 
 
 # ---------------------------------------------------------------------------------------------

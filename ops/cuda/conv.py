@@ -13,8 +13,8 @@ import numpy as np
 from ember.ops import conv as cpu_conv
 from ember.ops import fused as cpu_fused
 from ember.ops import pool as cpu_pool
-from ember.ops.cuda._common import (C_TYPES, FLOAT_TYPES, cupy, launch, native_kernels,
-                                    raw_kernel, rebind, shared_class)
+from ember.ops.cuda._common import (C_TYPES, FLOAT_TYPES, launch, native_kernels, raw_kernel,
+                                    shared_class)
 from ember.ops.registry import register
 
 _IM2COL = r"""
@@ -98,20 +98,19 @@ def _kernel(name: str, dtype):
     return raw_kernel(CUDA_SOURCES[f"{name}_{ctype}"], f"{name}_{ctype}")
 
 
-def _native(x) -> bool:
-    return native_kernels() and x.ndim == 4 and x.dtype in FLOAT_TYPES and x.size > 0
+def _native(xp, x) -> bool:
+    return native_kernels(xp) and x.ndim == 4 and x.dtype in FLOAT_TYPES and x.size > 0
 
 
 # ----------------------------------------------------------------------------------------------
 
 @register("Conv", versions=cpu_conv.Conv.versions, backend="cuda")
 class ConvCUDA(shared_class(cpu_conv.Conv)):
-    dtypes = FLOAT_TYPES
 
     def run(self, x, w, b=None):
-        if not (_native(x) and w.dtype == x.dtype and (b is None or b.dtype == x.dtype)):
+        if not (_native(self.xp, x) and w.dtype == x.dtype and (b is None or b.dtype == x.dtype)):
             return super().run(x, w, b)  # the CPU kernel's array code over cupy
-        cp = cupy()
+        cp = self.xp
         kernel, strides, dilations, begin, end = cpu_conv.Conv.geometry(self, x, w)
         N, C, H, W = x.shape
         M = w.shape[0]
@@ -139,7 +138,7 @@ class ConvCUDA(shared_class(cpu_conv.Conv)):
 class FusedConvCUDA(ConvCUDA):
     """The native Conv above, then the fused epilogue (residual, activation) over cupy."""
     _activation_setup = cpu_fused.FusedConv._activation_setup
-    finish = rebind(cpu_fused.FusedConv.finish)
+    finish = cpu_fused.FusedConv.finish
 
     def setup(self):
         super().setup()
@@ -153,9 +152,9 @@ class _Pool2D:
     is_max = 0
 
     def run(self, x):
-        if not _native(x) or self.n_outputs > 1:
+        if not _native(self.xp, x) or self.n_outputs > 1:
             return super().run(x)
-        cp = cupy()
+        cp = self.xp
         kernel, strides, dilations, begin, end, end_eff, outs = \
             cpu_pool._WindowPool.geometry(self, x)
         N, C, H, W = x.shape
@@ -178,11 +177,9 @@ class _Pool2D:
 
 @register("MaxPool", versions=cpu_pool.MaxPool.versions, backend="cuda")
 class MaxPoolCUDA(_Pool2D, shared_class(cpu_pool.MaxPool)):
-    dtypes = FLOAT_TYPES
     is_max = 1
 
 
 @register("AveragePool", versions=cpu_pool.AveragePool.versions, backend="cuda")
 class AveragePoolCUDA(_Pool2D, shared_class(cpu_pool.AveragePool)):
-    dtypes = FLOAT_TYPES
     is_max = 0

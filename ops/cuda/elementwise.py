@@ -85,18 +85,18 @@ def _apply(name: str, x, *scalars):
     return knl(x, *(x.dtype.type(s) for s in scalars))
 
 
-def _native(x) -> bool:
-    return native_kernels() and x.dtype in FLOAT_TYPES
+def _native(xp, x) -> bool:
+    return native_kernels(xp) and x.dtype in FLOAT_TYPES
 
 
 def _kernel_class(cpu_cls, name, attrs=()):
     """A CUDA class for `cpu_cls` running kernel `name` with the node's float attributes."""
     def run(self, x):
-        if not _native(x):
+        if not _native(self.xp, x):
             return super(cls, self).run(x)  # shared path (other dtypes, no CUDA C)
         return _apply(name, x, *(float(getattr(self, a)) for a in attrs))
     cls = type(f"{cpu_cls.__name__}CUDA", (shared_class(cpu_cls),),
-               {"run": run, "dtypes": FLOAT_TYPES, "__module__": __name__})
+               {"run": run, "__module__": __name__})
     return register(cpu_cls.op_type, versions=cpu_cls.versions, backend="cuda")(cls)
 
 
@@ -115,10 +115,8 @@ SwishCUDA = _kernel_class(act.Swish, "Swish", ("alpha",))
 
 @register("Gelu", versions=act.Gelu.versions, backend="cuda")
 class GeluCUDA(shared_class(act.Gelu)):
-    dtypes = FLOAT_TYPES
-
     def run(self, x):
-        if not _native(x):
+        if not _native(self.xp, x):
             return super().run(x)
         return _apply("GeluTanh" if self.tanh else "Gelu", x)
 

@@ -1,4 +1,4 @@
-"""Shared CUDA kernels: the CPU kernels of these families, run over cupy (see _common.py).
+"""Shared CUDA kernels: the CPU kernels of these families, bound to cupy (see _common.py).
 
 Where an op is plain array code, its CUDA kernel is the CPU kernel itself over the cupy array
 namespace: elementwise math and activations, MatMul/Gemm/Einsum (cupy.matmul/einsum: cuBLAS),
@@ -34,18 +34,6 @@ EXCLUDED = frozenset({
     "ImageDecoder",
 })
 
-# Inputs that are shape data (shapes, axes, pads, repeats, k...): kept as host arrays.
-HOST_INPUTS = {
-    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Squeeze": (1,), "Unsqueeze": (1,),
-    "Split": (1,), "Slice": (1, 2, 3, 4), "Pad": (1, 2, 3), "CenterCropPad": (1,),
-    "ConstantOfShape": (0,), "Range": (0, 1, 2), "TopK": (1,), "CumSum": (1,),
-    "CumProd": (1,), "OneHot": (1, 2), "ReduceSum": (1,), "ReduceMean": (1,),
-    "ReduceMax": (1,), "ReduceMin": (1,), "ReduceProd": (1,), "ReduceL1": (1,),
-    "ReduceL2": (1,), "ReduceLogSum": (1,), "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,),
-    "EyeLike": (), "Trilu": (1,),
-}
-
-
 def _cpu_classes():
     for module in FAMILIES:
         for value in vars(module).values():
@@ -55,11 +43,8 @@ def _cpu_classes():
                 yield value
 
 
-
-
 REGISTERED = []
 for _cls in _cpu_classes():
-    _extra = {"host_inputs": HOST_INPUTS[_cls.op_type]} if _cls.op_type in HOST_INPUTS else {}
-    _new = register_shared(_cls, **_extra)
+    _new = register_shared(_cls)
     if _new is not None:
         REGISTERED.append(_new)

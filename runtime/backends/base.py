@@ -15,6 +15,10 @@ class Backend:
     """
 
     name = "cpu"
+    # The array namespace kernels compute with on this backend (OpImpl.xp): numpy, or the
+    # device's numpy-like module (cupy). OpenCL kernels are written against pyopencl directly;
+    # their host code, and the CPU kernels they fall back to, use numpy.
+    xp = np
     fallbacks = 0  # device-kernel calls that ran on the CPU (see OpImpl.run_on_cpu)
 
     @property
@@ -47,7 +51,7 @@ class Backend:
         impl = lookup(domain, op_type, opset, self.name)
         if impl is None:
             return False
-        return not impl.refuses([None if dtype is None else np.dtype(dtype)])
+        return not impl.refuses([None if dtype is None else np.dtype(dtype)], [])
 
 
 class CpuBackend(Backend):

@@ -37,7 +37,7 @@ class CudaBackend(Backend):
             raise BackendUnavailableError(
                 f"the CUDA backend could not import cupy ({type(exc).__name__}: {exc}); "
                 f"reinstall it: {INSTALL_HINT}") from exc
-        self.cp = cupy
+        self.cp = self.xp = cupy  # the kernels' array namespace (OpImpl.xp)
         try:
             count = cupy.cuda.runtime.getDeviceCount()
         except Exception as exc:  # no driver, or a driver older than the CUDA runtime

@@ -208,3 +208,26 @@ def test_fused_ops_run_on_device(cuda_main):
     for name in want:
         assert_close_relative(got[name], want[name])
     assert cuda.fallbacks == before
+
+
+def test_dtypes_cupy_lacks_are_placed_on_the_host_at_plan_time(cuda_main):
+    # cupy has no bfloat16 arrays: the shared kernel refuses the node when the plan is made,
+    # with the reason, instead of failing (or quietly falling back) on every call
+    import ml_dtypes
+    from onnx import TensorProto, helper
+
+    import ember
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "b"], ["s"]), helper.make_node("Cast", ["s"], ["y"], to=1),
+         helper.make_node("Relu", ["y"], ["z"])], "bf16",
+        [helper.make_tensor_value_info(n, TensorProto.BFLOAT16, [2, 3]) for n in ("a", "b")],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 3])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    session = ember.load(proto, backend="cuda")
+    reasons = {op: (where, why) for _, op, where, why in session.placement_reasons}
+    assert reasons["Add"] == ("fallback", "dtype bfloat16 (cupy has no such arrays)")
+    assert reasons["Cast"][0] == "fallback" and reasons["Relu"] == ("device", "")
+    a = np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16)
+    got = session.run({"a": a, "b": a})["z"]
+    np.testing.assert_array_equal(got, ember.load(proto).run({"a": a, "b": a})["z"])

@@ -7,6 +7,7 @@ memory-mapped instead of copied.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Callable
 
 import numpy as np
@@ -109,6 +110,16 @@ _PACKED_TYPES = {t for t in (getattr(TensorProto, n, None) for n in
                              ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")) if t is not None}
 
 
+_ANONYMOUS_DIM = re.compile(r"\s*(\?|-1|unk__\d+|)\s*")
+
+
+def is_anonymous_dim(param: str) -> bool:
+    """Whether a dim_param names no dimension: "?" (paddle2onnx names every image axis so),
+    "", "-1", or onnxruntime's "unk__N". Such dims are independent unknowns, not one symbol
+    that must agree across inputs."""
+    return _ANONYMOUS_DIM.fullmatch(param) is not None
+
+
 def decode_type(type_proto: onnx.TypeProto) -> ValueType | None:
     kind = type_proto.WhichOneof("value")
     if kind == "tensor_type" or kind == "sparse_tensor_type":
@@ -120,7 +131,8 @@ def decode_type(type_proto: onnx.TypeProto) -> ValueType | None:
             for d in tt.shape.dim:
                 which = d.WhichOneof("value")
                 dims.append(d.dim_value if which == "dim_value" else
-                            d.dim_param if which == "dim_param" else None)
+                            None if which != "dim_param" or is_anonymous_dim(d.dim_param)
+                            else d.dim_param)
             shape = tuple(dims)
         return TensorType(dtype, shape)
     if kind == "sequence_type":

@@ -82,6 +82,31 @@ def test_symbolic_dimension_must_agree_across_inputs():
         sess.run({"tokens": np.zeros((1, 7, 32), np.float32), "mask": np.ones((1, 6), np.int64)})
 
 
+@pytest.mark.parametrize("anonymous", ["?", "", "unk__3", "-1"])
+def test_anonymous_dimensions_are_independent(anonymous):
+    # paddle2onnx names every image axis "?"; onnxruntime treats such names (and "", "-1",
+    # its own "unk__N") as unknown, independent dims. A real name must still agree.
+    from onnx import TensorProto, helper
+
+    def info(name, dims):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)
+
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["a"], ["sa"], keepdims=0),
+         helper.make_node("ReduceSum", ["b"], ["sb"], keepdims=0),
+         helper.make_node("Add", ["sa", "sb"], ["y"])], "anon",
+        [info("a", ["n", anonymous, anonymous]), info("b", ["n", anonymous])],
+        [info("y", None)])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    feeds = {"a": np.ones((2, 48, 192), np.float32), "b": np.ones((2, 5), np.float32)}
+    want = ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    sess = ember.load(proto)
+    np.testing.assert_array_equal(sess.run(feeds)["y"], want)
+    with pytest.raises(ember.InputError, match="dimension 'n' is 2 in input 'a' but 3"):
+        sess.run({"a": feeds["a"], "b": np.ones((3, 5), np.float32)})
+
+
 def test_onnxruntime_compatible_session():
     path = os.path.join(MODELS, "cnn.onnx")
     feeds = _feeds("cnn", np.random.default_rng(3))

@@ -231,3 +231,35 @@ def test_dtypes_cupy_lacks_are_placed_on_the_host_at_plan_time(cuda_main):
     a = np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16)
     got = session.run({"a": a, "b": a})["z"]
     np.testing.assert_array_equal(got, ember.load(proto).run({"a": a, "b": a})["z"])
+
+
+def test_contrib_transformer_ops_run_on_device(cuda_main):
+    # onnxruntime's fused transformer ops (com.microsoft) are shared kernels on CUDA too
+    from onnx import TensorProto, helper, numpy_helper
+
+    import ember
+
+    cuda = cuda_main
+    rng = np.random.default_rng(2)
+    hidden, heads = 16, 2
+    weights = {"gamma": rng.standard_normal(hidden), "beta": rng.standard_normal(hidden),
+               "bias": rng.standard_normal(hidden)}
+    ms = "com.microsoft"
+    nodes = [helper.make_node("SkipLayerNormalization", ["x", "skip", "gamma", "beta"], ["n"],
+                              domain=ms, epsilon=1e-5),
+             helper.make_node("MultiHeadAttention", ["n", "n", "n"], ["a"], domain=ms,
+                              num_heads=heads),
+             helper.make_node("BiasGelu", ["a", "bias"], ["y"], domain=ms)]
+    graph = helper.make_graph(
+        nodes, "contrib",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 5, hidden]) for n in ("x", "skip")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, hidden])],
+        [numpy_helper.from_array(v.astype(np.float32), n) for n, v in weights.items()])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(ms, 1)])
+    feeds = {n: rng.standard_normal((2, 5, hidden), dtype=np.float32) for n in ("x", "skip")}
+    before = cuda.fallbacks
+    session = ember.load(proto, backend="cuda")
+    assert {where for _, _, where in session.placement} == {"device"}, session.placement
+    assert_close_relative(session.run(feeds)["y"], ember.load(proto).run(feeds)["y"])
+    assert cuda.fallbacks == before

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -387,8 +388,11 @@ class _Forest:
             cur = np.where(cond, self.true_step[cur], self.false_step[cur])
         raise ValueError("tree traversal did not terminate (cyclic tree)")
 
-    def scores(self, x: np.ndarray, aggregate: str) -> np.ndarray:
-        """[N, n_targets] aggregated leaf weights (float64)."""
+    def scores(self, x: np.ndarray, aggregate: str, dtype=np.float64) -> np.ndarray:
+        """[N, n_targets] aggregated leaf weights in `dtype`. In float32 the sums are
+        accumulated in float32 tree by tree, as onnxruntime's float kernels do (a class
+        probability summed in float64 can land just above a 0.5 decision threshold that the
+        float32 sum meets exactly)."""
         leaves = self.leaves(x)
         n, n_trees = leaves.shape
         flat_leaves = leaves.reshape(-1)
@@ -400,7 +404,13 @@ class _Forest:
         cell = rows * self.n_targets + self.c_target[pos]
         size = n * self.n_targets
         weights = self.c_weight[pos]
-        if aggregate in ("SUM", "AVERAGE"):
+        if aggregate in ("SUM", "AVERAGE") and np.dtype(dtype) == np.float32:
+            # np.add.at adds in index order: per cell, in tree order (leaves are row-major)
+            out = np.zeros(size, dtype=np.float32)
+            np.add.at(out, cell, weights.astype(np.float32))
+            if aggregate == "AVERAGE" and n_trees:
+                out = out / np.float32(n_trees)
+        elif aggregate in ("SUM", "AVERAGE"):
             out = np.bincount(cell, weights=weights, minlength=size)
             if aggregate == "AVERAGE" and n_trees:
                 out = out / n_trees
@@ -410,7 +420,7 @@ class _Forest:
             out[np.bincount(cell, minlength=size) == 0] = 0.0
         else:
             raise ValueError(f"unknown aggregate_function {aggregate!r}")
-        return out.reshape(n, self.n_targets)
+        return out.astype(dtype, copy=False).reshape(n, self.n_targets)
 
 
 @register("TreeEnsemble", versions=[5], domain=ML)
@@ -469,7 +479,8 @@ class TreeEnsemble(OpImpl):
 
     def run(self, x):
         x2 = _as_2d(x)
-        out = self.forest.scores(x2, self.agg).astype(x.dtype)
+        work = np.float32 if x.dtype == np.float32 else np.float64  # as onnxruntime sums
+        out = self.forest.scores(x2, self.agg, work).astype(x.dtype)
         return post_transform(out, self.post)
 
 
@@ -518,10 +529,11 @@ class TreeEnsembleRegressor(OpImpl):
         self.base = _base_values(self)
 
     def run(self, x):
-        x2 = _as_2d(x).astype(np.float64 if x.dtype == np.float64 else np.float32)
-        out = self.forest.scores(x2, self.aggregate_function)
+        work = np.float64 if x.dtype == np.float64 else np.float32
+        x2 = _as_2d(x).astype(work)
+        out = self.forest.scores(x2, self.aggregate_function, work)
         if self.base is not None:
-            out = out + self.base
+            out = out + self.base.astype(work)
         return post_transform(out.astype(np.float32), self.post_transform)
 
 
@@ -541,13 +553,14 @@ class TreeEnsembleClassifier(OpImpl):
         self.binary = self.n_cls == 2 and len(set(self.class_ids)) == 1
 
     def run(self, x):
-        x2 = _as_2d(x).astype(np.float64 if x.dtype == np.float64 else np.float32)
-        out = self.forest.scores(x2, "SUM")
+        work = np.float64 if x.dtype == np.float64 else np.float32
+        x2 = _as_2d(x).astype(work)
+        out = self.forest.scores(x2, "SUM", work)
         if self.binary:
             return self._binary(out[:, self.class_ids[0]])
         out = out[:, :self.n_cls]
         if self.base is not None and len(self.base) == out.shape[1]:
-            out = out + self.base
+            out = out + self.base.astype(work)
         scores = post_transform(out.astype(np.float32), self.post_transform)
         return _labels(self.labels, np.argmax(out, axis=1)), scores
 
@@ -556,7 +569,7 @@ class TreeEnsembleClassifier(OpImpl):
         onnxruntime convention). With all weights >= 0 it is read as a probability (positive
         above 0.5, scores [1 - s, s]), otherwise as a margin (positive above 0, [-s, s])."""
         if self.base is not None and len(self.base) == 1:
-            s = s + self.base[0]
+            s = s + self.base.astype(s.dtype)[0]
         all_positive = bool((self.forest.c_weight >= 0).all())
         idx = (s > (0.5 if all_positive else 0.0)).astype(np.int64)
         if self.post_transform in ("LOGISTIC", "PROBIT"):
@@ -744,3 +757,243 @@ class SVMClassifier(_SVMBase):
         else:
             out = post_transform(scores, self.post_transform)
         return labels, out.astype(np.float32)
+
+
+# ---------------------------------------------------------------- maps
+# A map value is a Python dict (key -> scalar), a sequence of maps a list of dicts, as
+# onnxruntime takes them as feeds and returns them from InferenceSession.run.
+
+def _is_int_key(k) -> bool:
+    return isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_))
+
+
+def _scalar(v):
+    """A map value as a Python/numpy scalar (one-element arrays unwrapped)."""
+    if isinstance(v, np.ndarray):
+        if v.size != 1:
+            raise ValueError(f"map value of shape {v.shape} is not a scalar")
+        return v.reshape(-1)[0]
+    return v
+
+
+def _values_dtype(values) -> np.dtype:
+    """The tensor dtype of a map's values: numpy scalars keep their dtype (promoted together);
+    Python floats read as float32 and Python ints as int64 (the ONNX-ML map types; ints among
+    floats as float32), strings as object."""
+    strong, py_int, py_float, strings, numbers = set(), False, False, False, False
+    for v in values:
+        if isinstance(v, (str, np.str_, bytes)):
+            strings = True
+            continue
+        numbers = True
+        if isinstance(v, np.generic):
+            strong.add(v.dtype)
+        elif isinstance(v, (bool, int)):
+            py_int = True
+        elif isinstance(v, float):
+            py_float = True
+        else:
+            raise ValueError(f"unsupported map value type {type(v).__name__}")
+    if strings:
+        if numbers:
+            raise ValueError("map values mix strings and numbers")
+        return np.dtype(object)
+    if strong:
+        dtype = np.result_type(*strong)
+        return np.dtype(np.float32) if py_float and dtype.kind != "f" else dtype
+    return np.dtype(np.float32) if py_float or not py_int else np.dtype(np.int64)
+
+
+@register("ZipMap", versions=[1], domain=ML)
+class ZipMap(OpImpl):
+    """[N, C] (or [C]) scores -> a list of N dicts {class label: score}. Like onnxruntime's
+    std::map, each dict has its keys in sorted order, and a repeated label keeps the score of
+    its last column."""
+
+    def setup(self):
+        strings, ints = self.classlabels_strings, self.classlabels_int64s
+        if (not strings) == (not ints):
+            raise self.fail("exactly one of classlabels_strings, classlabels_int64s must be set")
+        self.labels = [str(s) for s in strings] if strings else [int(i) for i in ints]
+        last = {label: j for j, label in enumerate(self.labels)}
+        self.keys = sorted(last)  # (str order is UTF-8 byte order, std::string's)
+        self.columns = np.asarray([last[k] for k in self.keys], dtype=np.int64)
+
+    def run(self, x):
+        x = np.asarray(x)
+        if x.ndim not in (1, 2):
+            raise self.fail(f"input must be 1-D or 2-D, got shape {list(x.shape)}")
+        if x.shape[-1] != len(self.labels):
+            raise self.fail(f"input has {x.shape[-1]} columns for {len(self.labels)} class labels")
+        x2 = x.astype(np.float32, copy=False).reshape(-1, len(self.labels))
+        keys = self.keys
+        return [dict(zip(keys, row)) for row in x2[:, self.columns].tolist()]
+
+
+@register("DictVectorizer", versions=[1], domain=ML)
+class DictVectorizer(OpImpl):
+    """A map (or a list of maps) -> [1, V] (or [N, V]): the value of each vocabulary key, 0
+    (or "") where the map lacks it. Duplicate vocabulary entries each get the value."""
+
+    def setup(self):
+        strings, ints = self.string_vocabulary, self.int64_vocabulary
+        if (not strings) == (not ints):
+            raise self.fail("exactly one of string_vocabulary, int64_vocabulary must be set")
+        self.string_keys = bool(strings)
+        vocab = [str(s) for s in strings] if strings else [int(i) for i in ints]
+        self.size = len(vocab)
+        self.positions: dict = {}
+        for i, k in enumerate(vocab):
+            self.positions.setdefault(k, []).append(i)
+
+    def run(self, m):
+        maps = [m] if isinstance(m, dict) else m
+        if not isinstance(maps, (list, tuple)) or not all(isinstance(d, dict) for d in maps):
+            raise self.fail(f"input must be a map (dict) or a sequence of maps, got "
+                            f"{type(m).__name__}")
+        try:
+            rows, cols, vals = self._entries(maps)
+            dtype = _values_dtype(_scalar(v) for d in maps for v in d.values())
+        except ValueError as exc:
+            raise self.fail(str(exc)) from exc
+        out = np.full((len(maps), self.size), "" if dtype == object else 0, dtype=dtype)
+        if vals:
+            if dtype == object:
+                flat = np.empty(len(vals), dtype=object)
+                flat[:] = [str(v) for v in vals]
+            else:
+                flat = np.asarray(vals, dtype=dtype)
+            out[np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)] = flat
+        return out
+
+    def _entries(self, maps):
+        """(row, column, value) of every map entry the vocabulary holds."""
+        rows, cols, vals = [], [], []
+        for r, d in enumerate(maps):
+            for k, v in d.items():
+                if self.string_keys:
+                    if not isinstance(k, str):
+                        raise self.fail(f"string_vocabulary needs string keys, got "
+                                        f"{type(k).__name__} key {k!r}")
+                elif _is_int_key(k):
+                    k = int(k)
+                else:
+                    raise self.fail(f"int64_vocabulary needs integer keys, got "
+                                    f"{type(k).__name__} key {k!r}")
+                pos = self.positions.get(k)
+                if pos:
+                    v = _scalar(v)
+                    for p in pos:
+                        rows.append(r)
+                        cols.append(p)
+                        vals.append(v)
+        return rows, cols, vals
+
+
+# C library conversions onnxruntime's CastMap uses: std::stof / std::stoll (a number prefix
+# after leading C whitespace, the rest ignored), std::to_string(float) ("%f").
+_C_SPACE = " \t\n\v\f\r"
+
+
+# (fixed patterns of ours, not from a model)
+_STOF = re.compile(r"[+-]?(?:(inf(?:inity)?)|(nan)(?:\([0-9A-Za-z_]*\))?"
+                   r"|(0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?[0-9]+)?)"
+                   r"|(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)", re.IGNORECASE)
+_STOLL = re.compile(r"[+-]?[0-9]+")
+
+
+def _stof_prefix(s: str):
+    """The longest prefix of `s` (after C whitespace) that strtof reads, as a float, or None."""
+    m = _STOF.match(s.lstrip(_C_SPACE))
+    if m is None:
+        return None
+    text = m.group(0)
+    if m.group(2):  # nan, nan(chars)
+        return float("nan")
+    if m.group(3):  # hexadecimal float
+        sign = -1.0 if text.startswith("-") else 1.0
+        return sign * float.fromhex(m.group(3))
+    return float(text)  # float() reads inf / infinity / nan too
+
+
+def _stoll_prefix(s: str):
+    m = _STOLL.match(s.lstrip(_C_SPACE))
+    return None if m is None else int(m.group(0))
+
+
+@register("CastMap", versions=[1], domain=ML)
+class CastMap(OpImpl):
+    """A map int64 -> (string | float) -> a [1, n] tensor: DENSE packs the values in key
+    order, SPARSE puts each value at its key's position in [0, max_map) (other keys ignored)
+    and pads the rest (0, or the string "0.f" as onnxruntime does)."""
+
+    _TYPES = {"TO_FLOAT": np.float32, "TO_INT64": np.int64, "TO_STRING": object}
+
+    def setup(self):
+        if self.cast_to not in self._TYPES:
+            raise self.fail(f"unknown cast_to {self.cast_to!r}")
+        if self.map_form not in ("DENSE", "SPARSE"):
+            raise self.fail(f"unknown map_form {self.map_form!r}")
+        if self.map_form == "SPARSE" and self.max_map <= 0:
+            raise self.fail(f"max_map must be positive with SPARSE, got {self.max_map}")
+
+    def run(self, m):
+        if not isinstance(m, dict):
+            raise self.fail(f"input must be a map (dict), got {type(m).__name__}")
+        if not all(_is_int_key(k) for k in m):
+            raise self.fail("CastMap needs a map with int64 keys")
+        try:
+            items = sorted((int(k), _scalar(v)) for k, v in m.items())
+        except ValueError as exc:
+            raise self.fail(str(exc)) from exc
+        keys = [k for k, _ in items]
+        values = [v for _, v in items]
+        strings = any(isinstance(v, (str, np.str_)) for v in values)
+        if strings and not all(isinstance(v, (str, np.str_)) for v in values):
+            raise self.fail("map values mix strings and numbers")
+        converted = self._convert(values, strings)
+        if self.map_form == "DENSE":
+            return converted.reshape(1, -1)
+        if keys and keys[0] < 0:
+            raise self.fail(f"negative keys are not allowed with SPARSE, got {keys[0]}")
+        dtype = self._TYPES[self.cast_to]
+        out = np.full(self.max_map, "0.f" if dtype is object else 0, dtype=dtype)
+        idx = np.asarray(keys, dtype=np.int64)
+        keep = idx < self.max_map
+        out[idx[keep]] = converted[keep]
+        return out.reshape(1, -1)
+
+    def _convert(self, values, strings: bool) -> np.ndarray:
+        to = self.cast_to
+        n = len(values)
+        if not strings:
+            f = np.asarray(values, dtype=np.float32).reshape(n)  # the map's float values
+            if to == "TO_FLOAT":
+                return f
+            if to == "TO_INT64":  # truncation towards zero (static_cast)
+                with np.errstate(invalid="ignore"):
+                    return np.trunc(f).astype(np.int64)
+            out = np.empty(n, dtype=object)
+            out[:] = ["%f" % v for v in f.tolist()]
+            return out
+        if to == "TO_STRING":
+            out = np.empty(n, dtype=object)
+            out[:] = [str(v) for v in values]
+            return out
+        parse = _stof_prefix if to == "TO_FLOAT" else _stoll_prefix
+        parsed = []
+        for v in values:
+            p = parse(str(v))
+            if p is None:
+                raise self.fail(f"cannot convert {str(v)!r} to "
+                                f"{'float' if to == 'TO_FLOAT' else 'int64'}")
+            parsed.append(p)
+        if to == "TO_FLOAT":
+            arr = np.asarray(parsed, dtype=np.float64)
+            big = np.isfinite(arr) & (np.abs(arr) > np.finfo(np.float32).max)
+            if big.any():
+                raise self.fail(f"value {arr[big][0]!r} is out of float range")
+            return arr.astype(np.float32)
+        if any(not -2 ** 63 <= p < 2 ** 63 for p in parsed):
+            raise self.fail("value out of int64 range")
+        return np.asarray(parsed, dtype=np.int64)

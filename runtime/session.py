@@ -12,7 +12,7 @@ import numpy as np
 
 from ember.errors import InputError
 from ember.importer import ModelSource, import_model
-from ember.ir import Dim, Model, OptionalType, SequenceType, TensorType, ValueInfo
+from ember.ir import Dim, MapType, Model, OptionalType, SequenceType, TensorType, ValueInfo
 from ember.runtime.backends import Backend, get_backend
 from ember.runtime.executor import Plan
 from ember.runtime.values import IOBinding, OrtValue, _np_dtype, backend_for_device
@@ -33,8 +33,8 @@ def _io_info(v: ValueInfo) -> IOInfo:
         return IOInfo(v.name, t.dtype, t.shape, f"tensor({_ort_type_name(t.dtype)})")
     if isinstance(t, SequenceType):
         return IOInfo(v.name, None, None, f"seq({_type_str(t.elem)})")
-    if isinstance(t, OptionalType):
-        return IOInfo(v.name, None, None, f"optional({_type_str(t.elem)})")
+    if isinstance(t, (OptionalType, MapType)):
+        return IOInfo(v.name, None, None, _type_str(t))
     return IOInfo(v.name, None, None, "unknown")
 
 
@@ -45,6 +45,8 @@ def _type_str(t) -> str:
         return f"seq({_type_str(t.elem)})"
     if isinstance(t, OptionalType):
         return f"optional({_type_str(t.elem)})"
+    if isinstance(t, MapType):
+        return f"map({_ort_type_name(t.key)},{_type_str(t.value)})"
     return "unknown"
 
 
@@ -161,6 +163,9 @@ class Session:
         if isinstance(value, OrtValue):
             value = value.value_for(self._backend)  # another backend's device value: via host
         t = self._input_types[name]
+        if isinstance(t, MapType) or (isinstance(t, SequenceType)
+                                      and isinstance(t.elem, MapType)):
+            return _check_maps(name, value, t)
         if not isinstance(t, TensorType):
             return value  # sequences / optionals pass through as given
         if _is_foreign_device_array(value) and not self._backend.is_device_array(value):
@@ -190,6 +195,42 @@ class Session:
                             f"dimension '{want}' is {seen[0]} in input '{seen[1]}' but {got} in "
                             f"input '{name}' (shape {value.shape})")
         return value
+
+
+def _check_maps(name: str, value: Any, t: MapType | SequenceType) -> Any:
+    """A map feed (or a list of maps) with keys of the declared type and values converted to
+    the declared value type, as onnxruntime converts them."""
+    if isinstance(t, SequenceType):
+        if not isinstance(value, (list, tuple)):
+            raise InputError(f"input '{name}' expects a list of dicts, got {type(value).__name__}")
+        return [_check_map(name, m, t.elem) for m in value]
+    return _check_map(name, value, t)
+
+
+def _check_map(name: str, value: Any, t: MapType) -> dict:
+    if not isinstance(value, Mapping):
+        raise InputError(f"input '{name}' expects a dict, got {type(value).__name__}")
+    string_keys = np.dtype(t.key).kind in "OUS"
+    value_dtype = getattr(t.value, "dtype", None)
+    string_values = value_dtype is not None and np.dtype(value_dtype).kind in "OUS"
+    checked = {}
+    for key, v in value.items():
+        key_ok = isinstance(key, str) if string_keys else \
+            isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_))
+        if not key_ok:
+            raise InputError(f"input '{name}': key {key!r} is not of the map's key type "
+                             f"{_ort_type_name(t.key)}")
+        if value_dtype is None:
+            checked[key] = v
+            continue
+        if isinstance(v, str) != string_values:
+            raise InputError(f"input '{name}': value {v!r} of key {key!r} is not "
+                             f"{_ort_type_name(value_dtype)}")
+        try:
+            checked[key] = np.asarray(v, dtype=value_dtype).reshape(())[()]
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"input '{name}': value of key {key!r}: {exc}") from exc
+    return checked
 
 
 def _is_foreign_device_array(value: Any) -> bool:

@@ -181,3 +181,26 @@ def test_cli_exit_2_on_unknown_input(tmp_path, capsys):
     np.save(npy, np.zeros((1, 4), np.float32))
     assert cli_main(["run", MLP, "-i", f"nope={npy}"]) == 2
     assert "unknown input name" in capsys.readouterr().err
+
+
+def test_map_feeds_are_checked_against_the_declared_map_type():
+    from onnx import TensorProto, helper
+
+    map_type = helper.make_map_type_proto(TensorProto.STRING,
+                                          helper.make_tensor_type_proto(TensorProto.FLOAT, []))
+    graph = helper.make_graph(
+        [helper.make_node("DictVectorizer", ["m"], ["y"], domain="ai.onnx.ml",
+                          string_vocabulary=["a", "b"])], "maps",
+        [helper.make_value_info("m", map_type)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("ai.onnx.ml", 1)])
+    sess = ember.load(proto)
+    assert sess.inputs[0].type == "map(string,tensor(float))"
+    np.testing.assert_array_equal(sess.run({"m": {"b": 2}})["y"], [[0.0, 2.0]])
+    with pytest.raises(ember.InputError, match="expects a dict"):
+        sess.run({"m": [1.0, 2.0]})
+    with pytest.raises(ember.InputError, match="key 3 is not of the map's key type string"):
+        sess.run({"m": {3: 1.0}})
+    with pytest.raises(ember.InputError, match="is not float"):
+        sess.run({"m": {"a": "x"}})

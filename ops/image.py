@@ -383,7 +383,8 @@ class GridSample(OpImpl):
             if self.kind == "nearest":
                 xc = xp.rint(xc)
             out = (xc < lo) | (xc > hi)
-            if self.pad == "border":
+            if self.pad == "border" and self.kind != "cubic":
+                # (cubic clamps each of its four taps instead, as onnxruntime and torch do)
                 xc = xp.where(out, xp.clip(xc, 0, d - 1), xc)
             elif self.pad == "reflection":
                 xc = xp.where(out, _reflect(xp, xc, lo, hi), xc)

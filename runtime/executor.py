@@ -216,6 +216,9 @@ class Plan:
         self.output_slots = [slot(n if device_outputs else resident(n, False))
                              for n in self.output_names]
         self.steps = self._with_frees(steps, set(self.output_slots))
+        # what `run` reads per step, bound once: the kernel's run method and the slots
+        self._program = tuple((step.kernel.run, step.inputs, step.outputs, step.frees,
+                               step.scope) for step in self.steps)
         self.initial_env: list[Any] = [None] * (_RESERVED_SLOTS + len(slots))
         for s, value in constants.items():
             self.initial_env[s] = value
@@ -267,8 +270,25 @@ class Plan:
     def run(self, feeds: Sequence[Any], scope: dict[str, Any] | None = None) -> list[Any]:
         """Run with `feeds` aligned to `input_names`; `scope` gives outer-scope values."""
         env = self._start(feeds, scope)
-        for _ in self._execute(env):
-            pass
+        i = -1
+        try:  # the hot loop: no generator, each step's bound kernel and slots fetched once
+            for i, (run, inputs, outputs, frees, scope_slots) in enumerate(self._program):
+                if scope_slots:
+                    result = run(*[env[s] for s in inputs],
+                                 scope={n: env[s] for n, s in scope_slots})
+                else:
+                    result = run(*[env[s] for s in inputs])
+                if type(result) is np.ndarray:
+                    env[outputs[0]] = result
+                else:
+                    _store(outputs, result, env)
+                for s in frees:
+                    env[s] = None
+        except Exception as exc:
+            located = _located(exc, self.steps[i].node)
+            if located is exc:
+                raise
+            raise located from exc
         return [env[s] for s in self.output_slots]
 
     def iterate(self, feeds: Sequence[Any], scope: dict[str, Any] | None = None
@@ -276,9 +296,23 @@ class Plan:
         """Run step by step, yielding each node (transfers excepted) with its output values
         right after it runs; values are freed as in `run`, so memory stays at one run's peak."""
         env = self._start(feeds, scope)
-        for step in self._execute(env):
+        for step in self.steps:
+            try:
+                args = [env[s] for s in step.inputs]
+                if step.scope:
+                    result = step.kernel.run(*args, scope={n: env[s] for n, s in step.scope})
+                else:
+                    result = step.kernel.run(*args)
+                _store(step.outputs, result, env)
+            except Exception as exc:
+                located = _located(exc, step.node)
+                if located is exc:
+                    raise
+                raise located from exc
             if not isinstance(step.kernel, Transfer):
                 yield step.node, [env[s] if s != _DISCARD else None for s in step.outputs]
+            for s in step.frees:
+                env[s] = None
 
     def _start(self, feeds: Sequence[Any], scope: dict[str, Any] | None) -> list[Any]:
         env = self.initial_env.copy()
@@ -289,34 +323,25 @@ class Plan:
                 env[s] = scope[name]
         return env
 
-    def _execute(self, env: list[Any]) -> Iterator[Step]:
-        """Run every step on `env`, yielding each step after it ran and before its dead values
-        are freed."""
-        step = None
-        try:
-            for step in self.steps:
-                args = [env[s] for s in step.inputs]
-                if step.scope:
-                    result = step.kernel.run(*args, scope={n: env[s] for n, s in step.scope})
-                else:
-                    result = step.kernel.run(*args)
-                if type(result) is tuple:
-                    for s, value in zip(step.outputs, result):
-                        env[s] = np.asarray(value) if isinstance(value, _SCALARS) else value
-                else:
-                    env[step.outputs[0]] = np.asarray(result) if isinstance(result, _SCALARS) \
-                        else result
-                yield step
-                for s in step.frees:
-                    env[s] = None
-        except EmberError as exc:
-            if step is not None and not getattr(exc, "_ember_located", False):
-                exc.args = (f"{_describe(step.node)}: {exc}",)
-                exc._ember_located = True
-            raise
-        except Exception as exc:
-            raise ExecutionError(f"{_describe(step.node)} failed: {type(exc).__name__}: {exc}") \
-                from exc
+
+def _store(outputs: tuple[int, ...], result: Any, env: list[Any]) -> None:
+    """A kernel's result into its output slots; scalars become 0-d arrays."""
+    if type(result) is tuple:
+        for s, value in zip(outputs, result):
+            env[s] = np.asarray(value) if isinstance(value, _SCALARS) else value
+    else:
+        env[outputs[0]] = np.asarray(result) if isinstance(result, _SCALARS) else result
+
+
+def _located(exc: Exception, node: Node) -> Exception:
+    """`exc` as the error to raise for a failure in `node`: ember errors get the node's name
+    once; anything else becomes an ExecutionError naming it."""
+    if isinstance(exc, EmberError):
+        if not getattr(exc, "_ember_located", False):
+            exc.args = (f"{_describe(node)}: {exc}",)
+            exc._ember_located = True
+        return exc
+    return ExecutionError(f"{_describe(node)} failed: {type(exc).__name__}: {exc}")
 
 
 # numpy reductions over 0-d arrays return scalars; values in the plan are always arrays.

@@ -45,6 +45,14 @@ def launch(be, knl, global_size, *args, local_size=None) -> None:
     followed by an enqueue, which two threads could otherwise interleave. `knl` must come
     from `kernel(be, ...)`: it is enqueued on `be`'s queue."""
     flat = [contiguous(a).data if isinstance(a, be.cl_array.Array) else a for a in args]
+    if knl not in be.typed_kernels:
+        # pyopencl converts untyped numpy scalars on a generic path (~20 us each on PoCL):
+        # type them once per kernel object, from the first call (a kernel's C signature fixes
+        # its argument types, so every call passes the same ones)
+        with be.launch_lock:  # not while another thread sets this kernel's arguments
+            knl.set_scalar_arg_dtypes([a.dtype if isinstance(a, np.generic) else None
+                                       for a in flat])
+            be.typed_kernels.add(knl)
     if isinstance(global_size, int):
         global_size = (global_size,)
     global_size = tuple(max(int(g), 1) for g in global_size)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import threading
+from functools import lru_cache
 
 import numpy as np
 
@@ -117,6 +118,7 @@ def activation_code(name: str, params) -> tuple[str, float, float]:
     return name, full[0], full[1]
 
 
+@lru_cache(maxsize=None)
 def _gemm_source(dtype, act: str = "") -> str:
     """The GEMM kernel with activation `act` in its epilogue (packA/packB: `_pack_source`)."""
     T = c_type(dtype)
@@ -203,6 +205,7 @@ __kernel void gemm(const int M, const int N, const int K,
 """
 
 
+@lru_cache(maxsize=None)
 def _pack_source(dtype) -> str:
     return f"""
 #define RM {RM}

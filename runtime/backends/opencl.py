@@ -73,6 +73,7 @@ class OpenCLBackend(Backend):
         self.cpu_device = bool(self.device.type & cl.device_type.CPU)
         self.max_group_items = CPU_MAX_GROUP_ITEMS if self.cpu_device else None
         self.launch_lock = threading.Lock()
+        self.typed_kernels: set = set()  # kernel objects whose scalar argument types are set
         self.cache_dir = cache_dir or default_cache_dir()
         self._programs: dict[str, Any] = {}
         # (source, kernel name, options) -> the kernel object, shared by every op and thread

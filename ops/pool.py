@@ -3,8 +3,12 @@
 Windowed pools are N-D and separable: the window reduction (max or sum) runs one spatial axis at
 a time, as a loop over that axis's kernel taps, each tap one strided slice combined into the
 running result with a vectorised max / add; padding is never materialised (taps touch only the
-outputs whose input lies inside the tensor). MaxPool's Indices output uses a tap loop over the
-padded input that remembers the winning tap. No loop ever runs over output pixels.
+outputs whose input lies inside the tensor). The first combine of an axis writes the new array
+(no copy of a tap first), intermediate arrays keep the input's memory order (channels-last
+data stays so), and on the CPU the last, contiguous axis runs over all rows laid end to end
+(`_reduce_last_flat`: long SIMD loops instead of one short loop per row, and stride 2 as a
+stride-1 pass plus one strided pick). MaxPool's Indices output uses a tap loop over the padded
+input that remembers the winning tap. No loop ever runs over output pixels.
 """
 from __future__ import annotations
 
@@ -57,6 +61,11 @@ class _WindowPool(OpImpl):
         for i, (k, s, d, o, b) in enumerate(zip(kernel, strides, dilations, outs, begin)):
             ax = lead + i
             n_in = y.shape[ax]
+            if ax == y.ndim - 1 and xp is np:
+                flat = _reduce_last_flat(y, k, s, d, b, o, combine, fill)
+                if flat is not None:
+                    y, owned = flat, True
+                    continue
             spans = []
             for t in range(k):
                 off = t * d - b  # input index of output 0's tap t
@@ -71,9 +80,21 @@ class _WindowPool(OpImpl):
                 spans.remove(full)
                 acc = _take(y, ax, full, s)  # a view: only ours if y was
                 if spans:
-                    acc, owned = acc.copy(), True
+                    # the first combine writes a new array (no copy of the full tap first):
+                    # over the second tap's span, then the full tap's values outside it
+                    lo, hi, off = spans.pop(0)
+                    first = acc
+                    acc, owned = xp.empty_like(y, shape=shape), True  # y's memory order
+                    dst = [slice(None)] * y.ndim
+                    dst[ax] = slice(lo, hi)
+                    combine(first[tuple(dst)], _take(y, ax, (lo, hi, off), s),
+                            out=acc[tuple(dst)])
+                    for a0, a1 in ((0, lo), (hi, o)):
+                        if a1 > a0:
+                            dst[ax] = slice(a0, a1)
+                            acc[tuple(dst)] = first[tuple(dst)]
             else:
-                acc, owned = xp.full(shape, fill, y.dtype), True
+                acc, owned = xp.full_like(y, fill, shape=shape), True
             for lo, hi, off in spans:
                 dst = [slice(None)] * y.ndim
                 dst[ax] = slice(lo, hi)
@@ -86,6 +107,45 @@ class _WindowPool(OpImpl):
     def taps(kernel, strides, dilations, outs):
         for taps in np.ndindex(*kernel):
             yield taps, (slice(None), slice(None)) + tap_slices(taps, strides, dilations, outs)
+
+
+def _reduce_last_flat(y, k, s, d, b, o, combine, fill):
+    """The window reduction along y's last (contiguous) axis with every row laid end to end:
+    each tap is one long contiguous slice of the flattened array (SIMD loops, not one short
+    loop per row, and no strided reads at stride 2: the stride-1 result is computed, then
+    every s-th column taken). Positions whose window crosses a row end are the few edge
+    columns, recomputed one by one. None where this does not apply (the caller's per-axis
+    loop then runs)."""
+    n = y.shape[-1]
+    o1 = (o - 1) * s + 1                     # stride-1 outputs covering the strided ones
+    ua, ub = b, min(o1 - 1, n - 1 + b - (k - 1) * d)   # columns whose taps all lie in the row
+    if k < 2 or o < 1 or b < 0 or o1 > n or ua > ub or not y.flags.c_contiguous or y.size == 0:
+        return None
+    R = y.size // n
+    buf = np.empty(y.shape[:-1] + (n,), y.dtype)
+    yf, bf = y.reshape(-1), buf.reshape(-1)
+    start, length = ua, (R - 1) * n + ub - ua + 1
+    out = bf[start:start + length]
+    combine(yf[start - b:start - b + length], yf[start - b + d:start - b + d + length], out=out)
+    for t in range(2, k):
+        combine(out, yf[start - b + t * d:start - b + t * d + length], out=out)
+    for u in list(range(0, ua)) + list(range(ub + 1, o1)):
+        if u % s:
+            continue  # not an output column
+        cols = [u - b + t * d for t in range(k) if 0 <= u - b + t * d < n]
+        col = buf[..., u]
+        if not cols:
+            col[...] = fill
+            continue
+        if len(cols) == 1:
+            col[...] = y[..., cols[0]]
+            continue
+        combine(y[..., cols[0]], y[..., cols[1]], out=col)
+        for c in cols[2:]:
+            combine(col, y[..., c], out=col)
+    if s == 1:
+        return buf if o1 == n else buf[..., :o1]
+    return np.ascontiguousarray(buf[..., :o1:s])
 
 
 def _take(y, ax, span, s):
@@ -210,9 +270,17 @@ def _spatial_axes(x):
 @register("GlobalAveragePool", versions=[1, 22])
 class GlobalAveragePool(OpImpl):
     def run(self, x):
+        xp = self.xp
         dt = compute_dtype(x.dtype)
-        out = x.astype(dt, copy=False).mean(axis=_spatial_axes(x), keepdims=True)
-        return out.astype(x.dtype, copy=False)
+        L = math.prod(x.shape[2:])
+        if xp is not np or L == 0 or x.ndim < 3:
+            out = x.astype(dt, copy=False).mean(axis=_spatial_axes(x), keepdims=True)
+            return out.astype(x.dtype, copy=False)
+        # one reduction over the pixels (a view for channels-first and channels-last memory
+        # alike), then the division in place: no mean() wrapper passes
+        s = np.add.reduce(x.reshape(x.shape[0], x.shape[1], L), axis=2, dtype=dt)
+        np.divide(s, L, out=s)
+        return s.reshape(x.shape[:2] + (1,) * (x.ndim - 2)).astype(x.dtype, copy=False)
 
 
 @register("GlobalMaxPool", versions=[1, 22])

@@ -9,6 +9,15 @@ each entry's own valid prefix, from its last valid step down to step 0.
 Since-versions: 1 (output_sequence attribute, no layout; GRU-1 has no linear_before_reset),
 3 (GRU only: linear_before_reset), 7 (output_sequence removed), 14 (layout), 22 (bfloat16 types).
 Y is always computed (the v1 output_sequence flag only makes it optional for the node).
+
+With the default activations and no clip (what exporters write), each op runs a tight
+recurrence instead (`_fast`): one GEMM projects the inputs of every time step and direction at
+once, with the biases folded in; the sigmoid gates' columns of W, R and the biases are negated
+once (cached while they are the same constants), so a sigmoid is exp, +1, reciprocal in place;
+each step is then one matmul into a preallocated gate buffer plus a dozen in-place ufunc calls
+(`out=`) on fixed views, writing h straight into Y; on the CPU, a recurrence whose per-step
+product is too small to gain from BLAS threads runs on one BLAS thread. Other activations and
+clip take the general per-step driver (`_run_all`).
 """
 from __future__ import annotations
 
@@ -55,6 +64,19 @@ def _make_activation(xp, fn, alpha, beta, dtype):
         return xp.asarray(fn(xp, x, a, b), dtype=dtype)
 
     return act
+
+
+def _small_product(m, k, n):
+    """Whether the per-step product (m, k) @ (k, n) is one of those that OpenBLAS would share
+    among its threads but that run faster on one (the crossover measured for ops/linalg.py:
+    matrix-vector products up to k*n = 2**19, GEMMs up to m*n*k = 2**22)."""
+    return k * n <= 1 << 19 if m == 1 else m * n * k <= 1 << 22
+
+
+def _single_threaded(fn, *args):
+    # Where BLAS threads do not pay, the recurrence should run on one (ember.runtime.threads,
+    # issue 12's thread control, is not landed yet): for now it runs as BLAS is set.
+    return fn(*args)
 
 
 # ---------------------------------------------------------------- shared driver
@@ -110,6 +132,11 @@ class _RecurrentBase(OpImpl):
             beta = betas.pop(0) if n_b and betas else db
             self.act_specs.append((fn, alpha, beta))
         self.act_specs = self.act_specs[:keep]
+        keys = [n.lower() for n in names[:keep]]
+        self.fast = self.clip is None and keys == [n.lower() for n in self.default_activations] \
+            * self.num_directions
+        self._prep_key = None
+        self._prep_val = None
 
     def _activations(self, d, dtype):
         per_dir = len(self.default_activations)
@@ -238,6 +265,109 @@ class _RecurrentBase(OpImpl):
                 finals[i].append(state[i])
         return Ys, finals
 
+    # --- the fast path (default activations, no clip)
+    # Per op: which of the n_gates column blocks of W / R go through a sigmoid (negated), and
+    # which parts of the recurrence bias Rb fold into the input projection's bias (all of it
+    # except GRU's with linear_before_reset, whose candidate part is scaled by the reset gate).
+    sigmoid_gates: tuple[int, ...] = ()
+
+    def _rb_folded(self, H):
+        return slice(0, self.n_gates * H)
+
+    def _recurrence_weights(self, xp, Rt, H):
+        """What `_recur` multiplies h by, from Rt (H, ng*H)."""
+        return Rt
+
+    def _prepared(self, W, R, B, cdt, H):
+        """(Wt, bias, Rts, Rbs): the input projection (input, dirs*ng*H) and its bias (the
+        folded Rb included), per direction R transposed (H, ng*H), and the unfolded part of Rb
+        (or None); sigmoid gate columns negated. Cached while W, R, B are the same read-only
+        numpy constants."""
+        key = (W, R, B, np.dtype(cdt))
+        if self._prep_key is not None and all(a is b for a, b in zip(key, self._prep_key)):
+            return self._prep_val
+        xp = self.xp
+        D, ng = self.num_directions, self.n_gates
+        G = ng * H
+        sign = np.ones(G, cdt)
+        for k in self.sigmoid_gates:
+            sign[k * H:(k + 1) * H] = -1
+        sign = xp.asarray(sign)
+        Wt = xp.empty((W.shape[2], D * G), cdt)
+        bias = xp.zeros(D * G, cdt)
+        Rts, Rbs = [], []
+        fold = self._rb_folded(H)
+        for d in range(D):
+            Wt[:, d * G:(d + 1) * G] = (xp.asarray(W[d], dtype=cdt) * sign[:, None]).T
+            Rts.append(self._recurrence_weights(
+                xp, xp.ascontiguousarray((xp.asarray(R[d], dtype=cdt) * sign[:, None]).T), H))
+            if B is not None:
+                Bd = xp.asarray(B[d], dtype=cdt)
+                b = Bd[:G].copy()
+                b[fold] += Bd[G:][fold]
+                bias[d * G:(d + 1) * G] = b * sign
+                rest = Bd[G:].copy()
+                rest[fold] = 0
+                Rbs.append(None if fold == slice(0, G) else rest * sign)
+            else:
+                Rbs.append(None if fold == slice(0, G) else xp.zeros(G, cdt))
+        value = (Wt, bias, Rts, Rbs)
+        # (device arrays have no read-only flag: recomputed on each run there)
+        if xp is np and all(not a.flags.writeable for a in key[:3] if a is not None):
+            self._prep_key, self._prep_val = key, value
+        return value
+
+    def _fast(self, X, W, R, B, lens, states, H, cdt, extra=None):
+        """Every direction through `_recur`. Returns (Y [seq, dirs, batch, H], final states,
+        each [dirs, batch, H])."""
+        xp = self.xp
+        seq, batch, _ = X.shape
+        D, G = self.num_directions, self.n_gates * H
+        Wt, bias, Rts, Rbs = self._prepared(W, R, B, cdt, H)
+        XW = xp.matmul(X.reshape(seq * batch, X.shape[2]), Wt).reshape(seq, batch, D * G)
+        XW += bias
+        Y = (xp.empty if lens is None else xp.zeros)((seq, D, batch, H), cdt)
+        lens_x = None if lens is None else xp.asarray(lens)
+        masks = None if lens is None else (xp.arange(seq)[:, None] < lens_x[None, :])[:, :, None]
+        finals = [[] for _ in range(len(states))]
+        for d in range(D):
+            reverse = self.dir_name == "reverse" or d == 1
+            XWd = XW[:, :, d * G:(d + 1) * G]
+            Yd = Y[:, d]
+            order = None
+            if lens is None:
+                ts = range(seq - 1, -1, -1) if reverse else range(seq)
+            else:
+                ts = range(int(lens.max(initial=0)))
+                if reverse:  # each entry's valid prefix, last step first
+                    order = self._time_order(seq, batch, lens_x, True)
+                    XWd = XWd[order, xp.arange(batch)[None, :]]
+                    Yd = xp.zeros((seq, batch, H), cdt)
+            init = [None if s is None else s[d] for s in states]
+            args = (d, XWd, Yd, ts, init, Rts[d], Rbs[d], masks, H, cdt, extra)
+            if xp is np and _small_product(batch, H, G):
+                final = _single_threaded(self._recur, *args)
+            else:
+                final = self._recur(*args)
+            if order is not None:
+                Y[:, d] = Yd[order, xp.arange(batch)[None, :]]  # the permutation is an involution
+            for i, f in enumerate(final):
+                finals[i].append(f)
+        return Y, [xp.stack(f, axis=0) for f in finals]
+
+    def _finish_fast(self, Y, states, out_dtype):
+        xp = self.xp
+        if self.lay == 1:
+            Y = Y.transpose(2, 0, 1, 3)
+            states = [s.transpose(1, 0, 2) for s in states]
+        return tuple(xp.ascontiguousarray(a).astype(out_dtype, copy=False)
+                     for a in [Y, *states])
+
+    @staticmethod
+    def _state(xp, s, batch, H, cdt):
+        """A fresh (owned, writable) state buffer: a copy of `s`, or zeros."""
+        return xp.zeros((batch, H), cdt) if s is None else xp.array(s, dtype=cdt, copy=True)
+
 
 # ---------------------------------------------------------------- RNN
 class _RNN(_RecurrentBase):
@@ -252,8 +382,35 @@ class _RNN(_RecurrentBase):
             (h,) = state
             return (acts[0](self._clip(xw + h @ rt + wb + rb)),)
 
+        if self.fast:
+            Y, finals = self._fast(Xc, W, R, B, lens, states, H, cdt)
+            return self._finish_fast(Y, finals, out_dtype)
         Ys, finals = self._run_all(Xc, W, R, B, lens, states, H, cdt, step, 1)
         return self._finish(Ys, finals, out_dtype)
+
+    def _recur(self, d, XW, Y, ts, init, Rt, Rb, masks, H, cdt, extra):
+        """h_t = tanh(xw_t + h_{t-1} Rt) over the steps `ts`, into Y; returns (h,)."""
+        xp = self.xp
+        batch = XW.shape[1]
+        matmul, add, tanh, copyto = xp.matmul, xp.add, xp.tanh, xp.copyto
+        if masks is None:
+            h = xp.zeros((batch, H), cdt) if init[0] is None else init[0]
+            for t in ts:
+                y = Y[t]
+                matmul(h, Rt, out=y)
+                add(y, XW[t], out=y)
+                tanh(y, out=y)
+                h = y
+            return (h,)
+        h = self._state(xp, init[0], batch, H, cdt)
+        T = xp.empty((batch, H), cdt)
+        for t in ts:
+            matmul(h, Rt, out=T)
+            add(T, XW[t], out=T)
+            tanh(T, out=T)
+            copyto(Y[t], T, where=masks[t])
+            copyto(h, T, where=masks[t])
+        return (h,)
 
 
 @register("RNN", versions=[1, 7])
@@ -292,8 +449,79 @@ class _GRU(_RecurrentBase):
                 hh = g(self._clip(xw[:, 2 * H:] + (r * h) @ rt[:, 2 * H:] + rb[2 * H:]))
             return ((1 - z) * hh + z * h,)
 
+        if self.fast:
+            Y, finals = self._fast(Xc, W, R, B, lens, states, H, cdt)
+            return self._finish_fast(Y, finals, out_dtype)
         Ys, finals = self._run_all(Xc, W, R, B, lens, states, H, cdt, step, 1)
         return self._finish(Ys, finals, out_dtype)
+
+    sigmoid_gates = (0, 1)  # z, r
+
+    def _lbr(self):
+        return bool(getattr(self, "linear_before_reset", 0))
+
+    def _rb_folded(self, H):
+        # with linear_before_reset the candidate's Rb is inside r * (h Rh + Rbh)
+        return slice(0, 2 * H) if self._lbr() else slice(0, 3 * H)
+
+    def _recurrence_weights(self, xp, Rt, H):
+        if self._lbr():
+            return Rt
+        # without: h Rzr for the gates, then (r * h) Rh for the candidate
+        return xp.ascontiguousarray(Rt[:, :2 * H]), xp.ascontiguousarray(Rt[:, 2 * H:])
+
+    def _recur(self, d, XW, Y, ts, init, Rt, Rb, masks, H, cdt, extra):
+        """z, r = sigmoid(.) (negated pre-activations), n = tanh(.), h = n + z * (h - n)."""
+        xp = self.xp
+        batch = XW.shape[1]
+        matmul, add, subtract, multiply = xp.matmul, xp.add, xp.subtract, xp.multiply
+        exp, reciprocal, tanh, copyto = xp.exp, xp.reciprocal, xp.tanh, xp.copyto
+        lbr = self._lbr()
+        XWzr, XWn = XW[:, :, :2 * H], XW[:, :, 2 * H:]
+        if lbr:
+            G = xp.empty((batch, 3 * H), cdt)
+            Gzr, n = G[:, :2 * H], G[:, 2 * H:]
+            Rbn = Rb[2 * H:]
+        else:
+            Rzr, Rn = Rt
+            Gzr = xp.empty((batch, 2 * H), cdt)
+            n = xp.empty((batch, H), cdt)
+        z, r = Gzr[:, :H], Gzr[:, H:]
+        T = xp.empty((batch, H), cdt)
+        if masks is None:
+            h = xp.zeros((batch, H), cdt) if init[0] is None else init[0]
+        else:
+            h = self._state(xp, init[0], batch, H, cdt)
+            hn = xp.empty((batch, H), cdt)
+        with np.errstate(over="ignore"):  # exp(-x) -> inf: the sigmoid's limit 0, exactly
+            for t in ts:
+                if lbr:
+                    matmul(h, Rt, out=G)
+                else:
+                    matmul(h, Rzr, out=Gzr)
+                add(Gzr, XWzr[t], out=Gzr)
+                exp(Gzr, out=Gzr)
+                add(Gzr, 1, out=Gzr)
+                reciprocal(Gzr, out=Gzr)
+                if lbr:
+                    add(n, Rbn, out=n)
+                    multiply(n, r, out=n)
+                else:
+                    multiply(r, h, out=T)
+                    matmul(T, Rn, out=n)
+                add(n, XWn[t], out=n)
+                tanh(n, out=n)
+                subtract(h, n, out=T)
+                multiply(T, z, out=T)
+                if masks is None:
+                    y = Y[t]
+                    add(n, T, out=y)
+                    h = y
+                else:
+                    add(n, T, out=hn)
+                    copyto(Y[t], hn, where=masks[t])
+                    copyto(h, hn, where=masks[t])
+        return (h,)
 
 
 @register("GRU", versions=[1])
@@ -343,8 +571,78 @@ class _LSTM(_RecurrentBase):
             o = f(self._clip(go))
             return (o * hf(c_new), c_new)
 
+        if self.fast:
+            # peepholes, negated like the sigmoid pre-activations they join (i, o, f)
+            negP = None if Pc is None else -Pc
+            Y, finals = self._fast(Xc, W, R, B, lens, states, H, cdt, (negP, couple))
+            return self._finish_fast(Y, finals, out_dtype)
         Ys, finals = self._run_all(Xc, W, R, B, lens, states, H, cdt, step, 2)
         return self._finish(Ys, finals, out_dtype)
+
+    sigmoid_gates = (0, 1, 2)  # i, o, f
+
+    def _recur(self, d, XW, Y, ts, init, Rt, Rb, masks, H, cdt, extra):
+        """Gates i, o, f = sigmoid(.) (negated pre-activations), g = tanh(.),
+        c = f * c + i * g, h = o * tanh(c)."""
+        xp = self.xp
+        negP, couple = extra
+        batch = XW.shape[1]
+        matmul, add, subtract, multiply = xp.matmul, xp.add, xp.subtract, xp.multiply
+        exp, reciprocal, tanh, copyto = xp.exp, xp.reciprocal, xp.tanh, xp.copyto
+        G = xp.empty((batch, 4 * H), cdt)
+        gi, go, gf, gc = (G[:, k * H:(k + 1) * H] for k in range(4))
+        sig = G[:, :3 * H] if negP is None else None   # i, o, f at once without peepholes
+        if negP is not None:
+            pi, po, pf = negP[d, :H], negP[d, H:2 * H], negP[d, 2 * H:]
+        T = xp.empty((batch, H), cdt)
+        c = self._state(xp, init[1], batch, H, cdt)
+        if masks is None:
+            h = xp.zeros((batch, H), cdt) if init[0] is None else init[0]
+            cn = c
+        else:
+            h = self._state(xp, init[0], batch, H, cdt)
+            cn = xp.empty((batch, H), cdt)
+
+        def sigmoid(v):
+            exp(v, out=v)
+            add(v, 1, out=v)
+            reciprocal(v, out=v)
+
+        with np.errstate(over="ignore"):  # exp(-x) -> inf: the sigmoid's limit 0, exactly
+            for t in ts:
+                matmul(h, Rt, out=G)
+                add(G, XW[t], out=G)
+                if negP is None:
+                    sigmoid(sig)
+                else:
+                    multiply(c, pi, out=T)
+                    add(gi, T, out=gi)
+                    sigmoid(gi)
+                    if not couple:
+                        multiply(c, pf, out=T)
+                        add(gf, T, out=gf)
+                        sigmoid(gf)
+                tanh(gc, out=gc)
+                if couple:
+                    subtract(1, gi, out=gf)
+                multiply(c, gf, out=cn)
+                multiply(gc, gi, out=gc)
+                add(cn, gc, out=cn)
+                if negP is not None:
+                    multiply(cn, po, out=T)
+                    add(go, T, out=go)
+                    sigmoid(go)
+                tanh(cn, out=T)
+                if masks is None:
+                    y = Y[t]
+                    multiply(T, go, out=y)
+                    h = y
+                else:
+                    multiply(T, go, out=T)
+                    copyto(Y[t], T, where=masks[t])
+                    copyto(h, T, where=masks[t])
+                    copyto(c, cn, where=masks[t])
+        return (h, c)
 
 
 @register("LSTM", versions=[1, 7])

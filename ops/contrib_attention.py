@@ -235,9 +235,9 @@ class Attention(_PaddedAttention):
         self.sizes = sizes
         self.share_buffer = bool(self.past_present_share_buffer)
 
-    def run(self, x, weights, bias=None, mask_index=None, past=None, attention_bias=None,
-            past_sequence_length=None):
-        xp = self.xp
+    def packed_sizes(self, x, weights, bias, past) -> tuple[int, int, int]:
+        """The Q, K and V widths of the packed weights, after checking the inputs' shapes
+        against them (shared by the device kernels)."""
         if x.ndim != 3 or weights.ndim != 2 or weights.shape[0] != x.shape[2]:
             raise self.fail(f"input (batch, sequence, hidden) {tuple(x.shape)} and weights "
                             f"(hidden, q + k + v hidden) {tuple(weights.shape)} do not match")
@@ -256,6 +256,12 @@ class Attention(_PaddedAttention):
             raise self.fail(f"bias must have shape ({width},), got {tuple(bias.shape)}")
         if self.share_buffer and past is not None:
             raise self.fail("past_present_share_buffer with a past state is not supported")
+        return dq, dk, dv
+
+    def run(self, x, weights, bias=None, mask_index=None, past=None, attention_bias=None,
+            past_sequence_length=None):
+        xp = self.xp
+        dq, dk, dv = self.packed_sizes(x, weights, bias, past)
         n = self.num_heads
         for size in (dq, dv):
             if size % n:

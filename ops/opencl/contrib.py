@@ -480,24 +480,8 @@ class AttentionCL(_PaddedAttentionCL, CA.Attention):
         args = (x, weights, bias, mask_index, past, attention_bias, past_sequence_length)
         if self.refuses(_dtypes_of(args[:6])) or x.size == 0 or weights.size == 0:
             return self.run_on_cpu(*args)
-        if x.ndim != 3 or weights.ndim != 2 or weights.shape[0] != x.shape[2]:
-            raise self.fail(f"input (batch, sequence, hidden) {tuple(x.shape)} and weights "
-                            f"(hidden, q + k + v hidden) {tuple(weights.shape)} do not match")
+        dq, dk, dv = self.packed_sizes(x, weights, bias, past)
         width = weights.shape[1]
-        if self.sizes is None:
-            if width % 3:
-                raise self.fail(f"weights width {width} is not divisible by 3 (give "
-                                f"qkv_hidden_sizes)")
-            dq = dk = dv = width // 3
-        else:
-            dq, dk, dv = self.sizes
-            if dq + dk + dv != width:
-                raise self.fail(f"qkv_hidden_sizes {self.sizes} do not sum to the weights "
-                                f"width {width}")
-        if bias is not None and tuple(bias.shape) != (width,):
-            raise self.fail(f"bias must have shape ({width},), got {tuple(bias.shape)}")
-        if self.share_buffer and past is not None:
-            raise self.fail("past_present_share_buffer with a past state is not supported")
         n = self.num_heads
         for size in (dq, dv):  # dk == dq (checked in setup)
             if size % n:

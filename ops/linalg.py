@@ -4,6 +4,9 @@ Float products go through np.matmul / np.einsum so BLAS does the work; narrow fl
 bfloat16) are multiplied in float32 and cast back. Integer products of 8-bit operands run in
 float64 BLAS, which is exact for them (|a*b| < 2**16, so sums stay exact below 2**53), then are
 wrapped to int32 as the spec allows.
+
+On the CPU, products of 2-4 rows run as one GEMV per row where that was measured faster
+(`_rows_faster`); BLAS's thread count is the session's (ember.runtime.threads).
 """
 from __future__ import annotations
 
@@ -27,15 +30,61 @@ def _int_matmul(xp, a, b):
     return xp.matmul(a.astype(np.int64), b.astype(np.int64))
 
 
+# How OpenBLAS (numpy's BLAS) runs small float products fastest, measured on a 2-core AMD EPYC
+# VM with OpenBLAS 0.3.31 (Haswell kernels), M = 1..64 rows, K, N = 256..3072 (report of
+# issue 12; medians of interleaved runs, 100 us of other work between products):
+# * Threads. OpenBLAS runs a GEMM on one thread up to M*N*K = 65536 * GEMM_MULTITHREAD_THRESHOLD
+#   (4) and a GEMV up to K*N = 2304 * 4; above, on up to M*N*K / 262144 threads. Above that
+#   threshold two threads were never clearly slower on an idle machine: 1.2-2x faster from 8
+#   rows, for 3 rows and for GEMVs from K*N = 768*768; within +-10% for 2 and 4 rows and smaller
+#   GEMVs. So the crossover is OpenBLAS's own: no product is sent to one thread. (While other
+#   processes hold the cores, every threaded product is 2-10x slower than on one thread: a
+#   preempted worker holds up BLAS's static split; `threads=1` is the choice there.)
+# * Shape. OpenBLAS's GEMM with 2-4 rows packs all of B for a few rows of work: one GEMV per
+#   row (with BLAS's threads) is faster: 2 rows 1.4-2.3x from K*N = 2**16; 3 rows 1.6x where
+#   K <= N (slower for K > N); 4 rows 1.2-1.4x from K*N = 2**19 where K <= N (slower below or
+#   for K > N). Those products run by row (`_by_row`): a decoder step of batch 2-4.
+_BY_ROW_KN = {2: 1 << 16, 3: 1 << 16, 4: 1 << 19}
+_BY_ROW_MIN_KN = min(_BY_ROW_KN.values())
+
+
+def _by_row(a, b):
+    """A 2- to 4-row product as one GEMV per row (CPU only)."""
+    out = np.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a, b))
+    for i in range(a.shape[0]):  # 2 to 4 BLAS calls
+        np.matmul(a[i], b, out=out[i])
+    return out
+
+
+def _rows_faster(a, b) -> bool:
+    """Whether the numpy float product a @ b (2-D operands) runs faster by row (see above)."""
+    if a.ndim != 2 or b.ndim != 2 or a.dtype.kind != "f":
+        return False
+    m, k = a.shape
+    n = b.shape[1]
+    return m in _BY_ROW_KN and k * n >= _BY_ROW_KN[m] and (m == 2 or k <= n)
+
+
+def _float_matmul(xp, a, b):
+    shape = None
+    if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous and a.shape[-1]:
+        # [..., M, K] @ [K, N] as one [(...*M), K] GEMM: one large BLAS call instead of
+        # one per batch entry (about 15% faster on transformer projections)
+        shape = a.shape[:-1] + b.shape[-1:]
+        a = a.reshape(-1, a.shape[-1])
+    if (xp is np and a.ndim == 2 and 2 <= a.shape[0] <= 4 and b.ndim == 2
+            and b.shape[0] * b.shape[1] >= _BY_ROW_MIN_KN and _rows_faster(a, b)):
+        y = _by_row(a, b)  # CPU: 2-4 rows, where one GEMV per row is faster
+    else:
+        y = xp.matmul(a, b)
+    return y if shape is None else y.reshape(shape)
+
+
 def matmul(xp, a, b):
     """xp.matmul keeping the operand dtype, with narrow floats computed in float32."""
     dtype = a.dtype
     if dtype.kind in "fc" and not is_narrow_float(dtype):
-        if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous and a.shape[-1]:
-            # [..., M, K] @ [K, N] as one [(...*M), K] GEMM: one large BLAS call instead of
-            # one per batch entry (about 15% faster on transformer projections)
-            return xp.matmul(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + b.shape[-1:])
-        return xp.matmul(a, b)
+        return _float_matmul(xp, a, b)
     if dtype.kind in "iu":
         if dtype.itemsize <= 2:
             return _int_matmul(xp, a, b).astype(dtype)
@@ -83,7 +132,7 @@ class _Gemm(OpImpl):
             return yf.astype(dtype)
         narrow = is_narrow_float(dtype)
         wa, wb = widen(a), widen(b)
-        y = xp.matmul(wa, wb)
+        y = _float_matmul(xp, wa, wb)
         if self.alpha != 1.0:
             y *= y.dtype.type(self.alpha)
         if c is not None and self.beta != 0.0:

@@ -66,19 +66,6 @@ def _make_activation(xp, fn, alpha, beta, dtype):
     return act
 
 
-def _small_product(m, k, n):
-    """Whether the per-step product (m, k) @ (k, n) is one of those that OpenBLAS would share
-    among its threads but that run faster on one (the crossover measured for ops/linalg.py:
-    matrix-vector products up to k*n = 2**19, GEMMs up to m*n*k = 2**22)."""
-    return k * n <= 1 << 19 if m == 1 else m * n * k <= 1 << 22
-
-
-def _single_threaded(fn, *args):
-    # Where BLAS threads do not pay, the recurrence should run on one (ember.runtime.threads,
-    # issue 12's thread control, is not landed yet): for now it runs as BLAS is set.
-    return fn(*args)
-
-
 # ---------------------------------------------------------------- shared driver
 class _RecurrentBase(OpImpl):
     n_gates = 1                       # rows of W per hidden unit
@@ -345,10 +332,9 @@ class _RecurrentBase(OpImpl):
                     Yd = xp.zeros((seq, batch, H), cdt)
             init = [None if s is None else s[d] for s in states]
             args = (d, XWd, Yd, ts, init, Rts[d], Rbs[d], masks, H, cdt, extra)
-            if xp is np and _small_product(batch, H, G):
-                final = _single_threaded(self._recur, *args)
-            else:
-                final = self._recur(*args)
+            # on BLAS's own threading: one thread was never faster for these products on an
+            # idle machine (batch 1-16, hidden 128-1024; 3x slower at batch 16)
+            final = self._recur(*args)
             if order is not None:
                 Y[:, d] = Yd[order, xp.arange(batch)[None, :]]  # the permutation is an involution
             for i, f in enumerate(final):

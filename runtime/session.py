@@ -14,6 +14,7 @@ from ember.errors import InputError
 from ember.importer import ModelSource, import_model
 from ember.ir import Dim, MapType, Model, OptionalType, SequenceType, TensorType, ValueInfo
 from ember.runtime.backends import Backend, get_backend
+from ember.runtime import threads as _threads
 from ember.runtime.executor import Plan
 from ember.runtime.values import IOBinding, OrtValue, _np_dtype, backend_for_device
 
@@ -63,8 +64,12 @@ def _ort_type_name(dtype: np.dtype | None) -> str:
 class Session:
     """A model ready to run on one backend."""
 
-    def __init__(self, model: Model, backend: str | Backend | None = None):
+    def __init__(self, model: Model, backend: str | Backend | None = None,
+                 threads: int | None = None):
         self.model = model
+        # BLAS threads during run() (ember.runtime.threads); default: the physical cores
+        self.threads = _threads.check_threads(threads) or _threads.default_threads()
+        _threads.refresh()  # the BLAS libraries loaded by now
         self._backend = get_backend(backend)  # a Backend instance is used as it is
         self.backend = self._backend.name
         graph = model.graph
@@ -111,7 +116,15 @@ class Session:
             if name in feeds and self.backend != "cpu" and self._backend.is_device_array(value))
         plan = self._plan_for(None if outputs is None else tuple(outputs), device_outputs,
                               device_inputs)
-        values = plan.run(ordered)
+        _threads.enter(self.threads)
+        try:
+            values = plan.run(ordered)
+        finally:
+            _threads.leave()
+        # kernels may return strided views (a channels-last convolution's NCHW view): users
+        # get C-ordered arrays, as onnxruntime returns (copied only where a view came back)
+        values = [np.ascontiguousarray(v) if isinstance(v, np.ndarray) and
+                  not v.flags.c_contiguous else v for v in values]
         if device_outputs:
             cpu = get_backend("cpu")
             values = [OrtValue(v, self._backend if self._backend.is_device_array(v) else cpu)
@@ -248,15 +261,17 @@ def _describe(info: IOInfo) -> str:
 
 
 def load(model: ModelSource | Model, backend: str | Backend | None = None,
-         simplify: bool = True) -> Session:
+         simplify: bool = True, threads: int | None = None) -> Session:
     """Load an ONNX model (path, bytes, onnx.ModelProto or ember IR) for `backend`.
 
     `backend` is a name, defaulting to $EMBER_BACKEND, then "cpu" (the process's instance of
     that backend), or a `Backend` instance to run on, e.g. an `OpenCLBackend()` of its own
     (its own context and queue). With `simplify` (the default) the graph is simplified for that
     backend first (constant folding, fusions, expansion of ops the backend lacks; see
-    ember.simplifier); the caller's IR is never modified.
+    ember.simplifier); the caller's IR is never modified. `threads`: BLAS threads during
+    `run` (default: the physical cores this process may use; see ember.runtime.threads).
     """
+    threads = _threads.check_threads(threads)
     instance = get_backend(backend)
     backend_name = instance.name
     ir = model if isinstance(model, Model) else import_model(model)
@@ -266,7 +281,7 @@ def load(model: ModelSource | Model, backend: str | Backend | None = None,
         if ir is model:
             ir = copy_structure(ir)
         simplify_model(ir, backend=backend_name)
-    return Session(ir, instance)
+    return Session(ir, instance, threads=threads)
 
 
 class NodeArg:
@@ -295,7 +310,9 @@ class InferenceSession:
             name = p[0] if isinstance(p, (tuple, list)) else p
             backend = _PROVIDERS.get(name, name)
             break
-        self._session = load(path_or_bytes, backend)
+        # onnxruntime.SessionOptions.intra_op_num_threads: 0 (its default) = the physical cores
+        threads = getattr(sess_options, "intra_op_num_threads", 0) or None
+        self._session = load(path_or_bytes, backend, threads=threads)
 
     def get_inputs(self) -> list[NodeArg]:
         return [NodeArg(i) for i in self._session.inputs]

@@ -76,6 +76,26 @@ def test_run_only_requested_outputs():
     np.testing.assert_array_equal(only["y"], full["y"])
 
 
+def test_outputs_are_c_ordered_arrays():
+    """A depthwise convolution computes channels-last and its kernel returns an NCHW view;
+    the session hands back C-ordered arrays, as onnxruntime does."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((8, 1, 3, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], group=8, pads=[1, 1, 1, 1])], "dw",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 20, 20])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 20, 20])],
+        [numpy_helper.from_array(w, "w")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal((1, 8, 20, 20)).astype(np.float32)
+    y = ember.load(proto.SerializeToString()).run({"x": x})["y"]
+    assert y.flags.c_contiguous
+    want = ort.InferenceSession(proto.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
 def test_symbolic_dimension_must_agree_across_inputs():
     sess = ember.load(os.path.join(MODELS, "transformer.onnx"))
     with pytest.raises(ember.InputError, match="dimension 'seq' is 7"):

@@ -1,0 +1,217 @@
+"""ember's control of the BLAS thread pool (numpy's OpenBLAS, or whichever BLAS numpy loads).
+
+Three things, all on the host (they matter to the CPU kernels and to host fallbacks):
+
+* Thread count. A session runs with `threads` BLAS threads (`ember.load(..., threads=N)`,
+  `SessionOptions.intra_op_num_threads` in `ember.InferenceSession`), by default the number of
+  physical cores this process may run on (`physical_cores`: the CPUs of
+  `os.sched_getaffinity`, hyperthread siblings counted once), as onnxruntime does. BLAS thread
+  pools are process-wide, so the count is set when a run starts and the previous one restored
+  when the last run in flight returns (with runs of different counts in flight at once, the
+  latest asked wins). The libraries are found with threadpoolctl; OpenBLAS on its own pthreads
+  server is set through its C entry points directly (1 us a call: threadpoolctl's
+  `set_num_threads` costs 5 us and, in threadpoolctl 3.8, does nothing when called from a
+  thread other than the first one that used it, and runs come from any thread).
+
+* No spinning after `run()` returns. After each parallel call, OpenBLAS's worker threads
+  busy-wait (a `sched_yield` loop) for THREAD_TIMEOUT before they sleep: 2**28 TSC cycles by
+  default, 0.07-0.13 s: a whole core for each worker after every run, taken from whatever
+  runs next. OpenBLAS reads OPENBLAS_THREAD_TIMEOUT (the log2 of that spin, 4..30) when the
+  library loads, which is always before ember runs (numpy is imported first). So, unless the
+  user set it, ember sets OPENBLAS_THREAD_TIMEOUT=18 (2**18 cycles, 65-130 us: long enough to
+  stay awake between the products of one run, short enough that a 16-core pool spins < 2 ms
+  after it) for OpenBLAS copies loaded later, and for those already loaded re-reads the
+  environment (`openblas_read_env`) and restarts the idle worker threads
+  (`blas_thread_shutdown_`, the call OpenBLAS itself makes before every fork; the workers come
+  back on the next parallel call and read the new timeout then). This happens once, when ember
+  is imported, and is the process's setting from then on. Setting the thread count to 1 after
+  a run does not help: the workers spin on whatever the count is.
+
+* No product is sent to one thread: measured on this project's 2-core machine, BLAS's own
+  threading threshold is already the crossover (see ops/linalg.py), also for the recurrences'
+  loops of small products (ops/rnn.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any, Sequence
+
+import threadpoolctl
+
+# log2 of the TSC cycles OpenBLAS workers spin before sleeping (OpenBLAS's default is 28)
+THREAD_TIMEOUT = 18
+
+_AFFIXES = [(p, s) for p in ("", "scipy_") for s in ("", "64_", "_64")]
+
+
+# --------------------------------------------------------------------------------------------
+# cores
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (os.sched_getaffinity): logical
+    CPUs that are hyperthreads of one core count once. Falls back to the logical CPU count
+    where the topology is not readable."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topo}/physical_package_id") as f:
+                package = f.read().strip()
+            with open(f"{topo}/core_id") as f:
+                core = f.read().strip()
+        except OSError:
+            return max(1, len(cpus))
+        cores.add((package, core))
+    return max(1, len(cores))
+
+
+def default_threads() -> int:
+    return physical_cores()
+
+
+def check_threads(threads: Any) -> int | None:
+    """`threads` as given to a session: None (the default) or a positive int."""
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+    return threads
+
+
+# --------------------------------------------------------------------------------------------
+# the BLAS libraries of the process
+
+class _Lib:
+    """One loaded BLAS library: get/set its thread count. `raw` for OpenBLAS on its own
+    pthreads server, set through its C functions (process-wide, any thread may set it)."""
+
+    def __init__(self, controller: Any):
+        self.controller = controller
+        self.raw = False
+        self.dynlib = getattr(controller, "dynlib", None)
+        if (controller.internal_api == "openblas" and self.dynlib is not None
+                and getattr(controller, "threading_layer", None) != "openmp"):
+            for prefix, suffix in _AFFIXES:
+                get = getattr(self.dynlib, f"{prefix}openblas_get_num_threads{suffix}", None)
+                set_ = getattr(self.dynlib, f"{prefix}openblas_set_num_threads{suffix}", None)
+                if get is not None and set_ is not None:
+                    get.restype, get.argtypes = ctypes.c_int, []
+                    set_.restype, set_.argtypes = None, [ctypes.c_int]
+                    self.get, self.set, self.raw = get, set_, True
+                    break
+        if not self.raw:
+            self.get, self.set = controller.get_num_threads, controller.set_num_threads
+
+
+_libs_lock = threading.Lock()
+_libs: tuple[_Lib, ...] | None = None
+
+
+def refresh() -> tuple[_Lib, ...]:
+    """Look the loaded BLAS libraries up again (a session does at its creation: ~2 ms)."""
+    global _libs
+    found = tuple(_Lib(c) for c in threadpoolctl.ThreadpoolController()
+                  .select(user_api="blas").lib_controllers)
+    with _libs_lock:
+        _libs = found
+    return found
+
+
+def blas_libraries() -> tuple[_Lib, ...]:
+    libs = _libs
+    return libs if libs is not None else refresh()
+
+
+# --------------------------------------------------------------------------------------------
+# the thread count during runs
+
+_lock = threading.Lock()
+_active = 0                    # runs in flight
+_saved: list[tuple[_Lib, Any]] = []  # each library's count before the first of them
+_target: int | None = None     # the count the runs in flight asked for
+
+
+def enter(threads: int) -> None:
+    """A run starts: BLAS uses `threads` threads until the last run in flight calls `leave`."""
+    global _active, _saved, _target
+    libs = blas_libraries()
+    with _lock:
+        if _active == 0:
+            _saved = [(lib, lib.get()) for lib in libs]
+            for lib, count in _saved:
+                if count != threads:
+                    lib.set(threads)
+        elif threads != _target:
+            for lib, _ in _saved:
+                lib.set(threads)
+        _target = threads
+        _active += 1
+
+
+def leave() -> None:
+    global _active, _target
+    with _lock:
+        _active -= 1
+        if _active == 0:
+            for lib, count in _saved:
+                if count is not None and count != _target:
+                    lib.set(count)
+            _saved.clear()
+            _target = None
+
+
+def current_threads() -> list[int]:
+    """The thread count of each loaded BLAS library, as the libraries report it."""
+    return [lib.get() for lib in blas_libraries()]
+
+
+# --------------------------------------------------------------------------------------------
+# OpenBLAS's idle spin
+
+def _symbol(dynlib: Any, name: str) -> Any:
+    for prefix, suffix in _AFFIXES:
+        fn = getattr(dynlib, f"{prefix}{name}{suffix}", None)
+        if fn is not None:
+            return fn
+    return None
+
+
+def shorten_openblas_spin(libs: Sequence[_Lib] | None = None) -> list[str]:
+    """Make OpenBLAS's idle workers sleep after 2**THREAD_TIMEOUT cycles instead of 2**28
+    (see the module docstring); a user's OPENBLAS_THREAD_TIMEOUT is applied instead, also to the
+    copies loaded before it was set (GOTO_THREAD_TIMEOUT alone: left as it is). Returns the
+    files of the loaded libraries whose workers were restarted to take it."""
+    env = os.environ.get("OPENBLAS_THREAD_TIMEOUT")
+    if env is None:
+        if "GOTO_THREAD_TIMEOUT" in os.environ:
+            return []
+        env = os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(THREAD_TIMEOUT)  # later copies
+    try:
+        wanted = int(env)
+    except ValueError:
+        return []
+    done = []
+    for lib in blas_libraries() if libs is None else libs:
+        if not lib.raw:
+            continue
+        read_env = _symbol(lib.dynlib, "openblas_read_env")
+        timeout = _symbol(lib.dynlib, "openblas_thread_timeout")
+        shutdown = _symbol(lib.dynlib, "blas_thread_shutdown_")
+        if read_env is None or timeout is None or shutdown is None:
+            continue
+        read_env.restype, timeout.restype, shutdown.restype = None, ctypes.c_int, ctypes.c_int
+        if timeout() == wanted:
+            continue  # read when the library loaded, the environment already said so
+        read_env()
+        if timeout() == wanted:
+            shutdown()  # the idle workers exit; the next parallel call starts them again
+            done.append(getattr(lib.controller, "filepath", "?"))
+    return done
+
+shorten_openblas_spin()

@@ -33,6 +33,7 @@ from ember.simplifier.passes.merge_transpose import (gather_through_transpose, m
                                                      merge_transposes)
 from ember.simplifier.passes.noop import remove_noops
 from ember.simplifier.passes.shape_inference import infer_shapes
+from ember.simplifier.passes.widen_output_cast import widen_output_cast
 
 Pass = Callable[[Graph, Context], bool]
 
@@ -57,6 +58,7 @@ PASSES: dict[str, Pass] = {
     "fold_scale_into_matmul": fold_scale_into_matmul,
     "fuse_residual_add": fuse_residual_add,
     "fuse_activations": fuse_activations,
+    "widen_output_cast": widen_output_cast,
     "expand_functions": expand_functions,
     "eliminate_dead_code": eliminate_dead_code,
 }
@@ -68,6 +70,7 @@ _TRIGGERS = {
     "fuse_gelu": {"Erf", "Tanh"}, "fuse_attention": {"Softmax"},
     "fuse_attention_projections": {"Attention"}, "fuse_matmul_add": {"MatMul"},
     "fold_scale_into_matmul": {"Mul"}, "fuse_residual_add": {"Add"},
+    "widen_output_cast": {"Cast"},
 }
 # Passes that only look at the top-level graph (subgraphs keep their own scoping rules).
 _TOP_LEVEL_ONLY = {"infer_shapes"}

@@ -507,6 +507,53 @@ def test_ops_a_backend_lacks_expand_into_their_function_body(op, attrs, opset):
 
 # -- API and command line ---------------------------------------------------------------------
 
+def _float16_tail(shared_interior: bool):
+    """x -> Cast<f16> -> Mul(x, x) -> MatMul(w16) -> ReduceMean -> Cast<f32> = y, the shape
+    the float16 converters leave at an output; optionally the Mul is also a second output."""
+    H = TensorProto.FLOAT16
+    nodes = [helper.make_node("Cast", ["x"], ["x16"], to=H),
+             helper.make_node("Mul", ["x16", "x16"], ["sq"]),
+             helper.make_node("MatMul", ["sq", "w"], ["p"]),
+             helper.make_node("ReduceMean", ["p", "axes"], ["m"], keepdims=0),
+             helper.make_node("Cast", ["m"], ["y"], to=F)]
+    outputs = [tensor("y", [4])] + ([tensor("sq", [4, 64], H)] if shared_interior else [])
+    w = (rand(64, 32) / 8).astype(np.float16)
+    return make_model(nodes, [tensor("x", [4, 64])], outputs,
+                      [const("w", w), const("axes", np.array([1], np.int64))]), w
+
+
+def test_float16_output_tail_computes_in_float32():
+    proto, w = _float16_tail(shared_interior=False)
+    x = (rand(4, 64) * 4).astype(np.float32)
+    model = simplify(import_model(proto))
+    assert ops(model) == ["Cast", "Cast", "Mul", "MatMul", "ReduceMean"]
+    mul = model.graph.nodes[2]
+    assert model.graph.value_info[mul.inputs[0]].type.dtype == np.float32
+    # oracle: the same graph in float32 on float16-rounded operands, run by onnxruntime
+    x16 = x.astype(np.float16).astype(np.float32)
+    nodes = [helper.make_node("Mul", ["x", "x"], ["sq"]),
+             helper.make_node("MatMul", ["sq", "w"], ["p"]),
+             helper.make_node("ReduceMean", ["p", "axes"], ["y"], keepdims=0)]
+    wide = make_model(nodes, [tensor("x", [4, 64])], [tensor("y", [4])],
+                      [const("w", w.astype(np.float32)), const("axes", np.array([1], np.int64))])
+    want = ort_outputs(wide, {"x": x16})[0]
+    np.testing.assert_allclose(ember.Session(model).run({"x": x})["y"], want, rtol=1e-5)
+    # unsimplified, every float16 rounding is kept: a different (less accurate) result
+    literal = ember.load(proto, simplify=False).run({"x": x})["y"]
+    assert np.max(np.abs(literal - want)) > 1e-4 * np.max(np.abs(want))
+
+
+def test_float16_tail_widening_stops_at_a_shared_value():
+    proto, _ = _float16_tail(shared_interior=True)
+    model = simplify(import_model(proto))
+    mul = next(n for n in model.graph.nodes if n.op_type == "Mul")
+    assert model.graph.value_info.get(mul.outputs[0]) is None or \
+        model.graph.value_info[mul.outputs[0]].type.dtype == np.float16
+    matmul = next(n for n in model.graph.nodes if n.op_type == "MatMul")
+    assert matmul.inputs[0] != "sq" and ops(model).count("Cast") == 2  # sq widened once
+    simplified_matches(proto, {"x": rand(4, 64)}, rtol=2e-3)
+
+
 def test_unknown_pass_is_an_ember_error():
     proto = make_model([helper.make_node("Relu", ["x"], ["y"])], [tensor("x", [3])],
                        [tensor("y", [3])])

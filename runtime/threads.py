@@ -34,6 +34,7 @@ Three things, all on the host (they matter to the CPU kernels and to host fallba
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from typing import Any, Sequence
@@ -71,7 +72,9 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
+@functools.lru_cache(maxsize=1)
 def default_threads() -> int:
+    """physical_cores(), read once per process (it reads the CPU topology from /sys)."""
     return physical_cores()
 
 
@@ -164,6 +167,13 @@ def leave() -> None:
                     lib.set(count)
             _saved.clear()
             _target = None
+
+
+def run_threads() -> int:
+    """The thread count of the runs in flight (the physical cores outside a run): for kernels
+    with threads of their own (numba's depthwise convolution)."""
+    target = _target
+    return target if target is not None else default_threads()
 
 
 def current_threads() -> list[int]:

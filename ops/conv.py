@@ -270,8 +270,8 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache):
     N, C, H, W = x.shape
     (kh, kw), (sh, sw), (dh, dw), (Oh, Ow) = kernel, strides, dilations, outs
     if kh == kw == 3:
-        kernel = _numba_depthwise3x3()
-        if kernel is not None:
+        compiled = _numba_depthwise3x3()
+        if compiled is not None:
             xt = x.transpose(0, 2, 3, 1)
             if not xt.flags.c_contiguous:
                 xt = np.ascontiguousarray(xt)
@@ -283,7 +283,7 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache):
                     cache[key] = wt
             out = np.empty((N, Oh, Ow, C), x.dtype)
             b = np.zeros(C, x.dtype) if bias is None else np.ascontiguousarray(bias)
-            _run_depthwise3x3(kernel, xt, wt, b, out, begin[0], begin[1], sh, sw, dh, dw)
+            _run_depthwise3x3(compiled, xt, wt, b, out, begin[0], begin[1], sh, sw, dh, dw)
             return out.transpose(0, 3, 1, 2)
     # Width tap j reads padded column sw*ow + j*dw = sw*(ow + dj) + ph: the padded input is
     # split by column phase ph (Q[ph][:, :, q] = padded column sw*q + ph, channels last), so

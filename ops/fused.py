@@ -67,19 +67,20 @@ def epilogue(xp, y, bias, z, activation: str, params: list[float]):
     """activation(y + bias + z), with `bias` broadcast over y's last axis and `z` of y's shape.
 
     On a fresh dense float `y` (the usual case: C-contiguous, or the channels-last view a
-    CPU convolution returns) every step writes into y: no new arrays. Each step is one call over the whole array: for one or two passes that is faster
-    than cache blocking (measured on ResNet-50's convolutions), while GELU, a long formula,
-    blocks inside `gelu`. Anything else (integer products, a bias of another shape) takes
-    steps that allocate.
+    CPU convolution returns) every step writes into y: no new arrays. Each step is one call
+    over the whole array: for one or two passes that is faster than cache blocking (measured
+    on ResNet-50's convolutions), while GELU, a long formula, blocks inside `gelu`. Anything
+    else (integer products, a bias of another shape) takes steps that allocate.
     """
     row = None
     if bias is not None and y.ndim and bias.size == y.shape[-1] and y.ndim >= bias.ndim \
             and all(d == 1 for d in bias.shape[:-1]):
         row = bias.reshape(-1).astype(y.dtype, copy=False)
     # (cupy's flags have no `writeable`: device arrays are always writable)
-    if y.dtype.kind != "f" or y.ndim == 0 or not (y.flags.c_contiguous or _channels_last(y)) or \
-            not getattr(y.flags, "writeable", True) or (bias is not None and row is None) or \
-            (z is not None and z.dtype != y.dtype):
+    # a fresh dense result: C-ordered, or the channels-last view a CPU convolution returns
+    dense = y.ndim and (y.flags.c_contiguous or _channels_last(y))
+    if y.dtype.kind != "f" or not dense or not getattr(y.flags, "writeable", True) or \
+            (bias is not None and row is None) or (z is not None and z.dtype != y.dtype):
         return _epilogue_whole(xp, y, bias, z, activation, params)
     if row is not None:
         y += row

@@ -153,8 +153,8 @@ def test_float16_model_is_as_accurate_as_onnxruntime(tmp_path, name, model, feed
     if reason:
         pytest.skip(reason)
     floor, simplified = _errors(tmp_path, name, model, feeds, simplify=True, backend=backend)
-    assert simplified <= 2 * floor, \
-        f"{name}: relative error vs float32: onnxruntime float16 {floor:.2e}, ember {simplified:.2e}"
+    assert simplified <= 2 * floor, (f"{name} on {backend}: relative error vs float32: "
+                                     f"onnxruntime float16 {floor:.2e}, ember {simplified:.2e}")
 
 
 @pytest.mark.parametrize("name, model, feeds", list(_models(_ROUNDS_ITS_OUTPUT)),

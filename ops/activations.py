@@ -10,8 +10,10 @@ import math
 
 import numpy as np
 
+from ember.ops import _compiled
 from ember.ops._dtypes import widen
-from ember.ops.elementwise import back, blocks, erf, erf_float32_block, unary
+from ember.ops.elementwise import (_ERF32_P, _ERF32_Q, back, blocks, erf, erf_float32_block,
+                                   unary)
 from ember.ops.registry import OpImpl, register
 
 
@@ -41,6 +43,13 @@ def gelu(xp, w, tanh: bool = False, out=None):
     fresh array if None; C-contiguous; `w` itself is allowed), block by block."""
     if out is None:
         out = xp.empty(w.shape, w.dtype)
+    if xp is np and not tanh and w.dtype == np.float32 and w.size >= _COMPILED_MIN:
+        kernel = _compiled.jit(_gelu_erf32_loops)
+        if kernel is not None:  # numba: the same bits as _gelu_erf32_block, 3-5x faster
+            flat_out = out.reshape(-1)
+            _compiled.split_rows(kernel, flat_out.size, np.ascontiguousarray(w).reshape(-1),
+                                 flat_out, min_rows=_COMPILED_MIN // 2)
+            return out
     block = _gelu_tanh_block if tanh else \
         _gelu_erf32_block if w.dtype == np.float32 else _gelu_erf_block
     for w_block, out_block in blocks(xp, w, out):
@@ -54,6 +63,40 @@ def _gelu_erf32_block(xp, w, out):
     half_one_plus_erf *= np.float32(0.5)  # 0.5 * (1 + erf) == 0.5 + 0.5 * erf, exactly
     half_one_plus_erf += np.float32(0.5)
     xp.multiply(w, half_one_plus_erf, out=out)
+
+
+# Below this many elements the compiled GELU is not worth its call (and a thread's share of
+# a split is at least half of it).
+_COMPILED_MIN = 1 << 14
+
+
+# erf's float32 coefficients as scalars: numba freezes globals into the compiled code
+_P0, _P1, _P2, _P3, _P4, _P5, _P6 = (np.float32(c) for c in _ERF32_P)
+_Q0, _Q1, _Q2, _Q3, _Q4 = (np.float32(c) for c in _ERF32_Q)
+
+
+def _gelu_erf32_loops(x, out, lo, hi):  # pragma: no cover - numba
+    """_gelu_erf32_block's operations, in its order and rounding (no contraction), element by
+    element over [lo, hi): the same bits, in one pass instead of ~20. Computed into a local
+    buffer, then copied: `out` may be `x` (the fused ops' in-place epilogue), and a loop whose
+    input and output overlap is not vectorised."""
+    p0, p1, p2, p3, p4, p5, p6 = _P0, _P1, _P2, _P3, _P4, _P5, _P6
+    q0, q1, q2, q3, q4 = _Q0, _Q1, _Q2, _Q3, _Q4
+    s, half, four = np.float32(math.sqrt(0.5)), np.float32(0.5), np.float32(4)
+    buf = np.empty(512, np.float32)
+    for start in range(lo, hi, 512):
+        n = min(512, hi - start)
+        for j in range(n):
+            w = x[start + j]
+            z = w * s
+            z = -four if z < -four else (four if z > four else z)  # NaN stays NaN, as in clip
+            z2 = z * z
+            num = ((((((p0 * z2 + p1) * z2 + p2) * z2 + p3) * z2 + p4) * z2 + p5) * z2
+                   + p6) * z
+            den = (((q0 * z2 + q1) * z2 + q2) * z2 + q3) * z2 + q4
+            buf[j] = w * ((num / den) * half + half)
+        for j in range(n):
+            out[start + j] = buf[j]
 
 
 def _gelu_erf_block(xp, w, out):

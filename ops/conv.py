@@ -24,12 +24,10 @@ The geometry helpers here (padding, output sizes, padding an array) are shared w
 from __future__ import annotations
 
 import math
-import os
-import threading
 
 import numpy as np
 
-from ember.ops import _xp
+from ember.ops import _compiled, _xp
 from ember.ops.registry import OpImpl, register
 
 # ----------------------------------------------------------------------------------------------
@@ -326,118 +324,67 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache):
     return out.transpose(0, 3, 1, 2)
 
 
-# --- an optional compiled depthwise 3x3 kernel (numba, if installed; EMBER_NUMBA=0 turns it
-# off): the einsum kernel above stays the fallback and the reference. Compiled once per dtype
-# and cached on disk by numba (next to this file, or in its user-wide cache directory).
-#
-# The kernel releases the GIL, so a run with several threads splits the output rows among
-# threads of a small pool of ours, each running the same compiled loops on its rows (the same
-# bits whatever the split). numba's own parallel loops were slower here: its worker threads
-# and OpenBLAS's competed for the cores from one node to the next.
+# --- an optional compiled depthwise 3x3 kernel (numba: ops/_compiled.py): the einsum kernel
+# above stays the fallback and the reference. The output rows are split among the run's
+# threads.
 
-_NUMBA = {}
 _MIN_ROWS = 8  # output rows per thread below which one thread does them all
-_pool_lock = threading.Lock()
-_pool = None
 
 
 def _numba_depthwise3x3():
-    """The compiled kernel (x, w, b, out, ph, pw, sh, sw, dh, dw, row0, row1), or None where
-    numba is not installed or is turned off."""
-    if "dw3x3" not in _NUMBA:
-        kernel = None
-        if os.environ.get("EMBER_NUMBA", "1") not in ("0", "", "false", "no"):
-            try:
-                import numba
-            except ImportError:
-                numba = None
-            if numba is not None:
-                global _dw3x3_row  # what the driver calls, resolved when it is compiled
-                options = dict(cache=True, nogil=True, boundscheck=False, fastmath={"contract"})
-                _dw3x3_row = numba.njit(**options)(_depthwise3x3_row)
-                kernel = numba.njit(**options)(_depthwise3x3_rows)
-        _NUMBA["dw3x3"] = kernel
-    return _NUMBA["dw3x3"]
+    """The compiled kernel (x, w, b, out, ph, pw, sh, sw, dh, dw, row0, row1), or None."""
+    return _compiled.jit(_depthwise3x3_rows, fastmath={"contract"})
 
 
 def _run_depthwise3x3(kernel, x, w, b, out, *geometry):
-    # imported here: ember.runtime imports the importer, which imports the ops
-    from ember.runtime.threads import run_threads
-
-    rows = out.shape[1]
-    parts = max(1, min(run_threads(), rows // _MIN_ROWS))
-    bounds = [rows * i // parts for i in range(parts + 1)]
-    jobs = [_thread_pool().submit(kernel, x, w, b, out, *geometry, bounds[i], bounds[i + 1])
-            for i in range(1, parts)]
-    kernel(x, w, b, out, *geometry, bounds[0], bounds[1])
-    for job in jobs:
-        job.result()
-
-
-def _thread_pool():
-    global _pool
-    if _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                _pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1) - 1),
-                                           thread_name_prefix="ember-depthwise")
-    return _pool
-
-
-_dw3x3_row = None  # set by _numba_depthwise3x3
+    _compiled.split_rows(kernel, out.shape[1], x, w, b, out, *geometry, min_rows=_MIN_ROWS)
 
 
 def _depthwise3x3_rows(x, w, b, out, ph, pw, sh, sw, dh, dw, row0, row1):  # pragma: no cover
-    for n in range(x.shape[0]):
-        for oh in range(row0, row1):
-            _dw3x3_row(x, w, b, out, n, oh, ph, pw, sh, sw, dh, dw)
-
-
-def _depthwise3x3_row(x, w, b, out, n, oh, ph, pw, sh, sw, dh, dw):  # pragma: no cover
-    """Output row (n, oh): out[n, oh, ow, c] = b[c] + sum over taps of x[n, r, q, c] *
+    """Output rows [row0, row1): out[n, oh, ow, c] = b[c] + sum over taps of x[n, r, q, c] *
     w[i, j, c], channels last (x (N, H, W, C), w (3, 3, C), out (N, Oh, Ow, C)), r = oh*sh -
     ph + i*dh and q = ow*sw - pw + j*dw, taps outside x skipped. Pixels whose nine taps all
     lie inside x sum them in one expression (the channel loop vectorises, the sums stay in
     registers); the border pixels loop over their valid taps."""
-    H, W, C = x.shape[1], x.shape[2], x.shape[3]
+    N, H, W, C = x.shape
     Ow = out.shape[2]
-    r0 = oh * sh - ph
-    if r0 >= 0 and r0 + 2 * dh < H:
-        a = x[n, r0]
-        m = x[n, r0 + dh]
-        z = x[n, r0 + 2 * dh]
-        for ow in range(Ow):
-            q0 = ow * sw - pw
-            if q0 < 0 or q0 + 2 * dw >= W:
-                continue  # a border pixel: below
-            q1 = q0 + dw
-            q2 = q1 + dw
-            o = out[n, oh, ow]
-            for c in range(C):
-                o[c] = (b[c] + a[q0, c] * w[0, 0, c] + a[q1, c] * w[0, 1, c]
-                        + a[q2, c] * w[0, 2, c] + m[q0, c] * w[1, 0, c]
-                        + m[q1, c] * w[1, 1, c] + m[q2, c] * w[1, 2, c]
-                        + z[q0, c] * w[2, 0, c] + z[q1, c] * w[2, 1, c]
-                        + z[q2, c] * w[2, 2, c])
-    for ow in range(Ow):
-        q0 = ow * sw - pw
-        if r0 >= 0 and r0 + 2 * dh < H and q0 >= 0 and q0 + 2 * dw < W:
-            continue  # done above
-        o = out[n, oh, ow]
-        for c in range(C):
-            o[c] = b[c]
-        for i in range(3):
-            r = r0 + i * dh
-            if r < 0 or r >= H:
-                continue
-            for j in range(3):
-                q = q0 + j * dw
-                if q < 0 or q >= W:
-                    continue
+    for n in range(N):
+        for oh in range(row0, row1):
+            r0 = oh * sh - ph
+            if r0 >= 0 and r0 + 2 * dh < H:
+                a = x[n, r0]
+                m = x[n, r0 + dh]
+                z = x[n, r0 + 2 * dh]
+                for ow in range(Ow):
+                    q0 = ow * sw - pw
+                    if q0 < 0 or q0 + 2 * dw >= W:
+                        continue  # a border pixel: below
+                    q1 = q0 + dw
+                    q2 = q1 + dw
+                    o = out[n, oh, ow]
+                    for c in range(C):
+                        o[c] = (b[c] + a[q0, c] * w[0, 0, c] + a[q1, c] * w[0, 1, c]
+                                + a[q2, c] * w[0, 2, c] + m[q0, c] * w[1, 0, c]
+                                + m[q1, c] * w[1, 1, c] + m[q2, c] * w[1, 2, c]
+                                + z[q0, c] * w[2, 0, c] + z[q1, c] * w[2, 1, c]
+                                + z[q2, c] * w[2, 2, c])
+            for ow in range(Ow):
+                q0 = ow * sw - pw
+                if r0 >= 0 and r0 + 2 * dh < H and q0 >= 0 and q0 + 2 * dw < W:
+                    continue  # done above
+                o = out[n, oh, ow]
                 for c in range(C):
-                    o[c] += x[n, r, q, c] * w[i, j, c]
+                    o[c] = b[c]
+                for i in range(3):
+                    r = r0 + i * dh
+                    if r < 0 or r >= H:
+                        continue
+                    for j in range(3):
+                        q = q0 + j * dw
+                        if q < 0 or q >= W:
+                            continue
+                        for c in range(C):
+                            o[c] += x[n, r, q, c] * w[i, j, c]
 
 
 def _pointwise_cl(x, w, group, strides, outs, bias, cache):

@@ -1,7 +1,11 @@
-"""The CPU's depthwise convolution kernels against onnxruntime: the numpy (einsum) kernel, and
-numba's 3x3 kernel where numba is installed (with its rows split among threads: the same bits),
-for NCHW input and for the channels-last input a preceding 1x1 convolution hands on, and from
-several threads at once."""
+"""The CPU kernels that numba compiles where it is installed (ops/_compiled.py), each against
+its numpy kernel and onnxruntime:
+
+* the depthwise 3x3 convolution (numpy's einsum kernel and numba's, with its rows split among
+  threads: the same bits), for NCHW input and for the channels-last input a preceding 1x1
+  convolution hands on, and from several threads at once;
+* float32 GELU (erf), which must give numpy's kernel's bits exactly, in place or not.
+"""
 from __future__ import annotations
 
 import threading
@@ -11,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ember
-from ember.ops import conv
+from ember.ops import _compiled, activations, conv
 
 ort = pytest.importorskip("onnxruntime")
 F = TensorProto.FLOAT
@@ -55,10 +59,10 @@ CASES = [  # c, size, kernel, strides, dilations, pads
 def kernel(request, monkeypatch):
     """Which depthwise 3x3 kernel runs: numpy's einsum, or numba's where it is installed."""
     if request.param == "numpy":
-        monkeypatch.setitem(conv._NUMBA, "dw3x3", None)
+        monkeypatch.setitem(_compiled._compiled, conv._depthwise3x3_rows, None)
     else:
         pytest.importorskip("numba")
-        monkeypatch.delitem(conv._NUMBA, "dw3x3", raising=False)
+        monkeypatch.delitem(_compiled._compiled, conv._depthwise3x3_rows, raising=False)
         monkeypatch.delenv("EMBER_NUMBA", raising=False)
         assert conv._numba_depthwise3x3() is not None
     return request.param
@@ -118,3 +122,35 @@ def test_a_session_shared_by_threads_gives_sequential_bits(kernel):
         t.join()
     for want, got in zip(sequential, results):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("size", [1 << 14, 100_003, 393_216])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_compiled_gelu_gives_the_numpy_kernels_bits(size, in_place, monkeypatch):
+    pytest.importorskip("numba")
+    monkeypatch.delenv("EMBER_NUMBA", raising=False)
+    monkeypatch.delitem(_compiled._compiled, activations._gelu_erf32_loops, raising=False)
+    rng = np.random.default_rng(size)
+    x = (rng.standard_normal(size) * 4).astype(np.float32)
+    x[:6] = [np.nan, np.inf, -np.inf, -5.0, 0.0, -0.0]
+    want = np.empty_like(x)
+    for block, out in activations.blocks(np, x, want):  # numpy's kernel, block by block
+        activations._gelu_erf32_block(np, block, out)
+    assert _compiled.jit(activations._gelu_erf32_loops) is not None
+    work = x.copy()
+    got = activations.gelu(np, work, out=work if in_place else None)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_gelu_model_matches_onnxruntime_with_the_compiled_kernel():
+    pytest.importorskip("numba")
+    x = (np.random.default_rng(1).standard_normal((4, 128, 96)) * 3).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Gelu", ["x"], ["y"])], "gelu",
+                              [helper.make_tensor_value_info("x", F, list(x.shape))],
+                              [helper.make_tensor_value_info("y", F, None)])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    proto.ir_version = 10
+    want = ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = ember.load(proto.SerializeToString()).run({"x": x})["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

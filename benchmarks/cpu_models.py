@@ -137,8 +137,9 @@ def source_digest() -> str:
     sizes, outputs, exporters and dynamic axes (not labels, notes or docs)."""
     import inspect
 
-    parts = [inspect.getsource(f) for f in (_modules, _randomize_batchnorm, export,
-                                             _export_dynamo)]
+    parts = [inspect.getsource(f) for f in (_modules, export, _export_dynamo)]
+    with open(SHARED_MODELS) as f:  # read, not imported: the parent never imports torch
+        parts.append(f.read())
     parts.append(repr([VOCAB_BERT, VOCAB_GPT2, SEQ, PAST, GPT2_LAYERS, GPT2_DIM, GPT2_HEADS]))
     parts += [repr((s.name, s.outputs, s.exporter, s.extra_dynamic)) for s in SPECS.values()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
@@ -146,31 +147,26 @@ def source_digest() -> str:
 
 # -- the architectures (torch is imported only here: the benchmark's parent never needs it) ----
 
+# The test models' exporter: its Bottleneck and randomize_batchnorm serve here too.
+SHARED_MODELS = os.path.join(REPO, "models", "export_torch_models.py")
+
+
+def _shared_models():
+    if os.path.dirname(SHARED_MODELS) not in sys.path:
+        sys.path.insert(0, os.path.dirname(SHARED_MODELS))
+    import export_torch_models
+
+    return export_torch_models
+
+
 def _modules() -> dict[str, Callable]:
     import torch
     from torch import nn
     from torch.nn import functional as F
 
+    etm = _shared_models()
+
     # ---- CNNs ----
-    class Bottleneck(nn.Module):
-        def __init__(self, cin: int, width: int, stride: int):
-            super().__init__()
-            cout = width * 4
-            self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
-            self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)  # v1.5: stride here
-            self.bn2 = nn.BatchNorm2d(width)
-            self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
-            self.down = None
-            if stride != 1 or cin != cout:
-                self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                          nn.BatchNorm2d(cout))
-
-        def forward(self, x):
-            y = F.relu(self.bn1(self.conv1(x)))
-            y = F.relu(self.bn2(self.conv2(y)))
-            y = self.bn3(self.conv3(y))
-            return F.relu(y + (x if self.down is None else self.down(x)))
-
     class ResNet50(nn.Module):
         def __init__(self, layers=(3, 4, 6, 3), classes: int = 1000):
             super().__init__()
@@ -180,7 +176,7 @@ def _modules() -> dict[str, Callable]:
             for i, n in enumerate(layers):
                 width = 64 * 2 ** i
                 for j in range(n):
-                    blocks.append(Bottleneck(cin, width, 2 if j == 0 and i > 0 else 1))
+                    blocks.append(etm.Bottleneck(cin, width, 2 if j == 0 and i > 0 else 1))
                     cin = width * 4
             self.blocks = nn.Sequential(*blocks)
             self.fc = nn.Linear(cin, classes)
@@ -447,19 +443,6 @@ def _modules() -> dict[str, Callable]:
     }
 
 
-def _randomize_batchnorm(module) -> None:
-    import torch
-    from torch import nn
-
-    with torch.no_grad():
-        for layer in module.modules():
-            if isinstance(layer, nn.modules.batchnorm._BatchNorm):
-                layer.running_mean.uniform_(-0.5, 0.5)
-                layer.running_var.uniform_(0.5, 2.0)
-                layer.weight.uniform_(0.5, 1.5)
-                layer.bias.uniform_(-0.5, 0.5)
-
-
 def export(name: str, out_dir: str) -> dict:
     """Export `name` to out_dir/NAME.onnx (written atomically) with NAME.meta.json beside it;
     returns the meta: {"exporter", "note", "digest", "torch"}."""
@@ -468,7 +451,7 @@ def export(name: str, out_dir: str) -> dict:
     spec = SPECS[name]
     torch.manual_seed(0)
     module = _modules()[name]().eval()
-    _randomize_batchnorm(module)
+    _shared_models().randomize_batchnorm(module)
     example = make_inputs(name, 2)
     args = tuple(torch.from_numpy(v) for v in example.values())
     names = list(example)

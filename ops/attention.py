@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from ember.ops._dtypes import is_narrow_float, work_dtype
+from ember.ops.reduction import softmax
 from ember.ops.registry import OpImpl, register
 
 # ONNX TensorProto data type codes accepted by softmax_precision
@@ -38,15 +39,7 @@ def _narrow_round(xp, x, dtype):
 
 def _masked_softmax(xp, scores):
     """Softmax over the last axis; rows that are entirely -inf give zeros, not NaN."""
-    m = xp.max(scores, axis=-1, keepdims=True)
-    m[~xp.isfinite(m)] = 0
-    with np.errstate(invalid="ignore", divide="ignore"):
-        e = xp.subtract(scores, m)  # a fresh array: the in-place steps below never touch input
-        xp.exp(e, out=e)
-        s = xp.sum(e, axis=-1, keepdims=True)
-        s[s == 0] = 1
-        e /= s
-    return e
+    return softmax(xp, scores, -1, empty_rows_zero=True)
 
 
 class _Attention(OpImpl):

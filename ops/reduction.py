@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.ops import _xp
+from ember.ops import _compiled, _xp
+from ember.ops._compiled import exp_float32
 from ember.ops._dtypes import widen
 from ember.ops.registry import OpImpl, register
 
@@ -348,15 +349,81 @@ class ArgMin(_ArgReduce):
 # --------------------------------------------------------------------------------------------
 # Softmax family
 
-def softmax(xp, x, axis: int):
-    """Numerically stable softmax along `axis`, computed in `x`'s (widened) dtype."""
+def softmax(xp, x, axis: int, empty_rows_zero: bool = False):
+    """Numerically stable softmax along `axis`, computed in `x`'s (widened) dtype. A row that
+    is all -inf gives NaN, as the spec says, or zeros with `empty_rows_zero` (attention)."""
+    out = _softmax_compiled(xp, x, axis, empty_rows_zero)
+    if out is not None:
+        return out
     m = xp.max(x, axis=axis, keepdims=True)
     m[~xp.isfinite(m)] = 0
     with np.errstate(invalid="ignore"):  # an all -inf (or NaN) row gives NaN, like the spec
         e = xp.subtract(x, m)  # a fresh array: the in-place steps below never touch `x`
         xp.exp(e, out=e)
-        e /= xp.sum(e, axis=axis, keepdims=True)
+        total = xp.sum(e, axis=axis, keepdims=True)
+        if empty_rows_zero:
+            total[total == 0] = 1
+        e /= total
         return e
+
+
+# Below this many elements a compiled softmax is not worth its call.
+_COMPILED_MIN = 1 << 12
+
+
+def _softmax_compiled(xp, x, axis, empty_rows_zero):
+    """softmax by `_softmax_rows_loops` (numba) where it serves: float32 on the CPU, over the
+    last axis, rows split among the run's threads. Else None."""
+    if xp is not np or x.dtype != np.float32 or axis % x.ndim != x.ndim - 1 \
+            or x.size < _COMPILED_MIN:
+        return None
+    kernel = _compiled.jit(_softmax_rows_loops, fastmath={"contract"})
+    if kernel is None:
+        return None
+    rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+    out = np.empty_like(rows)
+    _compiled.split_rows(kernel, rows.shape[0], rows, out, empty_rows_zero,
+                         min_rows=max(1, _COMPILED_MIN // rows.shape[1]))
+    return out.reshape(x.shape)
+
+
+def _softmax_rows_loops(x, out, empty_rows_zero, r0, r1):  # pragma: no cover - numba
+    """The numpy softmax's steps row by row over [r0, r1): the row's max (0 where it is not
+    finite), e = exp(x - max), e / sum(e). The max and the sum run in 8 interleaved lanes, so
+    they vectorise (the same order whatever the split)."""
+    n = x.shape[1]
+    n8 = n - n % 8
+    inf = np.float32(np.inf)
+    lanes = np.empty(8, np.float32)
+    for i in range(r0, r1):
+        row, dst = x[i], out[i]
+        lanes[:] = -inf
+        for j in range(0, n8, 8):
+            for k in range(8):
+                v = row[j + k]
+                lanes[k] = v if v > lanes[k] or v != v else lanes[k]  # NaN sticks
+        m = -inf
+        for k in range(8):
+            m = lanes[k] if lanes[k] > m or lanes[k] != lanes[k] else m
+        for j in range(n8, n):
+            m = row[j] if row[j] > m or row[j] != row[j] else m
+        if m != m or m == inf or m == -inf:
+            m = np.float32(0)
+        for j in range(n):
+            dst[j] = exp_float32(row[j] - m)
+        lanes[:] = 0
+        for j in range(0, n8, 8):
+            for k in range(8):
+                lanes[k] += dst[j + k]
+        total = np.float32(0)
+        for k in range(8):
+            total += lanes[k]
+        for j in range(n8, n):
+            total += dst[j]
+        if empty_rows_zero and total == 0:
+            total = np.float32(1)
+        for j in range(n):
+            dst[j] = dst[j] / total
 
 
 def log_softmax(xp, x, axis: int):

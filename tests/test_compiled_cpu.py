@@ -4,7 +4,12 @@ its numpy kernel and onnxruntime:
 * the depthwise 3x3 convolution (numpy's einsum kernel and numba's, with its rows split among
   threads: the same bits), for NCHW input and for the channels-last input a preceding 1x1
   convolution hands on, and from several threads at once;
-* float32 GELU (erf), which must give numpy's kernel's bits exactly, in place or not.
+* float32 GELU (erf), which must give numpy's kernel's bits exactly, in place or not;
+* the vectorised float32 exp and tanh the kernels below use, within 2 ulp of numpy's float64
+  functions (rounded to float32) over every range that matters;
+* LSTM and GRU steps (the gates in one compiled pass) and the last-axis Softmax (also the
+  attention ops' masked one), against onnxruntime, with numba and without, rows split among
+  threads giving the same bits.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ember
-from ember.ops import _compiled, activations, conv
+from ember.ops import _compiled, activations, conv, reduction, rnn
 
 ort = pytest.importorskip("onnxruntime")
 F = TensorProto.FLOAT
@@ -154,3 +159,151 @@ def test_gelu_model_matches_onnxruntime_with_the_compiled_kernel():
                                 providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     got = ember.load(proto.SerializeToString()).run({"x": x})["y"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _exp_loops(x, out):  # pragma: no cover - numba
+    for i in range(x.shape[0]):
+        out[i] = _compiled.exp_float32(x[i])
+
+
+def _tanh_loops(x, out):  # pragma: no cover - numba
+    for i in range(x.shape[0]):
+        out[i] = _compiled.tanh_float32(x[i])
+
+
+@pytest.mark.parametrize("name", ["exp", "tanh"])
+def test_compiled_exp_and_tanh_are_within_2_ulp(name, monkeypatch):
+    pytest.importorskip("numba")
+    monkeypatch.delenv("EMBER_NUMBA", raising=False)
+    loops, oracle = (_exp_loops, np.exp) if name == "exp" else (_tanh_loops, np.tanh)
+    kernel = _compiled.jit(loops)
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.linspace(-100, 100, 400_001, dtype=np.float32),
+                        (rng.standard_normal(100_000) * 3).astype(np.float32),
+                        np.geomspace(1e-30, 1, 1000, dtype=np.float32),
+                        -np.geomspace(1e-30, 1, 1000, dtype=np.float32),
+                        np.array([0, -0.0, 0.625, -0.625, 88.72, -86], np.float32)])
+    got = np.empty_like(x)
+    kernel(x, got)
+    want = oracle(x.astype(np.float64))
+    # exp flushes x < -86 (e^x < 2^-124) to zero, as documented; all else within 2 ulp
+    flushed = x < -86 if name == "exp" else np.zeros(x.shape, bool)
+    checked = ~flushed & (want != 0) & (np.abs(want) < np.finfo(np.float32).max)
+    ulps = np.abs(got[checked] - want[checked]) / np.spacing(
+        np.abs(want[checked]).astype(np.float32))
+    assert ulps.max() <= 2, (name, ulps.max())
+    assert np.all(got[flushed] == 0)
+    edge = np.array([np.nan, np.inf, -np.inf], np.float32)
+    edge_out = np.empty_like(edge)
+    kernel(edge, edge_out)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(edge_out, oracle(edge))
+    # the plain Python function (no numba) computes the same float32 operations
+    python = getattr(_compiled, f"{name}_float32")
+    sample = x[::997]
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(np.array([python(v) for v in sample], np.float32),
+                                      got[::997])
+
+
+@pytest.fixture(params=["numpy", "numba"])
+def recurrent_cells(request, monkeypatch):
+    """Which LSTM / GRU step runs: numpy's ufunc calls, or the compiled cells."""
+    cells = (rnn._lstm_cell_loops, rnn._gru_lbr_cell_loops, rnn._gru_gates_loops,
+             rnn._gru_out_loops)
+    for cell in cells:
+        if request.param == "numpy":
+            monkeypatch.setitem(_compiled._compiled, cell, None)
+        else:
+            monkeypatch.delitem(_compiled._compiled, cell, raising=False)
+    if request.param == "numba":
+        pytest.importorskip("numba")
+        monkeypatch.delenv("EMBER_NUMBA", raising=False)
+    return request.param
+
+
+def _recurrent_model(op, hidden, features, direction, lbr, batch, seq):
+    rng = np.random.default_rng(hidden + batch)
+    gates = {"LSTM": 4, "GRU": 3}[op]
+    dirs = 2 if direction == "bidirectional" else 1
+    scale = 1 / np.sqrt(hidden)
+    inits = [numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32),
+                                     name) for name, shape in [
+        ("W", (dirs, gates * hidden, features)), ("R", (dirs, gates * hidden, hidden)),
+        ("B", (dirs, 2 * gates * hidden))]]
+    attrs = dict(hidden_size=hidden, direction=direction)
+    if op == "GRU":
+        attrs["linear_before_reset"] = lbr
+    node = helper.make_node(op, ["x", "W", "R", "B"], ["y", "h"], **attrs)
+    graph = helper.make_graph([node], "rnn", [helper.make_tensor_value_info(
+        "x", F, [seq, batch, features])], [helper.make_tensor_value_info("y", F, None),
+                                           helper.make_tensor_value_info("h", F, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
+    x = (rng.standard_normal((seq, batch, features)) * 2).astype(np.float32)
+    return proto.SerializeToString(), {"x": x}
+
+
+@pytest.mark.parametrize("op, lbr", [("LSTM", 0), ("GRU", 0), ("GRU", 1)])
+@pytest.mark.parametrize("direction", ["forward", "bidirectional"])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_recurrent_steps_match_onnxruntime(recurrent_cells, op, lbr, direction, batch):
+    proto, feeds = _recurrent_model(op, 64, 24, direction, lbr, batch, seq=20)
+    want = ort.InferenceSession(proto, providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = ember.load(proto).run(feeds)
+    for name, w in zip(["y", "h"], want):
+        np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=2e-6, err_msg=name)
+
+
+def _softmax_model(shape, masked_rows):
+    graph = helper.make_graph([helper.make_node("Softmax", ["x"], ["y"], axis=-1)], "softmax",
+                              [helper.make_tensor_value_info("x", F, list(shape))],
+                              [helper.make_tensor_value_info("y", F, None)])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = (np.random.default_rng(len(shape)).standard_normal(shape) * 6).astype(np.float32)
+    x.reshape(-1, shape[-1])[:masked_rows, ::3] = -np.inf   # masked entries, not whole rows
+    return proto.SerializeToString(), {"x": x}
+
+
+@pytest.fixture(params=["numpy", "numba"])
+def softmax_kernel(request, monkeypatch):
+    if request.param == "numpy":
+        monkeypatch.setitem(_compiled._compiled, reduction._softmax_rows_loops, None)
+    else:
+        pytest.importorskip("numba")
+        monkeypatch.delitem(_compiled._compiled, reduction._softmax_rows_loops, raising=False)
+        monkeypatch.delenv("EMBER_NUMBA", raising=False)
+    return request.param
+
+
+@pytest.mark.parametrize("shape", [(2, 12, 128, 128), (3, 77, 1000), (64, 13)])
+def test_softmax_matches_onnxruntime(softmax_kernel, shape):
+    proto, feeds = _softmax_model(shape, masked_rows=5)
+    want = ort.InferenceSession(proto, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = ember.load(proto).run(feeds)["y"]
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+
+
+def test_softmax_rows_give_the_same_bits_however_split_and_keep_its_edge_cases():
+    pytest.importorskip("numba")
+    kernel = _compiled.jit(reduction._softmax_rows_loops, fastmath={"contract"})
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((40, 61)) * 5).astype(np.float32)
+    x[0] = -np.inf                 # all masked: NaN per the spec, zeros for attention
+    x[1, 7] = np.nan               # NaN spreads over its row
+    x[2, 9] = np.inf               # inf: NaN at it, zeros elsewhere (numpy's kernel's result)
+    whole, pieces = np.empty_like(x), np.empty_like(x)
+    kernel(x, whole, False, 0, 40)
+    for i in range(0, 40, 7):
+        kernel(x, pieces, False, i, min(40, i + 7))
+    np.testing.assert_array_equal(whole, pieces)
+    with np.errstate(invalid="ignore", over="ignore"):
+        m = x.max(-1, keepdims=True)
+        m[~np.isfinite(m)] = 0
+        e = np.exp(x - m)
+        want = e / e.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(np.isnan(whole), np.isnan(want))
+    np.testing.assert_allclose(whole[3:], want[3:], rtol=2e-6, atol=1e-8)
+    np.testing.assert_array_equal(whole[2][~np.isnan(whole[2])], 0)
+    zeros = np.empty_like(x)
+    kernel(x, zeros, True, 0, 1)
+    np.testing.assert_array_equal(zeros[0], 0)

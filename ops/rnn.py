@@ -15,9 +15,8 @@ recurrence instead (`_fast`): one GEMM projects the inputs of every time step an
 once, with the biases folded in; the sigmoid gates' columns of W, R and the biases are negated
 once (cached while they are the same constants), so a sigmoid is exp, +1, reciprocal in place;
 each step is then one matmul into a preallocated gate buffer plus a dozen in-place ufunc calls
-(`out=`) on fixed views, writing h straight into Y; on the CPU, a recurrence whose per-step
-product is too small to gain from BLAS threads runs on one BLAS thread. Other activations and
-clip take the general per-step driver (`_run_all`).
+(`out=`) on fixed views, writing h straight into Y. Other activations and clip take the
+general per-step driver (`_run_all`).
 
 With numba (ops/_compiled.py), a float32 LSTM or GRU on the CPU without sequence_lens,
 peepholes or coupled gates computes each step's gates in one compiled pass after the matmul

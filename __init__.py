@@ -4,18 +4,27 @@
     sess = ember.load("model.onnx")          # backend="cpu" by default
     out = sess.run({"x": x})                  # {output name: numpy array}
 """
+from ember.log import configure_from_env as _configure_logging
 from ember.errors import (BackendUnavailableError, EmberError, ExecutionError, InputError,
-                          InvalidModelError, ModelLoadError, UnsupportedOpError)
+                          InvalidModelError, ModelLoadError, ResourceLimitError,
+                          UnsupportedOpError)
 from ember.golden import CheckReport, check
 from ember.native.module import Module
-from ember.runtime.session import InferenceSession, IOInfo, NodeArg, Session, load
+from ember.runtime.ort_compat import (ExecutionMode, GraphOptimizationLevel, InferenceSession,
+                                      ModelMetadata, RunOptions, SessionOptions,
+                                      get_available_providers, get_device)
+from ember.runtime.session import IOInfo, NodeArg, Session, load
 from ember.runtime.values import IOBinding, OrtValue
 
 __version__ = "0.1.0"
 
+_configure_logging()
+
 __all__ = [
-    "load", "check", "CheckReport", "Module", "Session", "InferenceSession", "IOInfo", "NodeArg",
-    "OrtValue", "IOBinding",
+    "load", "check", "CheckReport", "Module", "Session", "IOInfo",
+    # onnxruntime's API (ember.runtime.ort_compat)
+    "InferenceSession", "SessionOptions", "RunOptions", "GraphOptimizationLevel", "ExecutionMode",
+    "ModelMetadata", "NodeArg", "OrtValue", "IOBinding", "get_available_providers", "get_device",
     "EmberError", "ModelLoadError", "UnsupportedOpError", "InvalidModelError", "InputError",
-    "ExecutionError", "BackendUnavailableError", "__version__",
+    "ExecutionError", "ResourceLimitError", "BackendUnavailableError", "__version__",
 ]

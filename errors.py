@@ -35,3 +35,7 @@ class ExecutionError(EmberError):
 
 class BackendUnavailableError(EmberError):
     """The requested backend cannot be used on this machine."""
+
+
+class ResourceLimitError(ExecutionError):
+    """A node asked for a tensor larger than the session's `max_tensor_bytes` (ember.limits)."""

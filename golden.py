@@ -1037,7 +1037,7 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="elementwise (default), max or mean error against the tolerances")
     p.add_argument("--bisect", action="store_true",
                    help="name the first node whose output diverges while its inputs agree")
-    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
+    p.add_argument("--chunk", type=_positive_int, default=DEFAULT_CHUNK,
                    help="intermediates per onnxruntime/onnx run during --bisect "
                         f"(default {DEFAULT_CHUNK})")
     p.add_argument("--save-golden", metavar="FILE.npz",
@@ -1045,6 +1045,17 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="REPORT.json", help="also write the report as JSON")
     p.set_defaults(command=cmd_check)
     return p
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse turns the error into one line, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -2,12 +2,20 @@
 shapes (shared by `ember run`, `ember check` and `ember simplify`)."""
 from __future__ import annotations
 
+import zipfile
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ember import limits
 from ember.errors import InputError
 from ember.runtime.session import IOInfo
+
+_NPY_MAGIC = b"\x93NUMPY"
+_ZIP_MAGIC = b"PK\x03\x04"
+# what reading an array file can raise besides OSError: numpy's ValueErrors (a bad header, an
+# object array), a broken zip, a file cut short
+_READ_ERRORS = (OSError, ValueError, zipfile.BadZipFile, EOFError)
 
 
 def load_input_files(files: Mapping[str, str] | None = None, npz: str | None = None
@@ -15,20 +23,44 @@ def load_input_files(files: Mapping[str, str] | None = None, npz: str | None = N
     """Inputs from `-i NAME=FILE.npy` pairs and an `--inputs FILE.npz` (keys NAME or input:NAME)."""
     feeds: dict[str, np.ndarray] = {}
     if npz:
+        what = f"inputs from '{npz}'"
+        _check_format(npz, what, _ZIP_MAGIC, "an .npz file (numpy.savez)")
         try:
             with np.load(npz, allow_pickle=False) as data:
                 for key in data.files:
                     if key.startswith("output:"):
                         continue
                     feeds[key[len("input:"):] if key.startswith("input:") else key] = data[key]
-        except (OSError, ValueError) as exc:
-            raise InputError(f"cannot read inputs from '{npz}': {exc}") from exc
+        except _READ_ERRORS as exc:
+            raise InputError(f"cannot read {what}: {_reason(exc)}") from exc
     for name, path in (files or {}).items():
+        what = f"input '{name}' from '{path}'"
+        _check_format(path, what, _NPY_MAGIC, "a .npy file (numpy.save)")
         try:
             feeds[name] = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise InputError(f"cannot read input '{name}' from '{path}': {exc}") from exc
+        except _READ_ERRORS as exc:
+            raise InputError(f"cannot read {what}: {_reason(exc)}") from exc
     return feeds
+
+
+def _check_format(path: str, what: str, magic: bytes, kind: str) -> None:
+    """Refuse a file that does not start as `kind` does (numpy would try to unpickle it)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(magic))
+    except OSError as exc:
+        raise InputError(f"cannot read {what}: {exc.strerror or exc}") from exc
+    if head != magic:
+        raise InputError(f"cannot read {what}: it is not {kind}")
+
+
+def _reason(exc: Exception) -> str:
+    """numpy's message, without its advice to unpickle (ember never loads pickles)."""
+    text = getattr(exc, "strerror", None) or str(exc)
+    if "allow_pickle" in text or "pickled" in text:
+        return ("it holds Python objects (a pickled object array), which ember does not "
+                "load; save strings as a unicode array (arr.astype(str))")
+    return text
 
 
 def make_inputs(inputs: Sequence[IOInfo], given: Mapping[str, Any] | None = None,
@@ -44,6 +76,7 @@ def make_inputs(inputs: Sequence[IOInfo], given: Mapping[str, Any] | None = None
     if unknown:
         raise InputError(f"unknown input name(s) {', '.join(unknown)}; the model's inputs are "
                          f"{', '.join(i.name for i in inputs) or 'none'}")
+    _check_dims(inputs, dims)
     rng = np.random.default_rng(seed)
     feeds = {}
     for info in inputs:
@@ -63,6 +96,12 @@ def random_input(info: IOInfo, dims: Mapping[str, int], value_range: tuple[float
     shape = [d if isinstance(d, int) and d > 0 else int(dims.get(d, 1)) if isinstance(d, str)
              else 1 for d in info.shape]
     dtype = np.dtype(info.dtype)
+    nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if nbytes > limits.current():
+        raise InputError(f"a random input '{info.name}' of shape {shape} ({dtype}) would take "
+                         f"{limits.describe_bytes(nbytes)}, over the limit of "
+                         f"{limits.describe_bytes(limits.current())} per tensor; choose smaller "
+                         f"--dim values")
     if dtype == bool:
         return rng.random(shape) < 0.5
     if dtype == object:
@@ -83,11 +122,28 @@ def _as_declared(info: IOInfo, value: Any) -> Any:
 
 
 def parse_dims(items: Sequence[str]) -> dict[str, int]:
-    """`--dim NAME=VALUE` -> {NAME: VALUE} for symbolic dimensions."""
-    try:
-        return {name: int(value) for name, value in parse_pairs(items, "--dim").items()}
-    except ValueError as exc:
-        raise InputError(f"--dim values must be integers: {exc}") from exc
+    """`--dim NAME=VALUE` -> {NAME: VALUE} for symbolic dimensions (VALUE an int >= 0)."""
+    dims = {}
+    for name, text in parse_pairs(items, "--dim").items():
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise InputError(f"--dim {name}={text}: the size must be an integer >= 0")
+        dims[name] = value
+    return dims
+
+
+def _check_dims(inputs: Sequence[IOInfo], dims: Mapping[str, int]) -> None:
+    """Every --dim names a symbolic dimension of the model's inputs (a typo would otherwise
+    silently leave that dimension at 1)."""
+    symbolic = sorted({d for i in inputs for d in (i.shape or ()) if isinstance(d, str) and d})
+    unknown = sorted(set(dims) - set(symbolic))
+    if unknown:
+        has = (f"its symbolic dimensions are {', '.join(symbolic)}" if symbolic
+               else "its inputs have no symbolic dimensions")
+        raise InputError(f"--dim {', '.join(unknown)}: the model has no such dimension; {has}")
 
 
 def parse_ranges(items: Sequence[str]) -> dict[str, tuple[float, float]]:

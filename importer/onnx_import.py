@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from typing import Union
 
 import onnx
@@ -17,10 +18,16 @@ from google.protobuf.message import DecodeError
 from ember.errors import ModelLoadError
 from ember.importer.gradient import expand_gradient_nodes
 from ember.importer.onnx_values import decode_attribute, decode_type, tensor_to_array
+from ember.importer.validate import check_model, check_node, node_label, opset_version
 from ember.ir import Graph, Model, Node, ValueInfo
 from ember.ops.registry import normalize_domain
 
 ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto]
+
+# How protobuf's parsers say a message nests too deep: upb ("Exceeded
+# upb_DecodeOptions_MaxDepth"), the pure-Python one ("too many levels of nesting") and the
+# C++ one ("recursion limit" / "depth").
+_RECURSION_LIMIT = re.compile(r"MaxDepth|depth|nesting|recursion", re.IGNORECASE)
 
 
 def read_model_proto(source: ModelSource) -> tuple[onnx.ModelProto, str | None]:
@@ -44,6 +51,12 @@ def _parse(data: bytes, label: str) -> onnx.ModelProto:
     try:
         proto.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError) as exc:
+        if _RECURSION_LIMIT.search(str(exc)):
+            raise ModelLoadError(
+                f"{label}: the model nests messages deeper than protobuf's limit of 100 levels "
+                f"(subgraphs inside subgraphs: If, Loop or Scan bodies more than about 31 "
+                f"deep), so protobuf refuses to parse it ({exc}); the file itself may be "
+                "intact, but no protobuf-based tool reads it") from exc
         raise ModelLoadError(f"{label}: not a valid ONNX model (protobuf parse failed: {exc}); "
                              "the file may be truncated or corrupt") from exc
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
@@ -54,8 +67,10 @@ def _parse(data: bytes, label: str) -> onnx.ModelProto:
 
 
 def import_model(source: ModelSource) -> Model:
-    """Read an ONNX model (path, bytes or ModelProto) into ember's IR."""
+    """Read an ONNX model (path, bytes or ModelProto) into ember's IR. The proto is checked
+    (importer.validate) before anything decodes it."""
     proto, base_dir = read_model_proto(source)
+    check_model(proto)
     return Importer(proto, base_dir).model(path=os.fspath(source)
                                            if isinstance(source, (str, os.PathLike)) else None)
 
@@ -117,9 +132,7 @@ class Importer:
             for inner, inner_opsets in self.inline(n, function, opsets):
                 result.extend(self.nodes_for(inner, inner_opsets))
             return result
-        version = opsets.get(domain)
-        if version is None:
-            version = 1 if domain else self.opsets.get("", 1)
+        version = opset_version(opsets, domain)
         attrs, attr_types = {}, {}
         for a in n.attribute:
             if a.ref_attr_name:
@@ -158,15 +171,17 @@ class Importer:
             return rename[name]
 
         body = []
-        for inner in fn.node:
+        for index, inner in enumerate(fn.node):
             new = onnx.NodeProto()
             new.CopyFrom(inner)
             del new.input[:], new.output[:], new.attribute[:]
             new.input.extend(mapped(x) for x in inner.input)
             new.output.extend(mapped(x) for x in inner.output)
             new.name = prefix + inner.name if inner.name else ""
+            referenced = False
             for a in inner.attribute:
                 if a.ref_attr_name:
+                    referenced = True
                     if a.ref_attr_name not in call_attrs:
                         continue  # optional attribute left unset by the caller
                     resolved = onnx.AttributeProto()
@@ -180,6 +195,10 @@ class Importer:
                         _rename_outer_refs(copied.g, rename)
                     for g in copied.graphs:
                         _rename_outer_refs(g, rename)
+            if referenced:  # the caller's attribute values meet the inner op's schema only here
+                check_node(new, f"{node_label(inner, index)} in function '{fn.name}' (called "
+                           f"by {node_label(call, None)})",
+                           opset_version(opsets, normalize_domain(new.domain)), self.functions)
             body.append((new, opsets))
         return body
 

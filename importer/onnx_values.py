@@ -1,11 +1,17 @@
 """Decoding ONNX protobuf values (tensors, attributes, types) into numpy and IR values.
 
 External tensor data is read relative to the model's folder only; a location that escapes it
-(`..`, an absolute path, a symlink pointing out) is refused. Large external tensors are
-memory-mapped instead of copied.
+(`..`, an absolute path, a symlink pointing out) is refused, and so is a file with more than
+one hard link (a hard link can bring any file of the same disk into the folder; onnx refuses
+them too). Large external tensors are memory-mapped instead of copied.
+
+A tensor's payload must fit its dims (raw_data bytes, external data length) and a sparse
+tensor's indices must be in range, sorted and unique, as the ONNX spec requires; anything
+else is a ModelLoadError naming the tensor.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any, Callable
@@ -14,7 +20,8 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
-from ember.errors import ModelLoadError
+from ember import limits
+from ember.errors import ModelLoadError, ResourceLimitError
 from ember.ir import Graph, MapType, OptionalType, SequenceType, TensorType, ValueType
 
 # Above this size an external tensor is memory-mapped rather than read into memory.
@@ -26,8 +33,9 @@ def onnx_to_np_dtype(elem_type: int) -> np.dtype:
         return np.dtype(object)
     try:
         return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
-    except (KeyError, ValueError, TypeError) as exc:
-        raise ModelLoadError(f"unknown ONNX tensor element type {elem_type}") from exc
+    except (KeyError, ValueError, TypeError):
+        pass  # raised below, without onnx's KeyError attached: the message says it all
+    raise ModelLoadError(f"unknown ONNX tensor element type {elem_type}")
 
 
 def np_to_onnx_dtype(dtype: np.dtype) -> int:
@@ -56,6 +64,12 @@ def resolve_external_path(base_dir: str | None, location: str, tensor_name: str)
     if not os.path.isfile(path):
         raise ModelLoadError(f"tensor '{tensor_name}': external data file '{location}' not found "
                              f"in {root}")
+    links = os.stat(path).st_nlink
+    if links > 1:
+        raise ModelLoadError(
+            f"tensor '{tensor_name}': external data file '{location}' has {links} hard links; "
+            "refusing to read it (a hard link can expose a file from outside the model's "
+            "folder; onnx refuses such files too)")
     return path
 
 
@@ -68,6 +82,8 @@ def tensor_to_array(tensor: TensorProto, base_dir: str | None = None) -> np.ndar
     try:
         if tensor.data_location == TensorProto.EXTERNAL:
             return _external_tensor(tensor, base_dir)
+        if tensor.HasField("raw_data"):
+            _check_payload(tensor, len(tensor.raw_data), "raw_data")
         if tensor.data_type == TensorProto.STRING:
             return np.array([s.decode("utf-8", errors="surrogateescape") for s in tensor.string_data],
                             dtype=object).reshape(tuple(tensor.dims))
@@ -78,16 +94,46 @@ def tensor_to_array(tensor: TensorProto, base_dir: str | None = None) -> np.ndar
         raise ModelLoadError(f"tensor '{tensor.name}' cannot be decoded: {exc}") from exc
 
 
+def _payload_bytes(tensor: TensorProto) -> int | None:
+    """The bytes raw data of `tensor`'s dims and type take (None for strings: no raw form)."""
+    dims = list(tensor.dims)
+    if any(d < 0 for d in dims):
+        raise ModelLoadError(f"tensor '{tensor.name}' has a negative dimension in {dims}")
+    if tensor.data_type == TensorProto.STRING:
+        return None
+    count = math.prod(dims)
+    bits = _PACKED_BITS.get(tensor.data_type)
+    if bits is not None:
+        return (count * bits + 7) // 8
+    return count * onnx_to_np_dtype(tensor.data_type).itemsize
+
+
+def _check_payload(tensor: TensorProto, size: int, what: str) -> None:
+    expected = _payload_bytes(tensor)
+    if expected is None:
+        raise ModelLoadError(f"tensor '{tensor.name}' holds strings, which have no {what} form")
+    if size != expected:
+        raise ModelLoadError(
+            f"tensor '{tensor.name}': {what} holds {size} bytes, but dims {list(tensor.dims)} "
+            f"of {TensorProto.DataType.Name(tensor.data_type)} take {expected}; the tensor is "
+            "truncated or corrupt")
+
+
 def _external_tensor(tensor: TensorProto, base_dir: str | None) -> np.ndarray:
     info = _external_info(tensor)
     path = resolve_external_path(base_dir, info.get("location", ""), tensor.name)
-    offset = int(info.get("offset", 0))
-    file_size = os.path.getsize(path)
-    length = int(info["length"]) if "length" in info else file_size - offset
+    try:
+        offset = int(info.get("offset", 0))
+        file_size = os.path.getsize(path)
+        length = int(info["length"]) if "length" in info else file_size - offset
+    except ValueError as exc:
+        raise ModelLoadError(f"tensor '{tensor.name}': external data offset or length is not "
+                             f"a number: {exc}") from exc
     if offset < 0 or length < 0 or offset + length > file_size:
         raise ModelLoadError(f"tensor '{tensor.name}': external data range [{offset}, "
                              f"{offset + length}) exceeds file '{info.get('location')}' "
                              f"({file_size} bytes)")
+    _check_payload(tensor, length, "its external data")
     dtype = onnx_to_np_dtype(tensor.data_type)
     shape = tuple(tensor.dims)
     count = int(np.prod(shape)) if shape else 1
@@ -106,8 +152,11 @@ def _external_tensor(tensor: TensorProto, base_dir: str | None) -> np.ndarray:
     return numpy_helper.to_array(inline)
 
 
-_PACKED_TYPES = {t for t in (getattr(TensorProto, n, None) for n in
-                             ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")) if t is not None}
+# Sub-byte types, packed: bits per element.
+_PACKED_BITS = {getattr(TensorProto, name): bits for name, bits in
+                (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2))
+                if hasattr(TensorProto, name)}
+_PACKED_TYPES = set(_PACKED_BITS)
 
 
 _ANONYMOUS_DIM = re.compile(r"\s*(\?|-1|unk__\d+|)\s*")
@@ -182,13 +231,51 @@ def decode_attribute(attr: AttributeProto, base_dir: str | None = None,
 
 
 def sparse_to_array(sparse: onnx.SparseTensorProto, base_dir: str | None = None) -> np.ndarray:
-    """A sparse tensor densified (ember computes on dense arrays)."""
-    values = tensor_to_array(sparse.values, base_dir)
-    indices = tensor_to_array(sparse.indices, base_dir).astype(np.int64)
+    """A sparse tensor densified (ember computes on dense arrays), after checking it as the
+    spec requires: values 1-D, indices [NNZ] (linear) or [NNZ, rank], in range, ascending and
+    unique; the dense size within the tensor cap (ember.limits)."""
+    name = sparse.values.name or "(unnamed)"
     shape = tuple(sparse.dims)
+    if any(d < 0 for d in shape):
+        raise ModelLoadError(f"sparse tensor '{name}' has a negative dimension in {list(shape)}")
+    values = tensor_to_array(sparse.values, base_dir)
+    indices = tensor_to_array(sparse.indices, base_dir)
+    if values.ndim != 1:
+        raise ModelLoadError(f"sparse tensor '{name}': values must be 1-D, got shape "
+                             f"{values.shape}")
+    try:
+        limits.check_shape(shape, values.dtype, f"sparse tensor '{name}' densified")
+    except ResourceLimitError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    linear = _linear_indices(name, indices, len(values), shape)
     dense = np.zeros(shape, dtype=values.dtype)
-    if indices.ndim == 1:  # linearised indices
-        dense.reshape(-1)[indices] = values
-    else:
-        dense[tuple(indices.T)] = values
+    dense.reshape(-1)[linear] = values
     return dense
+
+
+def _linear_indices(name: str, indices: np.ndarray, nnz: int, shape: tuple[int, ...]
+                    ) -> np.ndarray:
+    """The sparse tensor's indices as checked, ascending positions in the flattened tensor."""
+    if indices.dtype.kind not in "iu":
+        raise ModelLoadError(f"sparse tensor '{name}': indices must be integers, got "
+                             f"{indices.dtype}")
+    indices = indices.astype(np.int64)
+    if indices.ndim == 1 and indices.shape == (nnz,):
+        linear = indices
+        if nnz and (linear.min() < 0 or linear.max() >= math.prod(shape)):
+            raise ModelLoadError(f"sparse tensor '{name}': an index is outside the "
+                                 f"{math.prod(shape)} elements of shape {list(shape)}")
+    elif indices.ndim == 2 and indices.shape == (nnz, len(shape)):
+        if nnz and ((indices < 0).any() or (indices >= np.array(shape, np.int64)).any()):
+            raise ModelLoadError(f"sparse tensor '{name}': an index is outside shape "
+                                 f"{list(shape)}")
+        linear = np.ravel_multi_index(tuple(indices.T), shape) if nnz else \
+            np.zeros(0, np.int64)
+    else:
+        raise ModelLoadError(f"sparse tensor '{name}': indices of shape {indices.shape} do not "
+                             f"fit {nnz} values of a rank-{len(shape)} tensor (expected "
+                             f"[{nnz}] or [{nnz}, {len(shape)}])")
+    if nnz > 1 and not (np.diff(linear) > 0).all():
+        raise ModelLoadError(f"sparse tensor '{name}': indices must be in ascending order "
+                             "without duplicates")
+    return linear

@@ -33,7 +33,7 @@ LITERAL_MAX_ELEMENTS = 64
 _IDENT_MAX = 40
 _RESERVED = (set(keyword.kwlist) | set(getattr(keyword, "softkwlist", [])) | set(dir(builtins))
              | {"self", "np", "rt", "os", "Model", "Module", "Weight", "TensorType",
-                "SequenceType", "OptionalType", "WEIGHTS", "forward"})
+                "SequenceType", "OptionalType", "MapType", "WEIGHTS", "forward"})
 
 
 class Names:
@@ -135,11 +135,14 @@ def type_literal(t: Any) -> str:
     if isinstance(t, TensorType):
         dtype = "None" if t.dtype is None else f"rt.numpy_dtype({ascii(np.dtype(t.dtype).name)})"
         shape = "None" if t.shape is None else literal(tuple(t.shape))
-        return f"TensorType({dtype}, {shape})"
+        return f"rt.TensorType({dtype}, {shape})"
     if isinstance(t, SequenceType):
-        return f"SequenceType({type_literal(t.elem)})"
+        return f"rt.SequenceType({type_literal(t.elem)})"
     if isinstance(t, OptionalType):
-        return f"OptionalType({type_literal(t.elem)})"
+        return f"rt.OptionalType({type_literal(t.elem)})"
+    if isinstance(t, MapType):
+        return (f"rt.MapType(rt.numpy_dtype({ascii(np.dtype(t.key).name)}), "
+                f"{type_literal(t.value)})")
     raise UnsupportedConversion(f"attribute type {type(t).__name__} cannot be written as code")
 
 
@@ -220,8 +223,12 @@ class CodeGenerator:
             f"    producer = {ascii((m.producer_name, m.producer_version))}",
             f"    input_names = {literal(tuple(v.name for v in g.inputs if v.name not in g.initializers))}",
             f"    output_names = {literal(tuple(v.name for v in g.outputs))}",
+            # checked before forward as Session.run checks feeds (Module.check_inputs)
+            "    input_types = {" + ", ".join(
+                f"{ascii(v.name)}: {self._input_type(v.type)}" for v in g.inputs
+                if v.name not in g.initializers) + "}",
             "",
-            "    def __init__(self, backend='cpu', weights=None):",
+            "    def __init__(self, backend=None, weights=None):",
             "        super().__init__()",
             "        self.load_weights(WEIGHTS if weights is None else weights)",
         ]
@@ -232,6 +239,14 @@ class CodeGenerator:
                   f"    def forward(self{''.join(', ' + a for a in args)}):"]
         lines += body
         return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _input_type(t: Any) -> str:
+        """A declared input type as source; None (not checked) for one without a literal."""
+        try:
+            return type_literal(t)
+        except UnsupportedConversion:
+            return "None"
 
     # -- values -----------------------------------------------------------------------------
     def _add_initializers(self, graph: Graph, scope: Scope) -> None:

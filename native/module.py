@@ -7,7 +7,7 @@ itself as the executor would on a device backend, so a module computes the same 
 `ember.load(model).run(...)` on the same backend.
 
     class Tiny(Module):
-        def __init__(self, backend="cpu"):
+        def __init__(self, backend=None):  # None: $EMBER_BACKEND, then "cpu"
             super().__init__()
             self.add_parameter("w", np.ones((4, 4), np.float32))
             self.matmul = self.op("MatMul", 13, params={1: "w"})
@@ -43,10 +43,12 @@ import numpy as np
 
 from ember.errors import EmberError, ExecutionError, InputError, InvalidModelError, \
     UnsupportedOpError
-from ember.ir import Node, TensorType, ValueInfo
+# MapType, OptionalType, SequenceType: for generated code (rt.MapType(...) in input_types)
+from ember.ir import MapType, Node, OptionalType, SequenceType, TensorType, ValueInfo  # noqa: F401
 from ember.ops.registry import OpImpl, bind, lookup, normalize_domain, since_version
 from ember.native.safetensors import numpy_dtype
 from ember.runtime.backends import Backend, get_backend
+from ember.runtime.session import check_input
 
 # numpy reductions over 0-d arrays return scalars; values are always arrays, as in the executor.
 _SCALARS = (np.generic, int, float, complex)
@@ -194,7 +196,14 @@ class _BodyGraph:
 
 
 class Module:
-    """Base of native modules: parameters by name, ops bound to one backend, `.to(backend)`."""
+    """Base of native modules: parameters by name, ops bound to one backend, `.to(backend)`.
+
+    A module whose class declares `input_names` and `input_types` (name -> TensorType, as
+    generated modules do) has its positional inputs checked before `forward` with the rules
+    of `Session.run` (dtype, rank, fixed and symbolic dims), raising InputError."""
+
+    input_names: tuple[str, ...] = ()
+    input_types: Mapping[str, Any] = {}
 
     def __init__(self) -> None:
         self._parameters: dict[str, Any] = {}
@@ -293,8 +302,9 @@ class Module:
     def backend(self) -> str:
         return self._backend.name
 
-    def to(self, backend: str) -> "Module":
-        """Re-bind every op for `backend` ("cpu", "opencl", "cuda"); returns self."""
+    def to(self, backend: str | Backend | None) -> "Module":
+        """Re-bind every op for `backend` ("cpu", "opencl", "cuda", a Backend instance; None:
+        $EMBER_BACKEND, then "cpu", as for `ember.load`); returns self."""
         target = get_backend(backend)
         if target is not self._backend:
             self._device_parameters.clear()
@@ -325,7 +335,21 @@ class Module:
         raise NotImplementedError
 
     def __call__(self, *inputs: Any) -> Any:
+        if self.input_types:
+            inputs = self.check_inputs(inputs)
         return self.forward(*inputs)
+
+    def check_inputs(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        """The positional inputs checked against `input_types` as `Session.run` checks feeds
+        (InputError on a wrong count, dtype, rank or size); numbers and lists become arrays."""
+        names = self.input_names
+        if len(inputs) != len(names):
+            raise InputError(f"{type(self).__name__} takes {len(names)} input(s) "
+                             f"({', '.join(names) or 'none'}), got {len(inputs)}")
+        symbols: dict[str, tuple[int, str]] = {}
+        return tuple(value if self.input_types.get(name) is None else
+                     check_input(name, value, self.input_types[name], self._backend, symbols)
+                     for name, value in zip(names, inputs))
 
 
 # -- runtime helpers for generated Loop/Scan code (mirroring ops/control_flow.py) ------------

@@ -235,6 +235,14 @@ class RotaryEmbedding(OpImpl):
             raise self.fail(f"rotary_embedding_dim {rot} invalid for head size {head}")
         half = rot // 2
         if position_ids is not None:
+            limit = cos_cache.shape[0]
+            # (checked on the host: a device array's min/max would cost a transfer each)
+            if isinstance(position_ids, np.ndarray) and position_ids.size and (
+                    int(position_ids.min()) < 0
+                                      or int(position_ids.max()) >= limit):
+                raise self.fail(f"position_ids must lie in [0, {limit}) (the caches' rows), "
+                                f"got values in [{int(position_ids.min())}, "
+                                f"{int(position_ids.max())}]")
             cos = xp.take(cos_cache, position_ids, axis=0)
             sin = xp.take(sin_cache, position_ids, axis=0)
         else:

@@ -27,11 +27,45 @@ import math
 
 import numpy as np
 
+from ember import limits
 from ember.ops import _compiled, _xp
 from ember.ops.registry import OpImpl, register
 
 # ----------------------------------------------------------------------------------------------
 # shared geometry helpers
+
+# Window attributes (kernel_shape, strides, dilations, pads...) above this are refused at load
+# time: no real model has one, and with them every index product fits in an int64.
+MAX_WINDOW_ATTRIBUTE = 2**31 - 1
+# attribute -> (least value allowed, entries per spatial axis)
+_WINDOW_ATTRIBUTES = {"kernel_shape": (1, 1), "strides": (1, 1), "dilations": (1, 1),
+                      "pads": (-MAX_WINDOW_ATTRIBUTE, 2), "output_padding": (0, 1),
+                      "output_shape": (0, 1)}
+
+
+def check_window_attributes(op: OpImpl) -> None:
+    """Load-time checks of a convolution's or pool's window attributes: every entry an int
+    within bounds (kernel sizes, strides and dilations positive), and as many entries per
+    spatial axis as kernel_shape has axes, where it is given. A kernel_shape of 2**40 is
+    refused here rather than run."""
+    kernel = getattr(op, "kernel_shape", None)
+    axes = len(kernel) if kernel is not None and len(kernel) else None
+    for name, (least, per_axis) in _WINDOW_ATTRIBUTES.items():
+        values = getattr(op, name, None)
+        if values is None or not len(values):
+            continue
+        try:
+            values = [int(v) for v in values]
+        except (TypeError, ValueError):
+            raise op.fail(f"{name} must be a list of ints, got {values!r}") from None
+        bad = [v for v in values if not least <= v <= MAX_WINDOW_ATTRIBUTE]
+        if bad:
+            bound = "positive" if least == 1 else "non-negative" if least == 0 else "bounded"
+            raise op.fail(f"{name} {values}: each entry must be {bound} and at most "
+                          f"{MAX_WINDOW_ATTRIBUTE}, got {bad[0]}")
+        if axes is not None and name != "output_shape" and len(values) != per_axis * axes:
+            raise op.fail(f"{name} has {len(values)} entries; kernel_shape {list(kernel)} "
+                          f"needs {per_axis * axes}")
 
 
 def ints(values, n: int, default: int) -> list[int]:
@@ -92,6 +126,7 @@ def pad_array(xp, x, begin, end, value=0):
     if not any(begin) and not any(end):
         return x
     shape = x.shape[:lead] + tuple(x.shape[lead + i] + begin[i] + end[i] for i in range(n))
+    limits.check_shape(shape, x.dtype, "padded input")  # pads come from the model
     out = xp.empty(shape, x.dtype)
     # fill only the border slabs, then copy the interior once
     for i in range(n):
@@ -149,6 +184,7 @@ def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, 
     outs = out_size(in_sp, kernel, strides, dilations, begin, end)
     L = math.prod(outs)
     K = math.prod(kernel)
+    limits.check_shape((N, M, *outs), x.dtype)
     if L == 0 or N == 0 or M == 0:
         out = xp.zeros((N, M, *outs), x.dtype)
         return _add_bias(out, bias)
@@ -446,7 +482,11 @@ def col2im_nd(xp, cols, out_sp, kernel, strides, dilations, begin, end):
             for g, s, k, d in zip(grid, strides, kernel, dilations)]
     lo = [min(0, b) for b in begin]
     hi = [max(f, b + o) for f, b, o in zip(full, begin, out_sp)]
-    buf = xp.zeros((N, C) + tuple(h - l for h, l in zip(hi, lo)), cols.dtype)
+    if any(o < 0 for o in out_sp):
+        raise ValueError(f"the output shape {list(out_sp)} has a negative dimension")
+    shape = (N, C) + tuple(h - l for h, l in zip(hi, lo))
+    limits.check_shape(shape, cols.dtype)  # output_shape, strides and pads come from the model
+    buf = xp.zeros(shape, cols.dtype)
     if all(g > 0 for g in grid):
         for taps in np.ndindex(*kernel):
             dst = tuple(slice(t * d - l, t * d - l + (g - 1) * s + 1, s)
@@ -471,6 +511,7 @@ class _ConvBase(OpImpl):
         self.group = int(self.group) if getattr(self, "group", None) is not None else 1
         if self.group < 1:
             raise self.fail(f"group must be positive, got {self.group}")
+        check_window_attributes(self)
         self._wkey = None
         self._wval = None
 
@@ -666,6 +707,9 @@ class ConvTranspose(_ConvBase):
 class Col2Im(OpImpl):
     shape_inputs = (1, 2)
 
+    def setup(self):
+        check_window_attributes(self)
+
     def run(self, x, image_shape, block_shape):
         image = [int(v) for v in np.asarray(image_shape).reshape(-1)]
         block = [int(v) for v in np.asarray(block_shape).reshape(-1)]
@@ -673,9 +717,18 @@ class Col2Im(OpImpl):
         if len(block) != n or x.ndim != 3:
             raise self.fail(f"input {x.shape}, image_shape {image}, block_shape {block} "
                             "do not fit together")
+        if any(b < 1 for b in block) or any(d < 0 for d in image):
+            raise self.fail(f"block_shape {block} must be positive and image_shape {image} "
+                            f"non-negative")
         strides = ints(self.strides, n, 1)
         dilations = ints(self.dilations, n, 1)
         p = ints(self.pads, 2 * n, 0)
+        # the window attributes' lengths follow image_shape, known only now
+        for name, values, per_axis in (("strides", strides, 1), ("dilations", dilations, 1),
+                                       ("pads", p, 2)):
+            if len(values) != per_axis * n:
+                raise self.fail(f"{name} has {len(values)} entries; the {n}-D image_shape "
+                                f"needs {per_axis * n}")
         begin, end = p[:n], p[n:]
         K = math.prod(block)
         N, CK, L = x.shape

@@ -148,6 +148,33 @@ def _legacy_align(self, a, b):
     return a, b
 
 
+def _not_broadcastable(op: OpImpl, *arrays):
+    """The error for inputs whose shapes do not broadcast together, or None when they do (the
+    ValueError a kernel raised was about something else)."""
+    shapes = [tuple(np.shape(a)) for a in arrays if a is not None]
+    try:
+        np.broadcast_shapes(*shapes)
+    except ValueError:
+        return op.fail(f"input shapes {', '.join(map(str, shapes))} do not broadcast together")
+    return None
+
+
+def _broadcasting(run):
+    """A kernel's `run`, failing with the op's own error when its inputs' shapes do not
+    broadcast (numpy's ValueError would reach the user wrapped, in numpy's words). The error
+    is raised outside the `except`, so it is not chained to numpy's."""
+    @functools.wraps(run)
+    def checked(self, *inputs):
+        try:
+            return run(self, *inputs)
+        except ValueError:
+            error = _not_broadcastable(self, *inputs)
+            if error is None:
+                raise
+        raise error
+    return checked
+
+
 # ----------------------------------------------------------------------- table-driven classes
 
 class Unary(OpImpl):
@@ -177,12 +204,21 @@ class Binary(OpImpl):
     takes_xp = False
 
     def run(self, a, b):
-        return self.fn(self.xp, a, b) if self.takes_xp else self.fn(a, b)
+        # _broadcasting's check inlined: a try costs nothing until it catches, and this is
+        # the hottest kernel there is
+        try:
+            return self.fn(self.xp, a, b) if self.takes_xp else self.fn(a, b)
+        except ValueError:
+            error = _not_broadcastable(self, a, b)
+            if error is None:
+                raise
+        raise error
 
 
 class LegacyBinary(Binary):
     """Opset-1/6 form of a binary op, with `broadcast` and `axis` attributes."""
 
+    @_broadcasting
     def run(self, a, b):
         a, b = _legacy_align(self, a, b)
         return self.fn(self.xp, a, b) if self.takes_xp else self.fn(a, b)
@@ -192,6 +228,7 @@ class Variadic(OpImpl):
     """fn (a ufunc) folded over 1..N inputs with broadcasting (Max, Min, Sum)."""
     fn = staticmethod(np.add)
 
+    @_broadcasting
     def run(self, *xs):
         xs = [x for x in xs if x is not None]
         if not xs:
@@ -339,6 +376,7 @@ class Mod(OpImpl):
         if self.fmod not in (0, 1):
             raise self.fail(f"fmod must be 0 or 1, got {self.fmod}")
 
+    @_broadcasting
     def run(self, a, b):
         xp = self.xp
         with np.errstate(all="ignore"):
@@ -421,6 +459,7 @@ class BitShift(OpImpl):
             raise self.fail(f"direction must be 'LEFT' or 'RIGHT', got {direction!r}")
         self.left = direction == "LEFT"
 
+    @_broadcasting
     def run(self, x, y):
         xp = self.xp
         bits = x.dtype.itemsize * 8
@@ -439,5 +478,6 @@ class BitShift(OpImpl):
 
 @register("Where", versions=[9, 16])
 class Where(OpImpl):
+    @_broadcasting
     def run(self, condition, x, y):
         return self.xp.where(condition, x, y)

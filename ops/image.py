@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from ember import limits
 from ember.ops import _xp
 from ember.ops.registry import OpImpl, register
 
@@ -153,6 +154,11 @@ def resize_nd(xp, x, out_shape, scales, *, mode: str, ct: str, nearest_mode: str
     """Separable N-D resize. scales/out_shape/roi (starts, ends) cover every axis of x."""
     dt = x.dtype
     work_dt = _work_dtype(dt)
+    if any(int(d) < 0 for d in out_shape):
+        raise ValueError(f"the output shape {[int(d) for d in out_shape]} has a negative "
+                         "dimension")
+    # scales and sizes are data: the result (in the working type) is checked before any axis
+    limits.check_shape(out_shape, work_dt if np.dtype(work_dt).itemsize > dt.itemsize else dt)
     result = x
     masks = []
     for axis in range(x.ndim):
@@ -443,7 +449,10 @@ class AffineGrid(OpImpl):
         r = len(sp)
         if r not in (2, 3) or theta.shape[1:] != (r, r + 1):
             raise self.fail(f"theta shape {theta.shape} does not match size {size}")
+        if any(k < 0 for k in sp):
+            raise self.fail(f"size {size} has a negative dimension")
         dt = theta.dtype
+        limits.check_shape((n,) + tuple(sp) + (r + 1,), np.float64)  # the size is data
 
         def lin(k):
             if self.align_corners:
@@ -501,6 +510,9 @@ class RoiAlign(OpImpl):
         k = rois.shape[0]
         dt = x.dtype
         work_dt = _work_dtype(dt)
+        if oh < 1 or ow < 1:
+            raise self.fail(f"output_height and output_width must be positive, got {oh}, {ow}")
+        limits.check_shape((k, c, oh, ow), work_dt)
         out = xp.zeros((k, c, oh, ow), dtype=work_dt)
         scale = float(self.spatial_scale)
         off = 0.5 if self.half_pixel else 0.0

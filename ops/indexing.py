@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ember import limits
 from ember.ops import _xp
 from ember.ops.registry import OpImpl, register
 
@@ -298,6 +299,7 @@ class _OneHotBase(OpImpl):
         depth = int(depth)
         if depth < 0:
             raise self.fail(f"depth must be non-negative, got {depth}")
+        limits.check_shape(tuple(indices.shape) + (depth,), np.asarray(values).dtype)
         values = np.asarray(values).reshape(-1)
         if values.shape[0] != 2:
             raise self.fail(f"values must have 2 entries, got {values.shape[0]}")

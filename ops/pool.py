@@ -16,13 +16,18 @@ import math
 
 import numpy as np
 
+from ember import limits
 from ember.ops import _xp
-from ember.ops.conv import auto_pads, compute_dtype, ints, out_size, pad_array, tap_slices
+from ember.ops.conv import (auto_pads, check_window_attributes, compute_dtype, ints, out_size,
+                            pad_array, tap_slices)
 from ember.ops.registry import OpImpl, register
 
 
 class _WindowPool(OpImpl):
     """Geometry shared by the windowed pools."""
+
+    def setup(self):
+        check_window_attributes(self)
 
     def geometry(self, x):
         n = x.ndim - 2
@@ -44,6 +49,7 @@ class _WindowPool(OpImpl):
         auto = auto.decode() if isinstance(auto, bytes) else (auto or "NOTSET")
         outs = out_size(in_sp, kernel, strides, dilations, begin, end,
                         ceil_mode and auto in ("NOTSET", ""))
+        limits.check_shape(x.shape[:2] + tuple(outs), x.dtype)  # pads and strides are data
         # pad far enough at the end for every window (ceil mode can reach past `end`)
         end_eff = [max(0, (o - 1) * s + (k - 1) * d + 1 - i - b) if o > 0 else e
                    for o, s, k, d, i, b, e in zip(outs, strides, kernel, dilations, in_sp, begin,
@@ -61,20 +67,21 @@ class _WindowPool(OpImpl):
         for i, (k, s, d, o, b) in enumerate(zip(kernel, strides, dilations, outs, begin)):
             ax = lead + i
             n_in = y.shape[ax]
+            shape = list(y.shape)
+            shape[ax] = o
+            limits.check_shape(shape, y.dtype, "intermediate window reduction")
             if ax == y.ndim - 1 and xp is np:
                 flat = _reduce_last_flat(y, k, s, d, b, o, combine, fill)
                 if flat is not None:
                     y, owned = flat, True
                     continue
             spans = []
-            for t in range(k):
+            for t in _touching_taps(k, s, d, o, b, n_in):
                 off = t * d - b  # input index of output 0's tap t
                 lo = max(0, -(off // s) if off < 0 else 0)
                 hi = min(o, (n_in - 1 - off) // s + 1) if n_in - 1 - off >= 0 else 0
                 if hi > lo:
                     spans.append((lo, hi, off))
-            shape = list(y.shape)
-            shape[ax] = o
             full = next((sp for sp in spans if sp[0] == 0 and sp[1] == o), None)
             if full is not None:
                 spans.remove(full)
@@ -107,6 +114,18 @@ class _WindowPool(OpImpl):
     def taps(kernel, strides, dilations, outs):
         for taps in np.ndindex(*kernel):
             yield taps, (slice(None), slice(None)) + tap_slices(taps, strides, dilations, outs)
+
+
+def _touching_taps(k: int, s: int, d: int, o: int, b: int, n_in: int) -> range:
+    """The taps of a k-tap window (stride s, dilation d, begin padding b, o outputs) that
+    reach the input for at least one output: tap t reads input t*d - b + j*s for outputs j in
+    [0, o). The others read only padding, so the loop skips them: with a kernel of 2**40 taps
+    over a small input only the few taps that touch it run."""
+    if o <= 0 or n_in <= 0:
+        return range(0)
+    first = max(0, -(-(b - (o - 1) * s) // d))  # t*d - b + (o-1)*s >= 0
+    last = min(k - 1, (n_in - 1 + b) // d)     # t*d - b <= n_in - 1
+    return range(first, last + 1)
 
 
 def _reduce_last_flat(y, k, s, d, b, o, combine, fill):
@@ -175,6 +194,8 @@ class MaxPool(_WindowPool):
             out = self.reduce_separable(xp, work, kernel, strides, dilations, begin, outs,
                                         np.maximum, _lowest(work.dtype))
             return out.astype(x.dtype, copy=False)
+        if 0 in outs:  # no window: nothing to reduce (and no tap loop over a huge kernel)
+            return xp.zeros((N, C, *outs), x.dtype), xp.zeros((N, C, *outs), np.int64)
         padded = pad_array(xp, work, begin, end_eff, _lowest(work.dtype))
         # with Indices: a tap loop remembering which tap won (the first one on ties)
         out = None
@@ -238,10 +259,13 @@ def _divisor(in_sp, kernel, strides, dilations, begin, end, outs, include_pad, d
     axes; it depends on the geometry only)."""
     div = np.ones((1, 1) + (1,) * len(outs), dtype)
     for i, (o, k, s, d, b, e) in enumerate(zip(outs, kernel, strides, dilations, begin, end)):
-        starts = np.arange(o) * s - b  # first tap position of each window, in input coordinates
-        pos = starts[:, None] + np.arange(k)[None, :] * d
+        starts = np.arange(o, dtype=np.int64) * s - b  # each window's first tap, in input
+        # coordinates; its taps starts + t*d (t < k) inside [lo, hi) are counted in closed
+        # form (no (o, k) array: k may be huge)
         lo, hi = (-b, in_sp[i] + e) if include_pad else (0, in_sp[i])
-        count = ((pos >= lo) & (pos < hi)).sum(axis=1)
+        first = np.maximum(0, -((starts - lo) // d))       # least t with starts + t*d >= lo
+        last = np.minimum(k - 1, (hi - 1 - starts) // d)   # most t with starts + t*d < hi
+        count = np.maximum(last - first + 1, 0)
         shape = [1] * (len(outs) + 2)
         shape[2 + i] = o
         div = div * np.maximum(count, 1).astype(dtype).reshape(shape)
@@ -312,6 +336,9 @@ class GlobalLpPool(OpImpl):
 class MaxUnpool(OpImpl):
     shape_inputs = (2,)
 
+    def setup(self):
+        check_window_attributes(self)
+
     def run(self, x, indices, output_shape=None):
         xp = self.xp
         n = x.ndim - 2
@@ -331,6 +358,10 @@ class MaxUnpool(OpImpl):
                 raise self.fail(f"output_shape {target} does not have rank {n + 2}")
         else:
             target = [N, C] + default
+        if any(d < 0 for d in target):
+            raise self.fail(f"the output shape {target} has a negative dimension")
+        limits.check_shape(target, x.dtype)
+        limits.check_shape([N, C] + default, x.dtype, "unpooled block")
         idx = indices.reshape(-1).astype(np.int64, copy=False)
         default_total = N * C * math.prod(default)
         if idx.size:

@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 
+from ember import limits
 from ember.ops.registry import OpImpl, register
 from ember.ops.tensor import STRING, cast_array, is_floatlike, onnx_dtype
 
@@ -82,6 +83,7 @@ class RandomUniform(_RandomOp):
         self.out_shape = _shape_attr(self)
 
     def run(self):
+        limits.check_shape(self.out_shape, self.out_dtype)  # the shape attribute is unchecked
         return _uniform(self.rng, self.out_shape, self.low, self.high, self.out_dtype)
 
 
@@ -92,6 +94,7 @@ class RandomNormal(_RandomOp):
         self.out_shape = _shape_attr(self)
 
     def run(self):
+        limits.check_shape(self.out_shape, self.out_dtype)
         return _normal(self.rng, self.out_shape, self.mean, self.scale, self.out_dtype)
 
 
@@ -145,6 +148,7 @@ class Multinomial(_RandomOp):
         n = int(self.sample_size)
         if n < 1:
             raise self.fail(f"sample_size must be positive, got {n}")
+        limits.check_shape((x.shape[0], n), np.float64)
         logits = cast_array(np, x, np.float64)
         batch, classes = logits.shape
         out = np.zeros((batch, n), dtype=self.out_dtype)

@@ -47,7 +47,8 @@ class OpImpl:
     op_type: str = ""
     versions: tuple[int, ...] = ()
     backend: str = "cpu"
-    # Attribute names that would shadow members of this class are stored with a trailing "_".
+    # Attribute names that would shadow members of this class are stored with a trailing "_"
+    # (see `attribute_slot`).
     _reserved = frozenset({"run", "setup", "node", "n_inputs", "n_outputs", "domain", "op_type",
                            "versions", "backend", "version", "attrs", "dtypes", "host_inputs",
                            "run_on_cpu", "fail", "refuses", "device", "xp",
@@ -76,8 +77,18 @@ class OpImpl:
         self.n_outputs = len(node.outputs)
         self.attrs = attrs
         for name, value in attrs.items():
-            setattr(self, name + "_" if name in self._reserved else name, value)
+            setattr(self, self.attribute_slot(name), value)
         self.setup()
+
+    @classmethod
+    def attribute_slot(cls, name: str) -> str:
+        """The instance attribute the ONNX attribute `name` is stored under: the name itself,
+        or the name with a trailing "_" where it would shadow a member of OpImpl, or is private
+        or special (`_twin`, `__dict__`, `__class__`): a model names its attributes, so no name
+        may reach Python's own machinery."""
+        if name in cls._reserved or name.startswith("_") or not name.isidentifier():
+            return name + "_"
+        return name
 
     @classmethod
     def refuses(cls, input_dtypes: list, output_dtypes: list = ()) -> str:
@@ -151,7 +162,7 @@ def schema_for(domain: str, op_type: str, opset: int) -> defs.OpSchema | None:
     """The ONNX schema in force for this op at this opset, or None for unknown/custom ops."""
     try:
         return defs.get_schema(op_type, opset, domain)
-    except defs.SchemaError:
+    except (defs.SchemaError, TypeError, OverflowError):  # unknown op; opset past int32
         return None
 
 

@@ -8,8 +8,11 @@ repeats: each class's `shape_inputs`) are host numpy arrays on every backend.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from ember import limits
 from ember.ops.registry import OpImpl, register
 
 
@@ -55,12 +58,14 @@ def _reshape(op: OpImpl, x: np.ndarray, shape: list[int], allowzero: int) -> np.
         raise op.fail(f"shape {shape} has more than one -1")
     if any(d < -1 for d in new):
         raise op.fail(f"shape {shape} has a negative dimension")
+    # products in Python ints: an int64 product of hostile dims wraps around (2 * (2**63-1)
+    # is -2) and would pass the checks
     if -1 in new:
-        known = int(np.prod([d for d in new if d != -1], dtype=np.int64))
+        known = math.prod(d for d in new if d != -1)
         if known == 0 or x.size % known:
             raise op.fail(f"cannot reshape a tensor of shape {x.shape} to {shape}")
         new[new.index(-1)] = x.size // known
-    if int(np.prod(new, dtype=np.int64)) != x.size:
+    if math.prod(new) != x.size:
         raise op.fail(f"cannot reshape a tensor of shape {x.shape} to {shape}")
     return x.reshape(new)
 
@@ -152,14 +157,23 @@ class Unsqueeze13(OpImpl):
 
 @register("Transpose", versions=[1, 13, 21, 23, 24, 25])
 class Transpose(OpImpl):
+    def setup(self):
+        # what can be checked before the rank is known: perm holds each of 0..len(perm)-1
+        # once (the ONNX spec allows no negative entries)
+        if self.perm is not None:
+            perm = list(self.perm)
+            if not all(isinstance(p, (int, np.integer)) for p in perm) or \
+                    sorted(perm) != list(range(len(perm))):
+                raise self.fail(f"perm {perm} is not a permutation of 0..{len(perm) - 1}")
+
     def run(self, x):
         if self.perm is None:
             perm = list(range(x.ndim))[::-1]
         else:
-            perm = _norm_axes(self, list(self.perm), x.ndim)
-            if sorted(perm) != list(range(x.ndim)):
-                raise self.fail(f"perm {list(self.perm)} is not a permutation of the "
-                                f"{x.ndim} axes")
+            perm = list(self.perm)
+            if len(perm) != x.ndim:
+                raise self.fail(f"perm {perm} has {len(perm)} entries for a tensor of rank "
+                                f"{x.ndim}")
         if x.ndim >= 2 and perm == list(range(x.ndim - 2)) + [x.ndim - 1, x.ndim - 2]:
             return swap_last_axes(self.xp, x)
         return x.transpose(perm).copy()  # copy() keeps 0-d arrays 0-d
@@ -192,13 +206,23 @@ class Expand(OpImpl):
 
     def run(self, x, shape):
         shape = _ints(shape)
-        try:
-            target = np.broadcast_shapes(x.shape, tuple(shape))
-        except ValueError:
-            raise self.fail(f"cannot broadcast shape {x.shape} to {shape}") from None
+        if any(d < 0 for d in shape):
+            raise self.fail(f"shape {shape} has a negative dimension")
+        target = _broadcast_or_none(x.shape, tuple(shape))
+        if target is None:  # raised here, not in an except: the error is ours, not numpy's
+            raise self.fail(f"cannot broadcast shape {x.shape} to {shape}")
+        limits.check_shape(target, x.dtype)
         if target == x.shape:
             return x.copy()
         return self.xp.broadcast_to(x, target).copy()
+
+
+def _broadcast_or_none(*shapes) -> tuple | None:
+    """The shape `shapes` broadcast to, or None where they do not broadcast."""
+    try:
+        return np.broadcast_shapes(*shapes)
+    except ValueError:
+        return None
 
 
 @register("Tile", versions=[1])
@@ -209,7 +233,9 @@ class Tile1(OpImpl):
         axis = _norm_axis(self, _scalar_int(axis), x.ndim)
         reps = [1] * x.ndim
         reps[axis] = _scalar_int(tiles)
-        return self.xp.tile(x, reps)
+        if reps[axis] < 0:
+            raise self.fail(f"negative tiles {reps[axis]}")
+        return _tile(self, x, reps)
 
 
 @register("Tile", versions=[6, 13])
@@ -222,7 +248,12 @@ class Tile6(OpImpl):
             raise self.fail(f"repeats has {len(reps)} entries for a tensor of rank {x.ndim}")
         if any(r < 0 for r in reps):
             raise self.fail(f"negative repeats {reps}")
-        return self.xp.tile(x, reps)
+        return _tile(self, x, reps)
+
+
+def _tile(op: OpImpl, x, reps: list[int]):
+    limits.check_shape([d * r for d, r in zip(x.shape, reps)], x.dtype)
+    return op.xp.tile(x, reps)
 
 
 # ----------------------------------------------------------------------------- Concat
@@ -297,8 +328,11 @@ class Split18(OpImpl):
     shape_inputs = (1,)
 
     def setup(self):
-        if self.num_outputs is not None and self.num_outputs < 1:
-            raise self.fail(f"num_outputs must be positive, got {self.num_outputs}")
+        # the spec ties num_outputs to the node's outputs; checked here, so a hostile 2**31
+        # never becomes a list of 2**31 split sizes
+        if self.num_outputs is not None and self.num_outputs != self.n_outputs:
+            raise self.fail(f"num_outputs is {self.num_outputs} but the node has "
+                            f"{self.n_outputs} output(s); they must be equal")
 
     def run(self, x, split=None):
         if split is not None and np.size(split):
@@ -379,8 +413,9 @@ def _pad(xp, op: OpImpl, x, pads: list[int], mode: str, value, axes=None):
         after = [max(e, 0) for e in after]
     if not any(before) and not any(after):
         return x.copy()
+    shape = tuple(d + b + e for d, b, e in zip(x.shape, before, after))
+    limits.check_shape(shape, x.dtype)  # pads are data: checked before padding
     if mode == "constant":
-        shape = tuple(d + b + e for d, b, e in zip(x.shape, before, after))
         if value is None:
             fill = "" if x.dtype == object else 0
         else:
@@ -523,6 +558,9 @@ class CenterCropPad(OpImpl):
             elif t > d:
                 start = (t - d) // 2
                 dst[a] = slice(start, start + d)
+        if any(t < 0 for t in target):
+            raise self.fail(f"shape {target} has a negative dimension")
+        limits.check_shape(out_shape, x.dtype)
         out = self.xp.zeros(out_shape, dtype=x.dtype)
         out[tuple(dst)] = x[tuple(src)]
         return out

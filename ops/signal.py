@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ember import limits
 from ember.ops.registry import OpImpl, register
 
 _FLOAT_OUT = ("float16", "float32", "float64", "bfloat16")
@@ -92,6 +93,7 @@ class _DFT(OpImpl):
             n = _scalar_int(self, dft_length, "dft_length")
             if n <= 0:
                 raise self.fail(f"dft_length must be positive, got {n}")
+            limits.check_shape(sig.shape[:a] + (n,) + sig.shape[a + 1:], np.complex128)
         if self.inverse and self.onesided:           # IRFFT: one-sided spectrum -> real signal
             if n is None:
                 n = 2 * (sig.shape[a] - 1)
@@ -160,6 +162,8 @@ class STFT17(OpImpl):
         if fl <= 0 or fl > length:
             raise self.fail(f"frame_length {fl} must lie in [1, signal length {length}]")
         n_frames = (length - fl) // step + 1
+        # frames overlap: [batch, frames, fl] can be far larger than the signal
+        limits.check_shape((sig.shape[0], n_frames, fl), np.complex128, "frames")
         idx = xp.arange(n_frames)[:, None] * step + xp.arange(fl)[None, :]
         frames = sig[:, idx]                                          # [batch, frames, fl]
         if window is not None:
@@ -189,6 +193,7 @@ class _Window(OpImpl):
         n = _scalar_int(self, size, "size")
         if n < 0:
             raise self.fail(f"size must be non-negative, got {n}")
+        limits.check_shape((n,), np.float64)
         denom = n if self.periodic else n - 1
         if denom <= 0:  # a symmetric window of one point: [1], as numpy / scipy (not 0/0)
             return xp.ones(n, dtype=self.out_dtype)
@@ -245,6 +250,7 @@ class MelWeightMatrix17(OpImpl):
         if not 0 <= low < high:
             raise self.fail(f"need 0 <= lower_edge_hertz < upper_edge_hertz, got {low}, {high}")
         n_spec = n_fft // 2 + 1
+        limits.check_shape((n_spec, n_mel), np.float64)
         low_mel = 2595.0 * np.log10(1.0 + low / 700.0)
         high_mel = 2595.0 * np.log10(1.0 + high / 700.0)
         step = (high_mel - low_mel) / (n_mel + 2)

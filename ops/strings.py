@@ -1,10 +1,18 @@
-"""String ops. Strings are numpy object arrays of Python str."""
-from __future__ import annotations
+"""String ops. Strings are numpy object arrays of Python str.
 
-import re
+RegexFullMatch's pattern comes from the model file, so it runs on RE2 (google-re2), the engine
+the ONNX spec names: matching takes time linear in the text whatever the pattern, where
+Python's backtracking `re` spends exponential time on a pattern like `(a+)+$`. RE2's syntax
+has no backreferences or lookaround; a pattern using them fails at load time. Without
+google-re2 installed (it is a dependency; a broken install) only patterns without regex
+metacharacters are accepted, as for the Tokenizer's patterns (ops/contrib_text.py).
+"""
+from __future__ import annotations
 
 import numpy as np
 
+from ember import limits
+from ember.ops.contrib_text import _METACHARS, _re2
 from ember.ops.registry import OpImpl, register
 
 
@@ -28,15 +36,44 @@ class RegexFullMatch(OpImpl):
     def setup(self):
         if self.pattern is None:
             raise self.fail("the 'pattern' attribute is required")
-        try:
-            self.regex = re.compile(self.pattern)
-        except re.error as exc:
-            raise self.fail(f"invalid pattern {self.pattern!r}: {exc}") from exc
+        self.fullmatch = _compile_full_match(self, str(self.pattern))
 
     def run(self, x):
-        match = self.regex.fullmatch
-        flat = [match(s) is not None for s in x.reshape(-1)]
+        match = self.fullmatch
+        flat = [match(s) for s in x.reshape(-1)]
         return np.array(flat, dtype=bool).reshape(x.shape)
+
+
+def _compile_full_match(op: OpImpl, pattern: str):
+    """str -> bool: whether the whole string matches `pattern` (RE2 syntax)."""
+    if not _is_utf8(pattern):  # invalid UTF-8 in the model, kept as surrogates
+        raise op.fail(f"pattern {pattern!r} is not valid UTF-8")
+    if _re2 is None:
+        if _METACHARS.intersection(pattern):
+            raise op.fail(f"pattern {pattern!r} is a regular expression, which needs the "
+                          f"google-re2 package (pip install google-re2); ember does not run "
+                          f"patterns from a model with Python's backtracking re")
+        return lambda text: text == pattern
+    options = _re2.Options()
+    options.log_errors = False  # the error comes back as an exception, not on stderr
+    try:
+        regex = _re2.compile(pattern, options=options)
+    except Exception as exc:  # re2.error, whose message may be bytes
+        msg = exc.args[0] if exc.args else exc
+        msg = msg.decode("utf-8", "replace") if isinstance(msg, bytes) else str(msg)
+        raise op.fail(f"cannot compile pattern {pattern!r} with RE2 (no backreferences or "
+                      f"lookaround): {msg}") from None
+    return lambda text: regex.fullmatch(text) is not None
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether `text` encodes to UTF-8 (no lone surrogates). A predicate, so the error about
+    it is raised outside an `except` and is not chained to the UnicodeEncodeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @register("StringSplit", versions=[20])
@@ -95,6 +132,9 @@ class TfIdfVectorizer(OpImpl):
         indexes = list(self.ngram_indexes or [])
         if not 1 <= self.min_gram_length <= self.max_gram_length:
             raise self.fail("need 1 <= min_gram_length <= max_gram_length")
+        # any count is meaningful (run clamps it to the row's length), but not a negative one
+        if self.max_skip_count < 0:
+            raise self.fail(f"max_skip_count must be >= 0, got {self.max_skip_count}")
         # n-gram key (tuple) -> position in the pool's n-gram list
         self.table: dict[tuple, int] = {}
         k = 0
@@ -109,6 +149,8 @@ class TfIdfVectorizer(OpImpl):
                 k += 1
         if len(indexes) != k:
             raise self.fail(f"ngram_indexes has {len(indexes)} entries, the pool {k} n-grams")
+        if any(i < 0 for i in indexes):
+            raise self.fail(f"ngram_indexes must be >= 0, got {min(indexes)}")
         self.indexes = np.asarray(indexes, dtype=np.int64)
         self.size = int(self.indexes.max()) + 1 if k else 0
         weights = self.weights
@@ -122,8 +164,11 @@ class TfIdfVectorizer(OpImpl):
         found = np.zeros(len(self.indexes), dtype=np.float32)
         c = len(tokens)
         table = self.table
+        # a skip of c or more leaves no n-gram (n >= 2) inside a row of c tokens: clamped, a
+        # max_skip_count of 2**62 costs what c does
+        max_skip = min(self.max_skip_count, c)
         for n in range(self.min_gram_length, min(self.max_gram_length, self.max_n) + 1):
-            skips = range(self.max_skip_count + 1) if n > 1 else (0,)
+            skips = range(max_skip + 1) if n > 1 else (0,)
             for skip in skips:
                 step = skip + 1
                 span = (n - 1) * step
@@ -142,6 +187,7 @@ class TfIdfVectorizer(OpImpl):
             token_rows = [[str(t) for t in r] for r in rows]
         else:
             token_rows = [[int(t) for t in r] for r in rows.astype(np.int64)]
+        limits.check_shape((len(token_rows), self.size), np.float32)  # size: from attributes
         out = np.zeros((len(token_rows), self.size), dtype=np.float32)
         for i, tokens in enumerate(token_rows):
             counts = self._row_counts(tokens)

@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
+from ember import limits
 from ember.ops.registry import OpImpl, register
 
 # --------------------------------------------------------------------------------------------
@@ -416,6 +417,7 @@ class ConstantOfShape(OpImpl):
 
     def run(self, shape):
         dims = _shape_from(shape, self)
+        limits.check_shape(dims, self.fill.dtype)  # the shape is data: checked before filling
         return self.xp.full(dims, self.fill[()], dtype=self.fill.dtype)
 
 
@@ -468,11 +470,13 @@ class Range(OpImpl):
             if d == 0:
                 raise self.fail("delta must not be zero")
             n = max(-((s - l) // d), 0)  # ceil((l - s) / d) with exact integers
+            limits.check_shape((n,), np.int64)
             return (s + xp.arange(n, dtype=np.int64) * d).astype(dtype)
         s, l, d = (float(np.asarray(v, dtype=np.float64)) for v in (start, limit, delta))
         if d == 0:
             raise self.fail("delta must not be zero")
         n = max(int(math.ceil((l - s) / d)), 0) if math.isfinite((l - s) / d) else 0
+        limits.check_shape((n,), np.float64)
         if dtype in (np.float16, BFLOAT16) and not self.stash_float:
             # accumulate in the input type: out[i] = out[i-1] + delta, sequentially on the host
             # (the inputs are host scalars; a device scan would round in another order)

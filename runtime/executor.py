@@ -13,7 +13,9 @@ from typing import Any, Collection, Iterator, Sequence
 
 import numpy as np
 
-from ember.errors import EmberError, ExecutionError, InvalidModelError, UnsupportedOpError
+from ember import limits
+from ember.errors import (EmberError, ExecutionError, InvalidModelError, ResourceLimitError,
+                          UnsupportedOpError)
 from ember.ir import Graph, Node
 from ember.ops.registry import OpImpl, bind, lookup, since_version
 from ember.runtime.backends import Backend, get_backend
@@ -270,6 +272,7 @@ class Plan:
     def run(self, feeds: Sequence[Any], scope: dict[str, Any] | None = None) -> list[Any]:
         """Run with `feeds` aligned to `input_names`; `scope` gives outer-scope values."""
         env = self._start(feeds, scope)
+        cap = limits.current()  # the running session's max_tensor_bytes
         i = -1
         try:  # the hot loop: no generator, each step's bound kernel and slots fetched once
             for i, (run, inputs, outputs, frees, scope_slots) in enumerate(self._program):
@@ -279,9 +282,12 @@ class Plan:
                 else:
                     result = run(*[env[s] for s in inputs])
                 if type(result) is np.ndarray:
+                    if result.nbytes > cap:
+                        raise limits.too_big(result.nbytes, cap,
+                                             f"output '{self.steps[i].node.outputs[0]}'")
                     env[outputs[0]] = result
                 else:
-                    _store(outputs, result, env)
+                    _store(outputs, result, env, cap, self.steps[i].node)
                 for s in frees:
                     env[s] = None
         except Exception as exc:
@@ -294,8 +300,10 @@ class Plan:
     def iterate(self, feeds: Sequence[Any], scope: dict[str, Any] | None = None
                 ) -> Iterator[tuple[Node, list[Any]]]:
         """Run step by step, yielding each node (transfers excepted) with its output values
-        right after it runs; values are freed as in `run`, so memory stays at one run's peak."""
+        right after it runs; values are freed as in `run`, so memory stays at one run's peak.
+        The generator's return value (StopIteration.value) is `run`'s result."""
         env = self._start(feeds, scope)
+        cap = limits.current()
         for step in self.steps:
             try:
                 args = [env[s] for s in step.inputs]
@@ -303,7 +311,7 @@ class Plan:
                     result = step.kernel.run(*args, scope={n: env[s] for n, s in step.scope})
                 else:
                     result = step.kernel.run(*args)
-                _store(step.outputs, result, env)
+                _store(step.outputs, result, env, cap, step.node)
             except Exception as exc:
                 located = _located(exc, step.node)
                 if located is exc:
@@ -313,6 +321,7 @@ class Plan:
                 yield step.node, [env[s] if s != _DISCARD else None for s in step.outputs]
             for s in step.frees:
                 env[s] = None
+        return [env[s] for s in self.output_slots]
 
     def _start(self, feeds: Sequence[Any], scope: dict[str, Any] | None) -> list[Any]:
         env = self.initial_env.copy()
@@ -324,13 +333,17 @@ class Plan:
         return env
 
 
-def _store(outputs: tuple[int, ...], result: Any, env: list[Any]) -> None:
-    """A kernel's result into its output slots; scalars become 0-d arrays."""
-    if type(result) is tuple:
-        for s, value in zip(outputs, result):
-            env[s] = np.asarray(value) if isinstance(value, _SCALARS) else value
-    else:
-        env[outputs[0]] = np.asarray(result) if isinstance(result, _SCALARS) else result
+def _store(outputs: tuple[int, ...], result: Any, env: list[Any], cap: int, node: Node) -> None:
+    """A kernel's result into its output slots; scalars become 0-d arrays. Tensors (host or
+    device arrays: anything with `nbytes`) over `cap` bytes are refused."""
+    values = result if type(result) is tuple else (result,)
+    for k, (s, value) in enumerate(zip(outputs, values)):
+        if isinstance(value, _SCALARS):
+            value = np.asarray(value)
+        elif getattr(value, "nbytes", 0) > cap:
+            name = node.outputs[k] if k < len(node.outputs) else f"#{k}"
+            raise limits.too_big(value.nbytes, cap, f"output '{name}'")
+        env[s] = value
 
 
 def _located(exc: Exception, node: Node) -> Exception:
@@ -341,6 +354,11 @@ def _located(exc: Exception, node: Node) -> Exception:
             exc.args = (f"{_describe(node)}: {exc}",)
             exc._ember_located = True
         return exc
+    if isinstance(exc, MemoryError):  # an allocation the tensor cap let through, or numpy's
+        # own "array is too big": the machine's memory is the limit that was hit
+        return ResourceLimitError(f"{_describe(node)} ran out of memory ({exc or 'MemoryError'}); "
+                                  f"lower the sizes it is given, or the tensor cap "
+                                  f"(max_tensor_bytes) so that such a node fails up front")
     return ExecutionError(f"{_describe(node)} failed: {type(exc).__name__}: {exc}")
 
 

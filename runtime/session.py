@@ -1,22 +1,27 @@
 """Sessions: a loaded model plus its plan, with feed checking.
 
-`Session` is ember's own API (`ember.load`); `InferenceSession` mirrors onnxruntime's so code
-written for onnxruntime runs by changing the import.
+`Session` is ember's own API (`ember.load`); `InferenceSession` (ember.runtime.ort_compat)
+mirrors onnxruntime's over it, so code written for onnxruntime runs by changing the import.
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from ember import limits
 from ember.errors import InputError
 from ember.importer import ModelSource, import_model
+from ember.log import logger
 from ember.ir import Dim, MapType, Model, OptionalType, SequenceType, TensorType, ValueInfo
 from ember.runtime.backends import Backend, get_backend
 from ember.runtime import threads as _threads
 from ember.runtime.executor import Plan
-from ember.runtime.values import IOBinding, OrtValue, _np_dtype, backend_for_device
+from ember.runtime.profiler import Profiler
+from ember.runtime.values import OrtValue
 
 
 @dataclass(frozen=True)
@@ -65,10 +70,15 @@ class Session:
     """A model ready to run on one backend."""
 
     def __init__(self, model: Model, backend: str | Backend | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, max_tensor_bytes: int | None = None,
+                 profiler: Profiler | None = None):
         self.model = model
+        # per-node events of each run while set (ember.runtime.profiler); end_profiling writes
+        self.profiler = profiler
         # BLAS threads during run() (ember.runtime.threads); default: the physical cores
         self.threads = _threads.check_threads(threads) or _threads.default_threads()
+        # the largest tensor a node may produce (ember.limits); default: half the memory
+        self.max_tensor_bytes = limits.resolve(max_tensor_bytes)
         _threads.refresh()  # the BLAS libraries loaded by now
         self._backend = get_backend(backend)  # a Backend instance is used as it is
         self.backend = self._backend.name
@@ -80,6 +90,8 @@ class Session:
         # Inputs backed by an initialiser are optional overrides, as in onnxruntime.
         self._required = [v for v in graph.inputs if v.name not in graph.initializers]
         self.inputs: list[IOInfo] = [_io_info(v) for v in self._required]
+        self.overridable_initializers: list[IOInfo] = [
+            _io_info(v) for v in graph.inputs if v.name in graph.initializers]
         self.outputs: list[IOInfo] = [_io_info(v) for v in graph.outputs]
         self._input_types = {v.name: v.type for v in graph.inputs}
 
@@ -117,19 +129,34 @@ class Session:
         plan = self._plan_for(None if outputs is None else tuple(outputs), device_outputs,
                               device_inputs)
         _threads.enter(self.threads)
+        cap = limits.enter(self.max_tensor_bytes)
         try:
-            values = plan.run(ordered)
+            if self.profiler is None:
+                values = plan.run(ordered)
+            else:
+                values = self.profiler.run(plan, ordered, self._backend.synchronize)
         finally:
+            limits.leave(cap)
             _threads.leave()
-        # kernels may return strided views (a channels-last convolution's NCHW view): users
-        # get C-ordered arrays, as onnxruntime returns (copied only where a view came back)
-        values = [np.ascontiguousarray(v) if isinstance(v, np.ndarray) and
-                  not v.flags.c_contiguous else v for v in values]
+        on_device = self._backend.is_device_array if self.backend != "cpu" else None
+        values = owned_outputs(values, ordered, on_device)
         if device_outputs:
             cpu = get_backend("cpu")
             values = [OrtValue(v, self._backend if self._backend.is_device_array(v) else cpu)
                       for v in values]
         return dict(zip(plan.output_names, values))
+
+    def check_feeds(self, feeds: Mapping[str, Any]) -> None:
+        """Raise InputError where `run(feeds)` would, without running."""
+        self._check_feeds(feeds, self._plan)
+
+    def end_profiling(self) -> str:
+        """Write the profile of the runs so far (Chrome-trace JSON) and return its path;
+        profiling stops. "" when the session was not profiling."""
+        if self.profiler is None:
+            return ""
+        path, self.profiler = self.profiler.end(), None
+        return path
 
     def _plan_for(self, outputs: tuple[str, ...] | None, device_outputs: bool = False,
                   device_inputs: frozenset[str] = frozenset()) -> Plan:
@@ -173,41 +200,104 @@ class Session:
         return ordered
 
     def _check_one(self, name: str, value: Any, symbols: dict[str, tuple[int, str]]) -> Any:
-        if isinstance(value, OrtValue):
-            value = value.value_for(self._backend)  # another backend's device value: via host
-        t = self._input_types[name]
-        if isinstance(t, MapType) or (isinstance(t, SequenceType)
-                                      and isinstance(t.elem, MapType)):
-            return _check_maps(name, value, t)
-        if not isinstance(t, TensorType):
-            return value  # sequences / optionals pass through as given
-        if _is_foreign_device_array(value) and not self._backend.is_device_array(value):
-            value = value.get()  # a pyopencl / cupy array of another backend: to the host
-        # device arrays of this backend are checked as they are (.dtype, .shape), not copied
-        if not isinstance(value, np.ndarray) and not self._backend.is_device_array(value):
-            try:
-                value = np.asarray(value, dtype=t.dtype)
-            except (TypeError, ValueError) as exc:
-                raise InputError(f"input '{name}': cannot convert {type(value).__name__} to "
-                                 f"{t.dtype}: {exc}") from exc
-        if t.dtype is not None and value.dtype != t.dtype:
-            raise InputError(f"input '{name}' expects dtype {t.dtype}, got {value.dtype}; "
-                             f"convert it with .astype(np.{t.dtype})")
-        if t.shape is not None:
-            if value.ndim != len(t.shape):
-                raise InputError(f"input '{name}' expects rank {len(t.shape)} "
+        return check_input(name, value, self._input_types[name], self._backend, symbols)
+
+
+def check_input(name: str, value: Any, t: Any, backend: Backend,
+                symbols: dict[str, tuple[int, str]]) -> Any:
+    """One feed checked against its declared type `t` as `Session.run` checks it (the rules
+    native modules share): dtype, rank, fixed sizes, and symbolic dims agreeing across the
+    inputs of one call (`symbols`: dim name -> (size, first input)). Returns the value to run
+    on: converted to an array where it was a number or a list, a map's values converted."""
+    if isinstance(value, OrtValue):
+        value = value.value_for(backend)  # another backend's device value: via host
+    if isinstance(t, MapType) or (isinstance(t, SequenceType)
+                                  and isinstance(t.elem, MapType)):
+        return _check_maps(name, value, t)
+    if not isinstance(t, TensorType):
+        return value  # sequences / optionals pass through as given
+    if _is_foreign_device_array(value) and not backend.is_device_array(value):
+        value = value.get()  # a pyopencl / cupy array of another backend: to the host
+    # device arrays of this backend are checked as they are (.dtype, .shape), not copied
+    if not isinstance(value, np.ndarray) and not backend.is_device_array(value):
+        value = _as_array(name, value, t)
+    if t.dtype is not None and value.dtype != t.dtype:
+        raise InputError(f"input '{name}' expects dtype {t.dtype}, got {value.dtype}; "
+                         f"convert it with .astype(np.{t.dtype})")
+    if t.shape is not None:
+        if value.ndim != len(t.shape):
+            raise InputError(f"input '{name}' expects rank {len(t.shape)} "
+                             f"(shape {_shape_str(t.shape)}), got shape {value.shape}")
+        for axis, (want, got) in enumerate(zip(t.shape, value.shape)):
+            if isinstance(want, int) and want > 0 and want != got:
+                raise InputError(f"input '{name}' expects size {want} in dimension {axis} "
                                  f"(shape {_shape_str(t.shape)}), got shape {value.shape}")
-            for axis, (want, got) in enumerate(zip(t.shape, value.shape)):
-                if isinstance(want, int) and want > 0 and want != got:
-                    raise InputError(f"input '{name}' expects size {want} in dimension {axis} "
-                                     f"(shape {_shape_str(t.shape)}), got shape {value.shape}")
-                if isinstance(want, str) and want:
-                    seen = symbols.setdefault(want, (got, name))
-                    if seen[0] != got:
-                        raise InputError(
-                            f"dimension '{want}' is {seen[0]} in input '{seen[1]}' but {got} in "
-                            f"input '{name}' (shape {value.shape})")
-        return value
+            if isinstance(want, str) and want:
+                seen = symbols.setdefault(want, (got, name))
+                if seen[0] != got:
+                    raise InputError(
+                        f"dimension '{want}' is {seen[0]} in input '{seen[1]}' but {got} in "
+                        f"input '{name}' (shape {value.shape})")
+    return value
+
+
+def _as_array(name: str, value: Any, t: TensorType) -> np.ndarray:
+    """A feed that is not an array yet (a number, a nested list) as an array of the input's
+    dtype. What numpy cannot convert (an int out of the dtype's range, a string for a number,
+    a ragged list) is an InputError naming the input and the type it expects."""
+    try:
+        return np.asarray(value, dtype=t.dtype)
+    except (TypeError, ValueError, OverflowError) as exc:
+        want = f"{_type_str(t)} values" if t.dtype is not None else "a tensor"
+        raise InputError(f"input '{name}' expects {want}; cannot convert the given "
+                         f"{type(value).__name__}: {exc}") from exc
+
+
+def owned_outputs(values: list[Any], feeds: Sequence[Any], on_device=None) -> list[Any]:
+    """The outputs of a run as arrays the caller owns, as onnxruntime returns them: C-ordered,
+    writable, and sharing memory with no feed, no weight of the model and no other output.
+
+    Kernels return views where they can (Identity, Reshape, Slice, Split, same-type Cast...),
+    so an output can be the caller's feed itself, a view of it, a view of an initialiser, or a
+    view of the same buffer as another output; writing into one would change the other. Such
+    an output is copied; others (almost all) are returned as they are. The model's weights
+    and Constant values are read-only arrays (the plan marks them so), so an output that is
+    not writable is one of them or a view of one. `on_device` tells the backend's device
+    arrays (left as they are) from host arrays."""
+    feed_roots = {id(_root(a)) for a in _arrays(feeds)}
+    returned: dict[int, list[np.ndarray]] = {}  # root buffer -> outputs already given out
+    return [_owned(v, feed_roots, returned, on_device) for v in values]
+
+
+def _owned(value: Any, feed_roots: set[int], returned: dict[int, list[np.ndarray]],
+           on_device) -> Any:
+    if isinstance(value, list):  # a sequence: each tensor in it
+        return [_owned(v, feed_roots, returned, on_device) for v in value]
+    if not isinstance(value, np.ndarray) or (on_device is not None and on_device(value)):
+        return value  # a device array (fresh from its kernel), None, a map
+    root = _root(value)
+    siblings = returned.setdefault(id(root), [])
+    if not value.flags.c_contiguous or not value.flags.writeable or id(root) in feed_roots \
+            or any(np.may_share_memory(value, other) for other in siblings):
+        value = np.array(value, order="C")  # its own buffer
+        siblings = returned.setdefault(id(value), [])
+    siblings.append(value)
+    return value
+
+
+def _root(array: np.ndarray) -> Any:
+    """The object that owns an array's memory: the end of its chain of bases."""
+    while isinstance(array, np.ndarray) and array.base is not None:
+        array = array.base
+    return array
+
+
+def _arrays(values: Sequence[Any]):
+    for v in values:
+        if isinstance(v, np.ndarray):
+            yield v
+        elif isinstance(v, (list, tuple)):  # a sequence feed
+            yield from (e for e in v if isinstance(e, np.ndarray))
 
 
 def _check_maps(name: str, value: Any, t: MapType | SequenceType) -> Any:
@@ -261,7 +351,9 @@ def _describe(info: IOInfo) -> str:
 
 
 def load(model: ModelSource | Model, backend: str | Backend | None = None,
-         simplify: bool = True, threads: int | None = None) -> Session:
+         simplify: bool = True, threads: int | None = None,
+         max_tensor_bytes: int | None = None, profile: bool = False,
+         profile_prefix: str = "ember_profile_") -> Session:
     """Load an ONNX model (path, bytes, onnx.ModelProto or ember IR) for `backend`.
 
     `backend` is a name, defaulting to $EMBER_BACKEND, then "cpu" (the process's instance of
@@ -270,18 +362,38 @@ def load(model: ModelSource | Model, backend: str | Backend | None = None,
     backend first (constant folding, fusions, expansion of ops the backend lacks; see
     ember.simplifier); the caller's IR is never modified. `threads`: BLAS threads during
     `run` (default: the physical cores this process may use; see ember.runtime.threads).
+    `max_tensor_bytes`: the largest tensor a node may produce or ask for; past it a run fails
+    with ResourceLimitError (default: $EMBER_MAX_TENSOR_BYTES, else half the memory this
+    process may use; see ember.limits). `profile`: record one event per node of every run,
+    written by `Session.end_profiling()` to `<profile_prefix><date>.json` (a Chrome trace in
+    onnxruntime's format; see ember.runtime.profiler).
     """
     threads = _threads.check_threads(threads)
+    cap = limits.resolve(max_tensor_bytes)
     instance = get_backend(backend)
     backend_name = instance.name
+    profiler = Profiler(profile_prefix, backend_name) if profile else None
+    t0 = time.perf_counter_ns()
     ir = model if isinstance(model, Model) else import_model(model)
+    t1 = time.perf_counter_ns()
     if simplify:
         from ember.simplifier import copy_structure, simplify as simplify_model
 
         if ir is model:
             ir = copy_structure(ir)
-        simplify_model(ir, backend=backend_name)
-    return Session(ir, instance, threads=threads)
+        with limits.capped(cap):  # the constant folder runs kernels
+            simplify_model(ir, backend=backend_name)
+    session = Session(ir, instance, threads=threads, max_tensor_bytes=cap, profiler=profiler)
+    if logger.isEnabledFor(logging.INFO):
+        placed = session.placement_summary()
+        logger.info("loaded %s for %s in %.1f ms: %d nodes%s; placement %s",
+                    ir.path or "a model", backend_name, (time.perf_counter_ns() - t0) / 1e6,
+                    len(ir.graph.nodes), " after simplification" if simplify else "",
+                    ", ".join(f"{k} {v}" for k, v in sorted(placed.items())))
+    if profiler is not None:  # onnxruntime's two load events
+        profiler.session_event("model_loading", t0, t1)
+        profiler.session_event("session_initialization", t1, time.perf_counter_ns())
+    return session
 
 
 class NodeArg:
@@ -294,60 +406,3 @@ class NodeArg:
 
     def __repr__(self) -> str:
         return f"NodeArg(name={self.name!r}, type={self.type!r}, shape={self.shape!r})"
-
-
-_PROVIDERS = {"CPUExecutionProvider": "cpu", "OpenCLExecutionProvider": "opencl",
-              "CUDAExecutionProvider": "cuda"}
-
-
-class InferenceSession:
-    """Drop-in for onnxruntime.InferenceSession (the common subset)."""
-
-    def __init__(self, path_or_bytes: ModelSource, sess_options: Any = None,
-                 providers: Sequence[Any] | None = None, **_: Any):
-        backend = None
-        for p in providers or ():
-            name = p[0] if isinstance(p, (tuple, list)) else p
-            backend = _PROVIDERS.get(name, name)
-            break
-        # onnxruntime.SessionOptions.intra_op_num_threads: 0 (its default) = the physical cores
-        threads = getattr(sess_options, "intra_op_num_threads", 0) or None
-        self._session = load(path_or_bytes, backend, threads=threads)
-
-    def get_inputs(self) -> list[NodeArg]:
-        return [NodeArg(i) for i in self._session.inputs]
-
-    def get_outputs(self) -> list[NodeArg]:
-        return [NodeArg(o) for o in self._session.outputs]
-
-    def get_providers(self) -> list[str]:
-        return [k for k, v in _PROVIDERS.items() if v == self._session.backend]
-
-    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
-            run_options: Any = None) -> list[Any]:
-        result = self._session.run(input_feed, outputs=list(output_names) if output_names else None)
-        return list(result.values())
-
-    def run_with_ort_values(self, output_names: Sequence[str] | None,
-                            input_dict_ort_values: Mapping[str, Any], run_options: Any = None
-                            ) -> list[OrtValue]:
-        """Run on OrtValues (or arrays); the outputs are OrtValues, left on the device where
-        they were computed there."""
-        result = self._session.run(input_dict_ort_values, device_outputs=True,
-                                   outputs=list(output_names) if output_names else None)
-        return list(result.values())
-
-    def io_binding(self) -> IOBinding:
-        return IOBinding(self._session)
-
-    def run_with_iobinding(self, iobinding: IOBinding, run_options: Any = None) -> None:
-        if iobinding._session is not self._session:
-            raise ValueError("IOBinding must be used with the session that created it.")
-        iobinding._run()
-
-    def create_ortvalue_from_shape_and_type(self, shape: Sequence[int], element_type: Any,
-                                            device_type: str, device_id: int = 0,
-                                            vendor_id: int = -1) -> OrtValue:
-        """A zero-filled OrtValue; "gpu" means this session's device backend."""
-        backend = backend_for_device(device_type, device_id, self._session._backend)
-        return OrtValue._allocate(backend, shape, np.dtype(_np_dtype(element_type)))

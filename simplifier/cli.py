@@ -18,7 +18,11 @@ from ember.simplifier import PASSES, simplify
 
 def add_simplify_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `simplify` subcommand on an argparse subparsers object."""
-    parser = subparsers.add_parser("simplify", help="rewrite a model smaller and faster")
+    parser = subparsers.add_parser(
+        "simplify", help="rewrite a model smaller and faster",
+        description="Run the simplifier's passes on a model and write the result as ONNX; print "
+                    "the op counts before and after, and the largest output difference between "
+                    "the two models on random inputs.")
     parser.add_argument("model", help="path to an .onnx file")
     parser.add_argument("-o", "--output", required=True, metavar="OUT.onnx",
                         help="where to write the simplified model")
@@ -35,6 +39,7 @@ def add_simplify_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_simplify(args: argparse.Namespace) -> int:
+    _check_arguments(args)
     original = import_model(args.model)
     model = import_model(args.model)
     before = original.op_histogram()
@@ -51,6 +56,18 @@ def cmd_simplify(args: argparse.Namespace) -> int:
     print(f"simplified in {seconds:.3f} s ({stats.get('rounds', 0)} rounds); wrote {args.output}")
     print(_difference_line(original, model, args))
     return 0
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """The arguments that need no model, checked before it loads (as `ember run` does): the
+    backend's name and the --dim values. InputError: one line, exit 2."""
+    from ember.inputs import parse_dims
+    from ember.runtime.backends import BACKENDS
+
+    if args.backend not in BACKENDS:
+        raise InputError(f"--backend {args.backend!r}: unknown backend; choose one of "
+                         f"{', '.join(BACKENDS)}")
+    parse_dims(args.dim)
 
 
 def op_count_table(before: dict[str, int], after: dict[str, int]) -> str:

@@ -4,6 +4,11 @@ the few edits every rewrite needs (alias a value away, add a constant, drop node
 An index is built at the start of a pass and describes the graph as it was then; a pass that
 rewrites marks the nodes it consumed in `dead` and never matches them again, so overlapping
 rewrites cannot happen within one sweep.
+
+Renames keep the simplifier linear in graph size: `alias` renames through the index's consumer
+lists (kept up to date by it, and by `GraphIndex.set_inputs` for passes that rewire a node), so
+removing each of a 100k-node chain of Identity nodes costs the node's readers, not a walk over
+the whole graph; `rename_many` applies many renames in one sweep.
 """
 from __future__ import annotations
 
@@ -31,6 +36,25 @@ class GraphIndex:
         self.outputs = {v.name for v in graph.outputs}
         self.inputs = {v.name for v in graph.inputs}
         self.dead: set[int] = set()
+        # declared types of graph inputs and outputs by name (the first declaration wins)
+        self._declared: dict[str, Any] = {}
+        for v in itertools.chain(graph.inputs, graph.outputs):
+            self._declared.setdefault(v.name, v)
+        self._taken: set[str] | None = None  # every name in the graph, once a pass asks
+
+    # -- new names --------------------------------------------------------------------------
+    def fresh_name(self, base: str) -> str:
+        """A value name used nowhere in the graph: the graph's names are gathered once per
+        index, not once per new name (a pass making a name per rewrite stays linear)."""
+        if self._taken is None:
+            self._taken = all_names(self.graph)
+        return fresh_name(self.graph, base, self._taken)
+
+    def add_constant(self, base: str, value: Any) -> str:
+        """Store `value` as a new initialiser named after `base`; returns its name."""
+        name = self.fresh_name(base)
+        self.graph.initializers[name] = np.asarray(value)
+        return name
 
     # -- values ---------------------------------------------------------------------------
     def constant(self, name: str) -> np.ndarray | None:
@@ -53,8 +77,7 @@ class GraphIndex:
             return TensorType(value.dtype, tuple(value.shape))
         info = self.graph.value_info.get(name)
         if info is None:
-            info = next((v for v in itertools.chain(self.graph.inputs, self.graph.outputs)
-                         if v.name == name), None)
+            info = self._declared.get(name)
         return info.type if info is not None and isinstance(info.type, TensorType) else None
 
     def shape(self, name: str) -> tuple | None:
@@ -100,6 +123,17 @@ class GraphIndex:
         if self.uses(name) != 1:
             return None
         return node
+
+    def set_inputs(self, node: Node, inputs: list[str]) -> None:
+        """Rewire `node` to read `inputs`, keeping the consumer lists right (renames use them)."""
+        for name in set(node.inputs) - set(inputs) - set(node.implicit_inputs):
+            readers = self.consumers.get(name)
+            if readers:  # by identity: nodes compare by value
+                self.consumers[name] = [n for n in readers if n is not node]
+        for name in set(inputs) - set(node.inputs):
+            if name:
+                self.consumers.setdefault(name, []).append(node)
+        node.inputs = list(inputs)
 
     def kill(self, *nodes: Node) -> None:
         self.dead.update(id(n) for n in nodes)
@@ -154,15 +188,36 @@ def add_constant(graph: Graph, base: str, value: Any) -> str:
     return name
 
 
-def rename_uses(graph: Graph, old: str, new: str) -> None:
-    """Every read of `old` (subgraph captures included) reads `new` instead."""
-    for node in graph.nodes:
-        if old in node.inputs:
-            node.inputs = [new if n == old else n for n in node.inputs]
-        if old in node.implicit_inputs:
-            node.implicit_inputs = [new if n == old else n for n in node.implicit_inputs]
+def rename_uses(graph: Graph, old: str, new: str, index: GraphIndex | None = None) -> None:
+    """Every read of `old` (subgraph captures included) reads `new` instead. With `index`, only
+    the nodes its consumer lists name as readers of `old` are visited (and the lists follow
+    the rename); without, every node of the graph is."""
+    if old == new:
+        return
+    readers = graph.nodes if index is None else index.consumers.pop(old, [])
+    for node in readers:
+        _rename_in_node(node, {old: new})
+    if index is not None and readers:  # they read `new` now (a node reading both is
+        # listed twice, as it reads it twice); removed nodes are dropped on the way
+        index.consumers.setdefault(new, []).extend(n for n in readers if index.alive(n))
+
+
+def rename_many(graph: Graph, renames: dict[str, str]) -> None:
+    """Apply many renames (old -> new, none of the new names renamed again) in one sweep."""
+    if renames:
+        for node in graph.nodes:
+            _rename_in_node(node, renames)
+
+
+def _rename_in_node(node: Node, renames: dict[str, str]) -> None:
+    if any(n in renames for n in node.inputs):
+        node.inputs = [renames.get(n, n) for n in node.inputs]
+    captured = [n for n in node.implicit_inputs if n in renames]
+    if captured:
+        node.implicit_inputs = [renames.get(n, n) for n in node.implicit_inputs]
+        for old in captured:
             for sub in node.subgraphs():
-                _rename_captures(sub, old, new)
+                _rename_captures(sub, old, renames[old])
 
 
 def _rename_captures(graph: Graph, old: str, new: str) -> None:
@@ -186,7 +241,7 @@ def alias(graph: Graph, index: GraphIndex, removed: str, kept: str) -> bool:
     output its name must survive: `kept`'s producer is renamed instead, if that is safe.
     Returns False when neither can be done (the caller then keeps its node)."""
     if removed not in index.outputs:
-        rename_uses(graph, removed, kept)
+        rename_uses(graph, removed, kept, index)
         graph.value_info.pop(removed, None)
         return True
     producer = index.producer.get(kept)
@@ -194,6 +249,6 @@ def alias(graph: Graph, index: GraphIndex, removed: str, kept: str) -> bool:
             or kept in graph.initializers:
         return False
     producer.outputs = [removed if o == kept else o for o in producer.outputs]
-    rename_uses(graph, kept, removed)
+    rename_uses(graph, kept, removed, index)
     index.producer[removed] = producer
     return True

@@ -269,6 +269,86 @@ def test_module_api_state_dict_and_to(tmp_path):
         m.to("tpu")
 
 
+def test_module_defaults_to_ember_backend(tmp_path, monkeypatch):
+    path = os.path.join(REPO, "models", "mlp.onnx")
+    pkg = convert_and_import(path, tmp_path / "mlp")
+    monkeypatch.delenv("EMBER_BACKEND", raising=False)
+    assert pkg.Model().backend == "cpu" == ember.load(path).backend
+    monkeypatch.setenv("EMBER_BACKEND", "tpu")  # as ember.load: the variable is honoured
+    with pytest.raises(ember.BackendUnavailableError):
+        ember.load(path)
+    with pytest.raises(ember.BackendUnavailableError):
+        pkg.Model()
+    assert pkg.Model(backend="cpu").backend == "cpu"  # an explicit backend wins
+    from ember.runtime.backends import get_backend
+
+    try:
+        get_backend("opencl")
+    except ember.BackendUnavailableError:
+        return  # no OpenCL here: the variable's effect is shown by the error above
+    monkeypatch.setenv("EMBER_BACKEND", "opencl")
+    session, m = ember.load(path, simplify=False), pkg.Model()
+    assert m.backend == session.backend == "opencl"
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    assert identical(session.run({"x": x})["y"], m(x)) is None
+
+
+def test_module_checks_feeds_as_session_run(tmp_path):
+    path = os.path.join(REPO, "models", "transformer.onnx")
+    pkg = convert_and_import(path, tmp_path / "t")
+    m, session = pkg.Model(backend="cpu"), ember.load(path, simplify=False)
+    assert set(pkg.Model.input_types) == {i.name for i in session.inputs}
+    rng = np.random.default_rng(0)
+    tokens = rng.standard_normal((2, 5, 32)).astype(np.float32)
+    mask = np.ones((2, 5), np.int64)
+    want = session.run({"tokens": tokens, "mask": mask})
+    assert identical(want[session.outputs[0].name], as_list(m(tokens, mask), 1)[0]) is None
+
+    def both_refuse(tokens, mask):
+        with pytest.raises(ember.InputError) as from_session:
+            session.run({"tokens": tokens, "mask": mask})
+        with pytest.raises(ember.InputError) as from_module:
+            m(tokens, mask)
+        assert str(from_module.value) == str(from_session.value)
+
+    both_refuse(tokens.astype(np.float64), mask)  # dtype (it used to return float64)
+    both_refuse(tokens[0], mask)  # rank
+    both_refuse(tokens[..., :16], mask)  # a fixed size (it used to fail inside a kernel)
+    both_refuse(tokens, mask[:, :4])  # symbolic 'seq' disagrees between the inputs
+    both_refuse(tokens, mask[:1])  # and 'batch'
+    with pytest.raises(ember.InputError, match="takes 2 input"):
+        m(tokens)
+    mlp = convert_and_import(os.path.join(REPO, "models", "mlp.onnx"), tmp_path / "mlp").Model()
+    listed = [[0.5, -1.0, 2.0, 0.0]]  # a nested list is converted as Session.run converts it
+    want = ember.load(os.path.join(REPO, "models", "mlp.onnx"), simplify=False).run({"x": listed})
+    assert identical(want["y"], mlp(listed)) is None
+
+
+def test_convert_refuses_to_overwrite_without_force(tmp_path):
+    env = dict(os.environ, PYTHONPATH="")
+    out = tmp_path / "mlp"
+    model = os.path.join(REPO, "models", "mlp.onnx")
+
+    def cli(*extra):
+        return subprocess.run([sys.executable, "-m", "ember", "convert", model, "-o", str(out),
+                               "-q", *extra], capture_output=True, text=True, env=env)
+
+    out.mkdir()  # an empty folder is fine
+    assert cli().returncode == 0
+    first = (out / "model.py").read_bytes()
+    (out / "model.py").write_text("edited by hand\n")
+    refused = cli()
+    assert refused.returncode == 2
+    assert refused.stderr.count("\n") == 1 and str(out) in refused.stderr \
+        and "--force" in refused.stderr
+    assert (out / "model.py").read_text() == "edited by hand\n"  # left alone
+    forced = cli("--force")
+    assert forced.returncode == 0, forced.stderr
+    assert (out / "model.py").read_bytes() == first
+    with pytest.raises(ember.EmberError, match="--force"):
+        convert(model, str(out), progress=False, overwrite=False)
+
+
 # -- safetensors -------------------------------------------------------------------------------
 def _all_dtypes():
     import ml_dtypes

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from ember import limits
 from ember.ops import image as IM
 from ember.ops import indexing as IX
 from ember.ops import normalization as NO
@@ -336,6 +337,9 @@ class _ResizeCL:
         if not on_device(self.device, x):
             return None
         out_shape = [int(d) for d in out_shape]
+        if any(d < 0 for d in out_shape):
+            return None  # the CPU kernel reports it
+        limits.check_shape(out_shape, x.dtype)
         if math.prod(out_shape) == 0:
             return self.device.empty(out_shape, x.dtype)
         if x.size == 0:

@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from ember import limits
 from ember.ops import shape as S
 from ember.ops.opencl._common import kernel, launch
 from ember.ops.registry import register
@@ -322,6 +323,7 @@ class ExpandCL(S.Expand):
             target = np.broadcast_shapes(x.shape, tuple(shape))
         except ValueError:
             raise self.fail(f"cannot broadcast shape {x.shape} to {shape}") from None
+        limits.check_shape(target, x.dtype)  # as the CPU kernel: before allocating
         if x.size == 0 or math.prod(target) == 0:
             return self.device.empty(target, x.dtype)
         xv = view(x)
@@ -334,6 +336,7 @@ def _tile(be, x, reps):
     """np.tile(x, reps) on backend `be` as one strided copy: the output viewed as (r0, d0, r1,
     d1, ...)."""
     out_shape = [d * r for d, r in zip(x.shape, reps)]
+    limits.check_shape(out_shape, x.dtype)
     out = be.empty(out_shape, x.dtype)
     if out.size:
         xv = view(x)
@@ -416,6 +419,7 @@ class _PadCL:
                 if (before[a] or after[a]) and shape[a] == 0:
                     raise self.fail(f"cannot {mode}-pad an empty axis {a}")
         out_shape = [d + b + e for d, b, e in zip(shape, before, after)]
+        limits.check_shape(out_shape, x.dtype)
         out = be.empty(out_shape, x.dtype)
         if out.size == 0:
             return out

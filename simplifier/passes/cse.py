@@ -6,7 +6,7 @@ import numpy as np
 
 from ember.ir import Graph, Node
 from ember.simplifier.context import Context
-from ember.simplifier.graph import GraphIndex, alias, drop_dead
+from ember.simplifier.graph import GraphIndex, alias, drop_dead, rename_many
 from ember.simplifier.passes.constant_folding import NONDETERMINISTIC
 
 # Constants are compared byte for byte up to this size; larger ones are left alone.
@@ -65,18 +65,17 @@ def _hashable(value):
 
 def _merge_constants(graph: Graph) -> bool:
     inputs = {v.name for v in graph.inputs}
+    outputs = {v.name for v in graph.outputs}
     seen: dict[tuple, str] = {}
-    changed = False
+    renames: dict[str, str] = {}  # duplicate -> the first of its value (never renamed itself)
     for name, value in list(graph.initializers.items()):
         if name in inputs or not isinstance(value, np.ndarray) or value.dtype == object \
                 or value.nbytes > _MAX_DEDUP_BYTES:
             continue
         key = (value.dtype.str, value.shape, value.tobytes())
         first = seen.setdefault(key, name)
-        if first != name and name not in {v.name for v in graph.outputs}:
-            from ember.simplifier.graph import rename_uses
-
-            rename_uses(graph, name, first)
+        if first != name and name not in outputs:
+            renames[name] = first
             del graph.initializers[name]
-            changed = True
-    return changed
+    rename_many(graph, renames)  # one sweep over the nodes for all duplicates
+    return bool(renames)

@@ -79,8 +79,24 @@ def _inline(node: Node, function: onnx.FunctionProto, ctx: Context) -> list[Node
         importer._fresh = itertools.count(len(all_names(ctx.model.graph)))
     call = export_node(node)
     call.name = call.name or f"{node.op_type}_{node.outputs[0]}"
+    _add_schema_defaults(call, node)
     opsets = dict(ctx.model.opsets)
     nodes: list[Node] = []
     for inner, inner_opsets in importer.inline(call, function, opsets):
         nodes.extend(importer.nodes_for(inner, inner_opsets))
     return nodes
+
+
+def _add_schema_defaults(call: onnx.NodeProto, node: Node) -> None:
+    """The op schema's defaults for the attributes the call leaves unset: a function body's
+    references to them (HammingWindow's Cast to=@output_datatype) take the default, as in
+    onnx's own function expansion."""
+    schema = schema_for(node.domain, node.op_type, node.version)
+    if schema is None:
+        return
+    given = {a.name for a in call.attribute}
+    for name, attr in schema.attributes.items():
+        if name not in given and attr.default_value.type != onnx.AttributeProto.UNDEFINED:
+            default = call.attribute.add()
+            default.CopyFrom(attr.default_value)
+            default.name = name

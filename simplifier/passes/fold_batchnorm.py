@@ -7,7 +7,7 @@ import numpy as np
 
 from ember.ir import Graph
 from ember.simplifier.context import Context
-from ember.simplifier.graph import GraphIndex, add_constant, drop_dead
+from ember.simplifier.graph import GraphIndex, drop_dead
 
 
 def fold_batchnorm_into_conv(graph: Graph, ctx: Context) -> bool:
@@ -35,8 +35,8 @@ def fold_batchnorm_into_conv(graph: Graph, ctx: Context) -> bool:
         old_b = np.zeros(weight.shape[0]) if bias is None else bias.astype(np.float64)
         new_b = (old_b - mean) * scale + beta
         conv.inputs = [conv.inputs[0],
-                       add_constant(graph, conv.inputs[1], new_w.astype(weight.dtype)),
-                       add_constant(graph, conv.inputs[1] + "_bias", new_b.astype(weight.dtype))]
+                       index.add_constant(conv.inputs[1], new_w.astype(weight.dtype)),
+                       index.add_constant(conv.inputs[1] + "_bias", new_b.astype(weight.dtype))]
         conv.outputs = [bn.outputs[0]]
         index.kill(bn)
         changed = True

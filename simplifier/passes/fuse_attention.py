@@ -16,7 +16,7 @@ from onnx import AttributeProto
 
 from ember.ir import Graph, Node
 from ember.simplifier.context import Context
-from ember.simplifier.graph import GraphIndex, add_constant, drop_dead, fresh_name
+from ember.simplifier.graph import GraphIndex, drop_dead
 
 _INT, _FLOAT = AttributeProto.INT, AttributeProto.FLOAT
 
@@ -119,8 +119,8 @@ def fuse_attention_projections(graph: Graph, ctx: Context) -> bool:
         hidden = heads * head_size
         if index.static_shape(final) is None or index.static_shape(final)[-1] != hidden:
             continue
-        parts = [fresh_name(graph, f"{att.outputs[0]}_{p}") for p in "qkv"]
-        split_sizes = add_constant(graph, "qkv_split", np.array([hidden] * 3, np.int64))
+        parts = [index.fresh_name(f"{att.outputs[0]}_{p}") for p in "qkv"]
+        split_sizes = index.add_constant("qkv_split", np.array([hidden] * 3, np.int64))
         split_version = ctx.opset("")
         if split_version < 13:
             continue

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ember.ir import Graph, Node
 from ember.simplifier.context import Context
 from ember.ops.fused import DOMAIN
-from ember.simplifier.graph import GraphIndex, add_constant, drop_dead
+from ember.simplifier.graph import GraphIndex, drop_dead
 
 
 def fuse_matmul_add(graph: Graph, ctx: Context) -> bool:
@@ -79,11 +79,11 @@ def fold_scale_into_matmul(graph: Graph, ctx: Context) -> bool:
             weight = index.constant(product.inputs[1])
             column_scale = scale.reshape(-1)
             product.inputs = list(product.inputs)
-            product.inputs[1] = add_constant(graph, product.inputs[1], weight * column_scale)
+            product.inputs[1] = index.add_constant(product.inputs[1], weight * column_scale)
             if len(product.inputs) > 2 and product.inputs[2]:
                 bias = index.constant(product.inputs[2])
-                product.inputs[2] = add_constant(graph, product.inputs[2],
-                                                 (bias * column_scale).astype(bias.dtype))
+                product.inputs[2] = index.add_constant(product.inputs[2],
+                                                       (bias * column_scale).astype(bias.dtype))
             product.outputs = [mul.outputs[0]]
             index.kill(mul)
             changed = True

@@ -7,7 +7,7 @@ from onnx import AttributeProto
 
 from ember.ir import Graph, Node
 from ember.simplifier.context import Context
-from ember.simplifier.graph import GraphIndex, add_constant, drop_dead
+from ember.simplifier.graph import GraphIndex, drop_dead
 
 
 def fuse_layernorm(graph: Graph, ctx: Context) -> bool:
@@ -26,7 +26,7 @@ def fuse_layernorm(graph: Graph, ctx: Context) -> bool:
             shape = index.static_shape(x)
             if shape is None:
                 continue
-            scale = add_constant(graph, "ln_scale", np.ones(shape[axis:], dtype))
+            scale = index.add_constant("ln_scale", np.ones(shape[axis:], dtype))
         version = ctx.can_use("LayerNormalization", 17)
         if version is None:
             return changed

@@ -3,6 +3,7 @@ Reshape of a Reshape / Flatten / Squeeze / Unsqueeze reshapes x directly, and a 
 after a Transpose gathers from x."""
 from __future__ import annotations
 
+import numpy as np
 from onnx import AttributeProto
 
 from ember.ir import Graph
@@ -12,12 +13,23 @@ from ember.simplifier.graph import GraphIndex, alias, drop_dead
 _RESHAPE_LIKE = {"Reshape", "Flatten", "Squeeze", "Unsqueeze"}
 
 
+def _permutation(perm) -> list[int] | None:
+    """`perm` as a list if it is a permutation of 0..n-1, else None: a malformed Transpose is
+    left alone, for the op's own check to report."""
+    if not isinstance(perm, (list, tuple)) or \
+            not all(isinstance(p, (int, np.integer)) for p in perm):
+        return None
+    perm = [int(p) for p in perm]
+    return perm if sorted(perm) == list(range(len(perm))) else None
+
+
 def merge_transposes(graph: Graph, ctx: Context) -> bool:
     index = GraphIndex(graph)
     changed = False
     for outer in index.live("Transpose"):
         inner = index.single_use_producer(outer.inputs[0], "Transpose")
-        p2, p1 = outer.attrs.get("perm"), inner.attrs.get("perm") if inner else None
+        p2 = _permutation(outer.attrs.get("perm"))
+        p1 = _permutation(inner.attrs.get("perm")) if inner else None
         if inner is None or p1 is None or p2 is None or len(p1) != len(p2):
             continue
         perm = [p1[i] for i in p2]  # out[i] = mid[p2[i]] = x[p1[p2[i]]]
@@ -26,7 +38,7 @@ def merge_transposes(graph: Graph, ctx: Context) -> bool:
                 index.kill(inner, outer)
                 changed = True
             continue
-        outer.inputs = [inner.inputs[0]]
+        index.set_inputs(outer, [inner.inputs[0]])  # later aliases rename through the index
         outer.attrs = dict(outer.attrs, perm=perm)
         index.kill(inner)
         changed = True
@@ -66,10 +78,12 @@ def gather_through_transpose(graph: Graph, ctx: Context) -> bool:
     for gather in index.live("Gather"):
         transpose = index.single_use_producer(gather.inputs[0], "Transpose")
         indices = index.constant(gather.inputs[1])
-        perm = transpose.attrs.get("perm") if transpose is not None else None
-        if perm is None or indices is None or indices.ndim != 0:
+        perm = _permutation(transpose.attrs.get("perm")) if transpose is not None else None
+        axis = gather.attrs.get("axis", 0)
+        if not perm or indices is None or indices.ndim != 0 or \
+                not isinstance(axis, (int, np.integer)) or not -len(perm) <= axis < len(perm):
             continue
-        axis = int(gather.attrs.get("axis", 0)) % len(perm)
+        axis = int(axis) % len(perm)
         source_axis = perm[axis]
         left = [p - (p > source_axis) for i, p in enumerate(perm) if i != axis]
         if left != sorted(left):

@@ -56,7 +56,8 @@ def passthrough_input(node: Node, index: GraphIndex) -> str | None:
         return x if before is not None and before == after and same_type else None
     if op == "Transpose":
         perm = node.attrs.get("perm")
-        return x if perm is not None and list(perm) == sorted(perm) else None
+        # the identity permutation only (a malformed perm is the op's to report, not ours to drop)
+        return x if perm is not None and list(perm) == list(range(len(perm))) else None
     if op in _SINGLE_INPUT_PASSTHROUGH and len(node.inputs) == 1:
         return x
     if op in _NEUTRAL and len(node.inputs) == 2:

@@ -1,14 +1,23 @@
 """Type and shape inference, with symbolic dimensions, by onnx's own inference over the
 exported graph. Large weights travel as typed inputs rather than data: inference needs their
-shapes, not their values, and serialising a BERT's weights on every round would cost seconds."""
+shapes, not their values, and serialising a BERT's weights on every round would cost seconds.
+
+onnx's inference is C++ that trusts its input: a malformed graph can abort or crash the
+process, not just raise. So the exported graph goes through the importer's structural check
+(importer.validate) first, and inference runs only on a graph that passes; and nodes of ops
+whose inference dereferences an input's type without looking (RegexFullMatch and three
+ai.onnx.ml ops) are hidden from it while that type is unknown."""
 from __future__ import annotations
 
 import numpy as np
 import onnx
+from google.protobuf.message import DecodeError
 
+from ember.errors import EmberError
 from ember.importer.onnx_export import export_model
 from ember.importer.onnx_values import decode_type
-from ember.ir import Graph, Model, TensorType, ValueInfo
+from ember.importer.validate import check_model
+from ember.ir import Graph, Model, Node, TensorType, ValueInfo
 from ember.simplifier.context import Context
 
 # Initialisers up to this many elements are exported with their data (shape arithmetic on
@@ -21,7 +30,11 @@ def infer_shapes(graph: Graph, ctx: Context) -> bool:
     anything new (it never changes the graph itself)."""
     if graph is not ctx.model.graph:
         return False
-    proto = _inference_proto(ctx.model)
+    try:
+        proto = _inference_proto(ctx.model)
+        check_model(proto)
+    except (EmberError, DecodeError):  # not fit for the C++ code; the planner says what is wrong
+        return False
     # Data propagation (shape values through Shape -> Gather -> Concat) costs most of the
     # time; it only matters while Shape / Size nodes remain that folding could not remove.
     propagate = any(n.op_type in ("Shape", "Size") for n in graph.nodes)
@@ -59,10 +72,63 @@ def _inference_proto(model: Model) -> onnx.ModelProto:
     graph = model.graph
     big = {name: value for name, value in graph.initializers.items()
            if isinstance(value, np.ndarray) and value.size > _DATA_MAX_ELEMENTS}
-    slim = Graph(graph.name, list(graph.inputs), list(graph.outputs), graph.nodes,
+    slim = Graph(graph.name, list(graph.inputs), list(graph.outputs), _shown_nodes(graph),
                  {k: v for k, v in graph.initializers.items() if k not in big},
                  dict(graph.value_info))
     declared = {v.name for v in graph.inputs}
     slim.inputs += [ValueInfo(name, TensorType(value.dtype, tuple(value.shape)))
                     for name, value in big.items() if name not in declared]
     return export_model(Model(slim, dict(model.opsets), model.ir_version))
+
+
+# Ops whose onnx inference reads an input's type without checking that there is one, so it
+# segfaults on a value of unknown type. Found by running onnx 1.23's inference on every
+# schema version with inputs of unknown type (and of every other kind: shapeless, scalar,
+# string, sequence, optional, map), each in a child process: only these crashed.
+_NEEDS_INPUT_TYPES = {("", "RegexFullMatch"), ("ai.onnx.ml", "DictVectorizer"),
+                      ("ai.onnx.ml", "LabelEncoder"), ("ai.onnx.ml", "TreeEnsemble")}
+
+
+def _shown_nodes(graph: Graph, outer: tuple[set[str], ...] = ()) -> list[Node]:
+    """graph.nodes, with each node of an op in _NEEDS_INPUT_TYPES whose input types are not
+    all declared replaced by an opaque stand-in (a custom op, which inference skips), in
+    subgraphs too (those are copied, never changed). `outer`: the typed names of enclosing
+    graphs, innermost last."""
+    if not outer and not any((n.domain, n.op_type) in _NEEDS_INPUT_TYPES
+                             for n in graph.iter_nodes()):
+        return graph.nodes  # the usual case: nothing to hide
+    typed = outer + ({v.name for v in graph.inputs if v.type is not None} | set(graph.initializers)
+                     | {n for n, v in graph.value_info.items() if v.type is not None},)
+    shown = []
+    for node in graph.nodes:
+        if (node.domain, node.op_type) in _NEEDS_INPUT_TYPES and \
+                not all(any(name in names for names in typed) for name in node.inputs if name):
+            node = Node("Opaque", "ai.ember.hidden", 1, list(node.inputs), list(node.outputs),
+                        name=node.name)
+        elif node.subgraphs():
+            node = _with_shown_subgraphs(node, typed)
+        shown.append(node)
+    return shown
+
+
+def _with_shown_subgraphs(node: Node, typed: tuple[set[str], ...]) -> Node:
+    """`node` itself, or a copy whose subgraphs hide what _shown_nodes hides."""
+    changed = False
+
+    def shown(graph: Graph) -> Graph:
+        nonlocal changed
+        nodes = _shown_nodes(graph, typed)
+        if all(a is b for a, b in zip(nodes, graph.nodes)):
+            return graph
+        changed = True
+        return Graph(graph.name, graph.inputs, graph.outputs, nodes, graph.initializers,
+                     graph.value_info, graph.doc)
+
+    attrs = {name: shown(value) if isinstance(value, Graph) else
+             [shown(v) for v in value] if isinstance(value, list) and value
+             and isinstance(value[0], Graph) else value
+             for name, value in node.attrs.items()}
+    if not changed:
+        return node
+    return Node(node.op_type, node.domain, node.version, node.inputs, node.outputs, attrs,
+                node.attr_types, node.name, node.implicit_inputs)

@@ -25,7 +25,7 @@ from onnx import AttributeProto, TensorProto
 from ember.ir import Graph, Node, TensorType, ValueInfo
 from ember.ops.registry import schema_for
 from ember.simplifier.context import Context
-from ember.simplifier.graph import GraphIndex, add_constant, drop_dead, fresh_name
+from ember.simplifier.graph import GraphIndex, drop_dead
 
 _NARROW = {np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)}
 
@@ -55,9 +55,9 @@ def widen_output_cast(graph: Graph, ctx: Context) -> bool:
             if name not in wide_names:
                 value = index.constant(name)
                 if value is not None:
-                    wide_names[name] = add_constant(graph, name, value.astype(np.float32))
+                    wide_names[name] = index.add_constant(name, value.astype(np.float32))
                 else:
-                    wide = wide_names[name] = fresh_name(graph, name + "_float32")
+                    wide = wide_names[name] = index.fresh_name(name + "_float32")
                     widen = Node("Cast", "", ctx.opset(""), [name], [wide],
                                  attrs={"to": TensorProto.FLOAT},
                                  attr_types={"to": AttributeProto.INT})

@@ -19,8 +19,9 @@ class Model(Module):
     producer = ('ember-demo', '1')
     input_names = ('image',)
     output_names = ('logits',)
+    input_types = {'image': rt.TensorType(rt.numpy_dtype('float32'), ('batch', 3, 32, 32))}
 
-    def __init__(self, backend='cpu', weights=None):
+    def __init__(self, backend=None, weights=None):
         super().__init__()
         self.load_weights(WEIGHTS if weights is None else weights)
         self.conv_1 = self.op('Conv', 17, {'kernel_shape': [3, 3], 'pads': [1, 1, 1, 1]}, params={1: 'block1_w', 2: 'block1_b'}, name='block1_conv')

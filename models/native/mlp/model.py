@@ -19,8 +19,9 @@ class Model(Module):
     producer = ('ember-demo', '1')
     input_names = ('x',)
     output_names = ('y',)
+    input_types = {'x': rt.TensorType(rt.numpy_dtype('float32'), ('batch', 4))}
 
-    def __init__(self, backend='cpu', weights=None):
+    def __init__(self, backend=None, weights=None):
         super().__init__()
         self.load_weights(WEIGHTS if weights is None else weights)
         self.gemm_1 = self.op('Gemm', 17, {'transB': 1}, params={1: 'w1', 2: 'b1'}, name='fc1')

@@ -19,8 +19,9 @@ class Model(Module):
     producer = ('ember-demo', '1')
     input_names = ('tokens', 'mask')
     output_names = ('encoded',)
+    input_types = {'tokens': rt.TensorType(rt.numpy_dtype('float32'), ('batch', 'seq', 32)), 'mask': rt.TensorType(rt.numpy_dtype('int64'), ('batch', 'seq'))}
 
-    def __init__(self, backend='cpu', weights=None):
+    def __init__(self, backend=None, weights=None):
         super().__init__()
         self.load_weights(WEIGHTS if weights is None else weights)
         self.cast_1 = self.op('Cast', 17, {'to': 1}, name='mask_f')

@@ -935,7 +935,9 @@ def _format_comparison(head: str, c: Comparison, indent: str = "") -> list[str]:
     pad = indent + "    "
     lines.append(f"{pad}candidate {c.candidate_dtype} {_fmt_shape(c.candidate_shape)}, "
                  f"reference {c.reference_dtype} {_fmt_shape(c.reference_shape)}")
-    if c.max_abs_error is not None:
+    if c.max_abs_error is not None and c.max_abs_error_at is None:
+        lines.append(f"{pad}no elements to compare (empty tensors)")
+    elif c.max_abs_error is not None:
         lines.append(f"{pad}max abs error {_g(c.max_abs_error)} at {c.max_abs_error_at} "
                      f"(candidate {_g(c.candidate_at_max)}, reference {_g(c.reference_at_max)}); "
                      f"max rel error {_g(c.max_rel_error)}; mean abs error {_g(c.mean_abs_error)}")

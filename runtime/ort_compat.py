@@ -83,12 +83,10 @@ class SessionOptions:
         self._config: dict[str, str] = {}
 
     def add_session_config_entry(self, key: str, value: str) -> None:
-        self._config[str(key)] = str(value)
+        _add_entry(self._config, key, value)
 
     def get_session_config_entry(self, key: str) -> str:
-        if key not in self._config:
-            raise EmberError(f"SessionOptions has no config entry {key!r}")
-        return self._config[key]
+        return _get_entry(self._config, key, "SessionOptions")
 
     def register_custom_ops_library(self, library_path: str) -> None:
         raise EmberError("custom op libraries are onnxruntime's C++ kernels, which ember cannot "
@@ -107,12 +105,20 @@ class RunOptions:
         self._config: dict[str, str] = {}
 
     def add_run_config_entry(self, key: str, value: str) -> None:
-        self._config[str(key)] = str(value)
+        _add_entry(self._config, key, value)
 
     def get_run_config_entry(self, key: str) -> str:
-        if key not in self._config:
-            raise EmberError(f"RunOptions has no config entry {key!r}")
-        return self._config[key]
+        return _get_entry(self._config, key, "RunOptions")
+
+
+def _add_entry(config: dict[str, str], key: str, value: str) -> None:
+    config[str(key)] = str(value)
+
+
+def _get_entry(config: dict[str, str], key: str, owner: str) -> str:
+    if key not in config:
+        raise EmberError(f"{owner} has no config entry {key!r}")
+    return config[key]
 
 
 @dataclass

@@ -337,3 +337,19 @@ def test_nan_inf_must_match_and_integers_are_exact():
     assert not shape.passed and shape.note == "shapes differ"
     dtype = golden.compare_values("d", np.zeros(3, np.float64), np.zeros(3, np.float32), tol)
     assert not dtype.passed and "dtypes differ" in dtype.note
+
+
+def test_report_on_an_empty_output_says_so(tmp_path):
+    """An output with no elements: nothing to compare, said in words (not "at None")."""
+    graph = helper.make_graph(
+        [helper.make_node("Slice", ["x", "start", "end"], ["y"], name="empty")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([2], np.int64), "start"),
+         numpy_helper.from_array(np.array([2], np.int64), "end")])
+    path = tmp_path / "empty.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    report = golden.check(str(path), "cpu", ref="onnxruntime")
+    text = golden.format_report(report)
+    assert report.passed
+    assert "no elements to compare" in text and "None" not in text

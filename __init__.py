@@ -15,13 +15,14 @@ from ember.runtime.ort_compat import (ExecutionMode, GraphOptimizationLevel, Inf
                                       get_available_providers, get_device)
 from ember.runtime.session import IOInfo, NodeArg, Session, load
 from ember.runtime.values import IOBinding, OrtValue
+from ember.simplifier.api import simplify_onnx as simplify
 
 __version__ = "0.1.0"
 
 _configure_logging()
 
 __all__ = [
-    "load", "check", "CheckReport", "Module", "Session", "IOInfo",
+    "load", "check", "simplify", "CheckReport", "Module", "Session", "IOInfo",
     # onnxruntime's API (ember.runtime.ort_compat)
     "InferenceSession", "SessionOptions", "RunOptions", "GraphOptimizationLevel", "ExecutionMode",
     "ModelMetadata", "NodeArg", "OrtValue", "IOBinding", "get_available_providers", "get_device",

@@ -35,7 +35,8 @@ from ember.runtime.session import Session
 
 DEFAULT_ATOL = 1e-4
 DEFAULT_RTOL = 1e-3
-CHECK_MODES = ("elementwise", "max", "mean")
+CHECK_MODES = ("elementwise", "max", "mean", "median", "quantile:Q", "l2", "cosine", "psnr:DB")
+DEFAULT_PSNR_DB = 60.0
 DEFAULT_CHUNK = 200  # intermediate values exposed per reference run during bisect
 _RUNTIME_REFS = {"onnxruntime": "onnxruntime", "ort": "onnxruntime", "onnx": "onnx"}
 
@@ -50,30 +51,60 @@ class CheckError(EmberError):
 class Tolerance:
     atol: float
     rtol: float
+    validate: bool = False  # NaN or Inf on either side fails (Polygraphy's --validate)
+    topk: int = 0  # also compare the indices of the k largest values along the last axis
 
 
 class Tolerances:
     """Global atol/rtol with per-output overrides, and the check mode.
 
-    Modes: `elementwise` (every element: |c - r| <= atol + rtol * |r|), `max` (max abs error
-    <= atol or max rel error <= rtol), `mean` (the same with mean errors). NaN and Inf must
-    occur at the same places in every mode; integers, bools and strings compare exactly.
+    Modes (Polygraphy's error statistics and distance / similarity functions):
+    `elementwise` (every element: |c - r| <= atol + rtol * |r|); `max`, `mean`, `median` and
+    `quantile:Q` (that statistic of the abs error <= atol, or of the rel error <= rtol; Q in
+    [0, 1]); `l2` (||c - r|| <= atol + rtol * ||r||, Euclidean norms over the whole tensor);
+    `cosine` (1 - cosine similarity of the flattened tensors <= rtol); `psnr:DB` (peak
+    signal-to-noise ratio, 20 log10(max |r| / rms(c - r)), at least DB decibels; default 60).
+    NaN and Inf must occur at the same places in every mode; integers, bools and strings
+    compare exactly.
     """
 
     def __init__(self, atol: float | Mapping[str, float] = DEFAULT_ATOL,
-                 rtol: float | Mapping[str, float] = DEFAULT_RTOL, mode: str = "elementwise"):
-        if mode not in CHECK_MODES:
-            raise InputError(f"--check must be one of {', '.join(CHECK_MODES)}, got '{mode}'")
-        self.mode = mode
+                 rtol: float | Mapping[str, float] = DEFAULT_RTOL, mode: str = "elementwise",
+                 validate: bool = False, topk: int = 0):
+        parse_mode(mode)
+        if topk < 0:
+            raise InputError(f"--topk must be at least 1, got {topk}")
+        self.mode, self.validate, self.topk = mode, validate, topk
         self.atol, self.atol_per_output = _split_tolerance(atol, DEFAULT_ATOL)
         self.rtol, self.rtol_per_output = _split_tolerance(rtol, DEFAULT_RTOL)
 
     def for_value(self, name: str) -> Tolerance:
         return Tolerance(self.atol_per_output.get(name, self.atol),
-                         self.rtol_per_output.get(name, self.rtol))
+                         self.rtol_per_output.get(name, self.rtol), self.validate, self.topk)
 
     def unknown_outputs(self, known: set[str]) -> list[str]:
         return sorted((set(self.atol_per_output) | set(self.rtol_per_output)) - known)
+
+
+def parse_mode(mode: str) -> tuple[str, float | None]:
+    """("quantile", 0.99) for "quantile:0.99", ("psnr", 60.0) for "psnr", (mode, None) else;
+    InputError for anything that is no mode."""
+    name, sep, text = mode.partition(":")
+    known = {m.partition(":")[0] for m in CHECK_MODES}
+    if name not in known or (sep and name not in ("quantile", "psnr")):
+        raise InputError(f"--check must be one of {', '.join(CHECK_MODES)}, got '{mode}'")
+    if name == "quantile" and not sep:
+        raise InputError("--check quantile needs its quantile: quantile:Q, e.g. quantile:0.99")
+    if not sep:
+        return name, (DEFAULT_PSNR_DB if name == "psnr" else None)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value) or (name == "quantile" and not 0 <= value <= 1):
+        raise InputError(f"--check {mode}: expected {name}:"
+                         f"{'Q with Q in [0, 1]' if name == 'quantile' else 'DB'}")
+    return name, value
 
 
 def _split_tolerance(value: float | Mapping[str, float], default: float
@@ -124,6 +155,8 @@ class Comparison:
     total: int = 0
     min_atol: float | None = None  # smallest atol that passes at this rtol (None: none does)
     min_rtol: float | None = None  # smallest rtol that passes at this atol
+    statistic: float | None = None  # the mode's metric (median error, cosine similarity, ...)
+    statistic_name: str = ""
     note: str = ""
     dataset: int | None = None  # which recorded data set, when there are several
 
@@ -155,10 +188,28 @@ def compare_values(name: str, candidate: Any, reference: Any, tol: Tolerance,
         return result
     exact = _is_exact(c) and _is_exact(r)
     _fill_numeric(result, c, r, tol, mode, exact)
+    if tol.validate and not exact and not (np.isfinite(c).all() and np.isfinite(r).all()):
+        result.passed = False
+        result.note = _joined(result.note, "NaN or Inf present (--validate)")
+    if tol.topk and c.ndim and c.shape[-1] and not _same_topk(c, r, tol.topk):
+        result.passed = False
+        result.note = _joined(result.note, f"top-{tol.topk} indices differ")
     if c.dtype != r.dtype:
         result.passed = False
         result.note = "dtypes differ" + (f"; {result.note}" if result.note else "")
     return result
+
+
+def _joined(note: str, more: str) -> str:
+    return f"{note}; {more}" if note else more
+
+
+def _same_topk(c: np.ndarray, r: np.ndarray, k: int) -> bool:
+    """Whether each row (the last axis) has the same k largest entries, as index sets."""
+    k = min(k, c.shape[-1])
+    top_c = np.sort(np.argsort(-_as_float(c), axis=-1, kind="stable")[..., :k], axis=-1)
+    top_r = np.sort(np.argsort(-_as_float(r), axis=-1, kind="stable")[..., :k], axis=-1)
+    return bool(np.array_equal(top_c, top_r))
 
 
 def _fill_numeric(result: Comparison, c: np.ndarray, r: np.ndarray, tol: Tolerance, mode: str,
@@ -209,13 +260,49 @@ def _fill_numeric(result: Comparison, c: np.ndarray, r: np.ndarray, tol: Toleran
         result.passed = n_special == 0 and (result.max_abs_error <= tol.atol
                                             or result.max_rel_error <= tol.rtol)
         need_atol, need_rtol = result.max_abs_error, result.max_rel_error
+    elif mode in ("mean", "median") or mode.startswith("quantile"):
+        need_atol, need_rtol = _error_statistic(mode, err[finite], rel[finite])
+        result.statistic, result.statistic_name = need_atol, f"{mode} abs error"
+        result.passed = n_special == 0 and (need_atol <= tol.atol or need_rtol <= tol.rtol)
     else:
-        mean_rel = float(rel[finite].mean(dtype=np.float64)) if finite.any() else 0.0
-        result.passed = n_special == 0 and (result.mean_abs_error <= tol.atol
-                                            or mean_rel <= tol.rtol)
-        need_atol, need_rtol = result.mean_abs_error, mean_rel
-    if not n_special:
+        result.statistic, result.passed, need_atol, need_rtol = _distance(
+            mode, cf[finite], rf[finite], tol)
+        result.statistic_name = {"l2": "l2 norm of the difference",
+                                 "cosine": "cosine similarity"}.get(mode, "PSNR (dB)")
+        result.passed = result.passed and n_special == 0
+    if not n_special and need_atol is not None:
         result.min_atol, result.min_rtol = need_atol, need_rtol
+
+
+def _error_statistic(mode: str, err: np.ndarray, rel: np.ndarray) -> tuple[float, float]:
+    """(statistic of the abs errors, of the rel errors) for mean, median or quantile:Q."""
+    if not err.size:
+        return 0.0, 0.0
+    name, q = parse_mode(mode)
+    if name == "mean":
+        return float(err.mean(dtype=np.float64)), float(rel.mean(dtype=np.float64))
+    q = 0.5 if name == "median" else q
+    return float(np.quantile(err, q)), float(np.quantile(rel, q))
+
+
+def _distance(mode: str, c: np.ndarray, r: np.ndarray, tol: Tolerance
+              ) -> tuple[float, bool, float | None, float | None]:
+    """(the metric, passed, the atol and rtol that would pass) for l2, cosine and psnr over
+    the finite elements, in float64."""
+    name, db = parse_mode(mode)
+    c, r = c.astype(np.float64).ravel(), r.astype(np.float64).ravel()
+    diff_norm, ref_norm = float(np.linalg.norm(c - r)), float(np.linalg.norm(r))
+    if name == "l2":
+        passed = diff_norm <= tol.atol + tol.rtol * ref_norm
+        return diff_norm, passed, diff_norm, (diff_norm / ref_norm if ref_norm else 0.0)
+    if name == "cosine":
+        norms = float(np.linalg.norm(c)) * ref_norm
+        similarity = float(c @ r) / norms if norms else float(diff_norm == 0)
+        return similarity, 1 - similarity <= tol.rtol, None, 1 - similarity
+    rms = diff_norm / math.sqrt(c.size) if c.size else 0.0
+    peak = float(np.max(np.abs(r))) if r.size else 0.0
+    psnr = math.inf if rms == 0 else (20 * math.log10(peak / rms) if peak else -math.inf)
+    return psnr, psnr >= db, None, None
 
 
 def _special_mismatch(cf: np.ndarray, rf: np.ndarray) -> np.ndarray:
@@ -820,15 +907,16 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
           atol: float | Mapping[str, float] = DEFAULT_ATOL,
           rtol: float | Mapping[str, float] = DEFAULT_RTOL, mode: str = "elementwise",
           bisect: bool = False, save_golden: str | None = None,
-          chunk: int = DEFAULT_CHUNK) -> CheckReport:
+          chunk: int = DEFAULT_CHUNK, validate: bool = False, topk: int = 0) -> CheckReport:
     """Compare `model` on each candidate `backend` (a name, "cpu,opencl" or a list; default
     $EMBER_BACKEND or cpu) with `ref`; see the module docstring for references and modes.
 
     `inputs` fixes some or all feeds (the rest are random from `seed`, `dims`, `ranges`); recorded
     references bring their own. `atol`/`rtol` are floats or {output: value} ("" for the global
     value). `bisect` also names the first node that diverges; `save_golden` records the
-    inputs and the reference's outputs as an .npz."""
-    tolerances = Tolerances(atol, rtol, mode)
+    inputs and the reference's outputs as an .npz. `validate`: NaN or Inf on either side
+    fails; `topk`: the indices of each row's k largest values must also agree."""
+    tolerances = Tolerances(atol, rtol, mode, validate=validate, topk=topk)
     ir = model if isinstance(model, Model) else import_model(model)
     source = model if not isinstance(model, Model) else ir.path
     if source is None and ref.lower() in _RUNTIME_REFS:
@@ -941,6 +1029,8 @@ def _format_comparison(head: str, c: Comparison, indent: str = "") -> list[str]:
         lines.append(f"{pad}max abs error {_g(c.max_abs_error)} at {c.max_abs_error_at} "
                      f"(candidate {_g(c.candidate_at_max)}, reference {_g(c.reference_at_max)}); "
                      f"max rel error {_g(c.max_rel_error)}; mean abs error {_g(c.mean_abs_error)}")
+    if c.statistic is not None:
+        lines.append(f"{pad}{c.statistic_name}: {_g(c.statistic)}")
     if c.total:
         lines.append(f"{pad}out of tolerance: {c.mismatched:,} of {c.total:,} "
                      f"({100 * c.mismatch_share:.3g}%) at atol {_g(c.atol)}, rtol {_g(c.rtol)}")
@@ -1035,8 +1125,15 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"absolute tolerance, global or per output (default {DEFAULT_ATOL})")
     p.add_argument("--rtol", action="append", default=[], metavar="[OUTPUT:]VALUE",
                    help=f"relative tolerance, global or per output (default {DEFAULT_RTOL})")
-    p.add_argument("--check", choices=CHECK_MODES, default="elementwise", dest="mode",
-                   help="elementwise (default), max or mean error against the tolerances")
+    p.add_argument("--check", default="elementwise", dest="mode", metavar="MODE",
+                   help="how outputs compare: elementwise (default); max, mean, median or "
+                        "quantile:Q error against --atol / --rtol; l2 (norm of the difference "
+                        "<= atol + rtol * norm of the reference); cosine (1 - similarity <= "
+                        "rtol); psnr:DB (at least DB decibels, default 60)")
+    p.add_argument("--validate", action="store_true",
+                   help="fail where either side has NaN or Inf")
+    p.add_argument("--topk", type=_positive_int, default=0, metavar="K",
+                   help="also require the same indices of the K largest values in each row")
     p.add_argument("--bisect", action="store_true",
                    help="name the first node whose output diverges while its inputs agree")
     p.add_argument("--chunk", type=_positive_int, default=DEFAULT_CHUNK,
@@ -1069,7 +1166,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                    atol=_with_default(parse_tolerances(args.atol, "--atol"), DEFAULT_ATOL),
                    rtol=_with_default(parse_tolerances(args.rtol, "--rtol"), DEFAULT_RTOL),
                    mode=args.mode, bisect=args.bisect,
-                   save_golden=args.save_golden, chunk=args.chunk)
+                   save_golden=args.save_golden, chunk=args.chunk,
+                   validate=args.validate, topk=args.topk)
     print(report.format())
     if args.json:
         try:

@@ -209,3 +209,20 @@ def export_attribute(name: str, value: Any, attr_type: int | None) -> onnx.Attri
     else:
         raise InvalidModelError(f"attribute '{name}' has unknown type {t}")
     return attr
+
+
+# protobuf cannot serialise a message past 2 GiB: weights beyond this go to external data
+_EXTERNAL_DATA_BYTES = (1 << 31) - (1 << 26)
+
+
+def save_onnx(proto: onnx.ModelProto, path: str, model: Model) -> None:
+    """Write `proto` (exported from `model`) to `path`; with more than ~2 GB of weights they
+    go to a data file beside it (`<file name>.data`), as onnx writes them."""
+    import os
+
+    weights = sum(int(getattr(v, "nbytes", 0)) for v in model.graph.initializers.values())
+    if weights <= _EXTERNAL_DATA_BYTES:
+        onnx.save_model(proto, path)
+        return
+    onnx.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=os.path.basename(path) + ".data", size_threshold=1024)

@@ -363,12 +363,8 @@ class InferenceSession:
 
 def _save(model: Any, path: str) -> None:
     """The (simplified) model as ONNX at `path`; weights beside it past protobuf's 2 GB."""
-    import onnx
-
-    from ember.importer.onnx_export import export_model
-    proto = export_model(model)
-    weights = sum(getattr(v, "nbytes", 0) for v in model.graph.initializers.values())
-    onnx.save_model(proto, path, save_as_external_data=weights > (1 << 31) - (1 << 26))
+    from ember.importer.onnx_export import export_model, save_onnx
+    save_onnx(export_model(model), path, model)
 
 
 def _check_run_options(run_options: Any) -> None:

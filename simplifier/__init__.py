@@ -82,13 +82,14 @@ class UnknownPassError(EmberError):
 
 
 def simplify(model: Model, backend: str = "cpu", skip: Iterable[str] = (),
-             stats: dict | None = None) -> Model:
+             stats: dict | None = None, portable: bool = False) -> Model:
     """Rewrite `model` in place (and return it) until no pass changes anything.
 
     `backend` decides which fused ops may be created (only ones it has kernels for) and which
-    ops are expanded into their function bodies. `skip` names passes to leave out. If `stats`
-    is given it receives {pass name: rounds in which it changed the graph, "rounds": n,
-    "seconds": t}.
+    ops are expanded into their function bodies; `portable` instead keeps the model standard
+    ONNX at its own opsets, for any runtime (no ai.ember ops, no expansion). `skip` names
+    passes to leave out. If `stats` is given it receives {pass name: rounds in which it
+    changed the graph, "rounds": n, "seconds": t}.
     """
     skip = set(skip)
     unknown = sorted(skip - set(PASSES))
@@ -96,7 +97,7 @@ def simplify(model: Model, backend: str = "cpu", skip: Iterable[str] = (),
         raise UnknownPassError(f"unknown pass(es) {', '.join(unknown)}; passes are: "
                                f"{', '.join(PASSES)}")
     start = time.perf_counter()
-    ctx = Context(model, backend)
+    ctx = Context(model, backend, portable=portable)
     rounds = 0
     for rounds in range(1, MAX_ROUNDS + 1):
         changed = False

@@ -1,6 +1,10 @@
-"""State one simplify() run shares between passes: the model, the target backend, limits, and
-the decision whether a domain's opset may be raised so a fused ONNX op (Gelu-20,
-Attention-23) can be used in an older model."""
+"""State one simplify() run shares between passes: the model, the target, limits, and the
+decision whether a domain's opset may be raised so a fused ONNX op (Gelu-20, Attention-23)
+can be used in an older model.
+
+The target is a backend of ember's (fused ai.ember ops where it has kernels for them, opsets
+raised where that changes no existing node), or, with `portable`, any ONNX runtime: standard
+ops only, at the model's own opsets, and no op expanded into its function body."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,9 +28,13 @@ class Context:
     max_folded_elements: int = MAX_FOLDED_ELEMENTS
     changes: dict[str, int] = field(default_factory=dict)  # pass name -> rounds it changed
     scratch: dict = field(default_factory=dict)  # per-run caches passes keep
+    portable: bool = False  # standard ONNX for any runtime (see the module docstring)
 
     def has_kernel(self, domain: str, op_type: str, version: int) -> bool:
-        """Whether the target backend runs this op natively (the CPU runs everything it has)."""
+        """Whether the target runs this op natively: the backend has a kernel (the CPU runs
+        everything it has); portable: an ONNX op of the default domain with a schema."""
+        if self.portable:
+            return domain in ("", "ai.onnx") and schema_for(domain, op_type, version) is not None
         return lookup(domain, op_type, version, self.backend) is not None
 
     def opset(self, domain: str = "") -> int:
@@ -40,6 +48,8 @@ class Context:
         target = max(current, since)
         if not self.has_kernel(domain, op_type, target):
             return None
+        if self.portable and target != current:
+            return None  # a portable model keeps its opsets
         if target == current:
             return current
         if not all(_same_meaning(n.domain, n.op_type, current, target)

@@ -353,3 +353,63 @@ def test_report_on_an_empty_output_says_so(tmp_path):
     text = golden.format_report(report)
     assert report.passed
     assert "no elements to compare" in text and "None" not in text
+
+
+def _tol(atol=1e-4, rtol=1e-3, **kw):
+    return golden.Tolerance(atol, rtol, **kw)
+
+
+def test_error_statistics_modes():
+    """median / quantile:Q / mean pass or fail on the statistic, where max would not."""
+    ref = np.linspace(1, 2, 1000).astype(np.float32)
+    cand = ref.copy()
+    cand[:100] += 0.5                                    # 10% of the elements far off
+    for mode, passes in [("median", True), ("quantile:0.85", True), ("quantile:0.95", False),
+                         ("max", False), ("elementwise", False)]:
+        got = golden.compare_values("y", cand, ref, _tol(1e-3, 0), mode)
+        assert got.passed is passes, mode
+    got = golden.compare_values("y", cand, ref, _tol(1e-3, 0), "quantile:0.95")
+    assert got.statistic == pytest.approx(float(np.quantile(np.abs(cand - ref), 0.95)))
+
+
+def test_distance_and_similarity_modes():
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal(4096).astype(np.float32)
+    noise = (rng.standard_normal(4096) * 1e-3).astype(np.float32)
+    cand = ref + noise
+    norm_ratio = np.linalg.norm(noise.astype(np.float64)) / np.linalg.norm(ref.astype(np.float64))
+    assert golden.compare_values("y", cand, ref, _tol(0, norm_ratio * 1.01), "l2").passed
+    assert not golden.compare_values("y", cand, ref, _tol(0, norm_ratio * 0.99), "l2").passed
+    # cosine: a scaled copy is perfectly similar; an orthogonal vector is not
+    assert golden.compare_values("y", 3 * ref, ref, _tol(0, 1e-6), "cosine").passed
+    ortho = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    ortho[0][0], ortho[1][1] = 1, 1
+    assert not golden.compare_values("y", ortho[0], ortho[1], _tol(0, 0.5), "cosine").passed
+    # psnr: 20 log10(peak / rms)
+    psnr = 20 * np.log10(np.abs(ref).max() / np.sqrt(np.mean(noise.astype(np.float64) ** 2)))
+    got = golden.compare_values("y", cand, ref, _tol(), f"psnr:{psnr - 1}")
+    assert got.passed and got.statistic == pytest.approx(psnr, rel=1e-4)
+    assert not golden.compare_values("y", cand, ref, _tol(), f"psnr:{psnr + 1}").passed
+
+
+def test_topk_and_validate():
+    ref = np.array([[0.1, 0.9, 0.5, 0.3], [0.7, 0.2, 0.6, 0.1]], np.float32)
+    swapped = ref.copy()
+    swapped[0, [2, 3]] = swapped[0, [3, 2]]               # rank 2 and 3 swap in row 0
+    loose = _tol(1, 1)
+    assert golden.compare_values("y", swapped, ref, loose).passed
+    assert golden.compare_values("y", swapped, ref, _tol(1, 1, topk=1)).passed
+    failed = golden.compare_values("y", swapped, ref, _tol(1, 1, topk=2))
+    assert not failed.passed and "top-2" in failed.note
+    nan = ref.copy()
+    nan[1, 1] = np.nan
+    assert golden.compare_values("y", nan, nan, loose).passed       # NaN meets NaN
+    flagged = golden.compare_values("y", nan, nan, _tol(1, 1, validate=True))
+    assert not flagged.passed and "--validate" in flagged.note
+
+
+@pytest.mark.parametrize("mode", ["quantile", "quantile:1.5", "psnr:x", "l3", "max:2"])
+def test_bad_check_modes_exit_2(mode, tmp_path, capsys):
+    path = build_chain_model(tmp_path / "chain.onnx")
+    assert cli_main(["check", path, "--check", mode]) == 2
+    assert "--check" in capsys.readouterr().err

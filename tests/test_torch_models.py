@@ -73,3 +73,23 @@ def test_opsets_are_as_exported(exported):
     name, path, _ = exported
     opset = ember.load(path, simplify=False).model.opsets[""]  # fusions may raise it
     assert opset == (17 if name == "lstm_gru" else 18)
+
+
+def test_portable_simplify_runs_in_onnxruntime(exported):
+    """`ember.simplify` (the default target, onnx): the file loads in onnxruntime, at the
+    model's own opsets with no op outside its domains, gives the original's outputs within
+    1e-5 relative, and has no more nodes than it had."""
+    import onnx
+
+    name, path, inputs = exported
+    original = onnx.load(path)
+    simplified = ember.simplify(path)
+    assert {o.domain: o.version for o in simplified.opset_import if o.domain in ("", "ai.onnx")} \
+        == {o.domain: o.version for o in original.opset_import if o.domain in ("", "ai.onnx")}
+    assert {n.domain for n in simplified.graph.node} <= {n.domain for n in original.graph.node}
+    assert len(simplified.graph.node) <= len(original.graph.node)
+    want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, inputs)
+    got = ort.InferenceSession(simplified.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, inputs)
+    for w, g in zip(want, got):
+        assert_close_relative(g, w, rtol=1e-5)

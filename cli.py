@@ -22,7 +22,7 @@ from ember.golden import add_check_parser
 from ember.native.convert import add_convert_parser
 from ember.simplifier.cli import add_simplify_parser
 from ember.importer import import_model
-from ember.inputs import load_input_files, make_inputs, parse_dims, parse_pairs
+from ember.inputs import int_at_least, load_input_files, make_inputs, parse_dims, parse_pairs
 from ember.ir import Model
 from ember.runtime.backends import BACKENDS
 from ember.runtime.profiler import Profiler, summary
@@ -70,9 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("model", help="path to an .onnx file")
     _add_feed_arguments(run)
     run.add_argument("-o", "--output", metavar="OUT.npz", help="save all outputs to an .npz file")
-    run.add_argument("--repeat", type=_count(1), default=1, metavar="N",
+    run.add_argument("--repeat", type=int_at_least(1), default=1, metavar="N",
                      help="timed runs; with N > 1 the median and p90 latency are reported")
-    run.add_argument("--warmup", type=_count(0), default=0, metavar="K",
+    run.add_argument("--warmup", type=int_at_least(0), default=0, metavar="K",
                      help="untimed runs first (default 0)")
     run.set_defaults(command=cmd_run)
 
@@ -83,11 +83,11 @@ def _parser() -> argparse.ArgumentParser:
                     "slowest nodes. --trace keeps the Chrome-trace JSON (Perfetto opens it).")
     profile.add_argument("model", help="path to an .onnx file")
     _add_feed_arguments(profile)
-    profile.add_argument("--repeat", type=_count(1), default=10, metavar="N",
+    profile.add_argument("--repeat", type=int_at_least(1), default=10, metavar="N",
                          help="profiled runs (default 10)")
-    profile.add_argument("--warmup", type=_count(0), default=2, metavar="K",
+    profile.add_argument("--warmup", type=int_at_least(0), default=2, metavar="K",
                          help="untimed runs first (default 2)")
-    profile.add_argument("--top", type=_count(1), default=15, metavar="T",
+    profile.add_argument("--top", type=int_at_least(1), default=15, metavar="T",
                          help="slowest nodes listed (default 15)")
     profile.add_argument("--trace", metavar="TRACE.json",
                          help="also write the trace (one event per node and run) there")
@@ -126,23 +126,10 @@ def _add_feed_arguments(parser: argparse.ArgumentParser) -> None:
                         help="size of a symbolic dimension for random inputs (default 1)")
     parser.add_argument("--backend", default=None, help=f"one of {', '.join(BACKENDS)} "
                                                         "(default: $EMBER_BACKEND or cpu)")
-    parser.add_argument("--seed", type=_count(0), default=0,
+    parser.add_argument("--seed", type=int_at_least(0), default=0,
                         help="seed for random inputs (default 0)")
     parser.add_argument("--no-simplify", action="store_true",
                         help="run the graph as imported, without the simplifier's rewrites")
-
-
-def _count(least: int):
-    """An argparse type: an integer >= `least` (argparse turns its error into exit 2)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
-        return value
-    return parse
 
 
 def _prepared(args: argparse.Namespace, **load_options) -> tuple[Session, dict, float]:
@@ -313,7 +300,7 @@ def model_summary(model: Model, session: Session | None, nodes: bool) -> dict:
         "metadata": dict(model.metadata), "opsets": dict(model.opsets),
         "inputs": [io(v) for v in graph.inputs if v.name not in graph.initializers],
         "outputs": [io(v) for v in graph.outputs],
-        "parameters": model.parameter_count(), "initializers": len(graph.initializers),
+        "parameters": model.parameterint_at_least(), "initializers": len(graph.initializers),
         "ops": model.op_histogram(),
         "ops_without_kernel": {b: sorted({n.op_type for n in graph.iter_nodes()
                                           if lookup(n.domain, n.op_type, n.version, b) is None})
@@ -364,7 +351,7 @@ def describe(model: Model) -> str:
     lines.append("outputs:")
     for v in graph.outputs:
         lines.append(f"  {_io_line(_io_info(v))}")
-    lines.append(f"parameters: {model.parameter_count():,} in {len(graph.initializers)} initializers")
+    lines.append(f"parameters: {model.parameterint_at_least():,} in {len(graph.initializers)} initializers")
     hist = model.op_histogram()
     lines.append(f"ops: {sum(hist.values())} nodes, {len(hist)} op types")
     for op, count in hist.items():

@@ -29,7 +29,8 @@ import numpy as np
 from ember.errors import EmberError, InputError
 from ember.importer import ModelSource, import_model, read_model_proto
 from ember.ir import Model, OptionalType, SequenceType
-from ember.inputs import load_input_files, make_inputs, parse_dims, parse_pairs, parse_ranges
+from ember.inputs import (int_at_least, load_input_files, make_inputs, parse_dims, parse_pairs,
+                          parse_ranges)
 from ember.runtime.backends import BACKENDS, resolve_backend_name
 from ember.runtime.session import Session
 
@@ -859,6 +860,8 @@ class BackendReport:
     backend: str
     outputs: list[Comparison]
     bisect: BisectResult | None = None
+    # with iterations: {"median_ms", "p90_ms", "min_ms", "iterations", "warm_up"}
+    timing: dict[str, float] | None = None
 
     @property
     def passed(self) -> bool:
@@ -907,7 +910,8 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
           atol: float | Mapping[str, float] = DEFAULT_ATOL,
           rtol: float | Mapping[str, float] = DEFAULT_RTOL, mode: str = "elementwise",
           bisect: bool = False, save_golden: str | None = None,
-          chunk: int = DEFAULT_CHUNK, validate: bool = False, topk: int = 0) -> CheckReport:
+          chunk: int = DEFAULT_CHUNK, validate: bool = False, topk: int = 0,
+          fail_fast: bool = False, iterations: int = 0, warm_up: int = 0) -> CheckReport:
     """Compare `model` on each candidate `backend` (a name, "cpu,opencl" or a list; default
     $EMBER_BACKEND or cpu) with `ref`; see the module docstring for references and modes.
 
@@ -915,7 +919,11 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
     references bring their own. `atol`/`rtol` are floats or {output: value} ("" for the global
     value). `bisect` also names the first node that diverges; `save_golden` records the
     inputs and the reference's outputs as an .npz. `validate`: NaN or Inf on either side
-    fails; `topk`: the indices of each row's k largest values must also agree."""
+    fails; `topk`: the indices of each row's k largest values must also agree. `fail_fast`
+    stops at the first data set and backend that fail. `iterations` (after `warm_up` untimed
+    runs) times each backend on the first data set."""
+    if iterations < 0 or warm_up < 0:
+        raise InputError("--iterations and --warm-up must not be negative")
     tolerances = Tolerances(atol, rtol, mode, validate=validate, topk=topk)
     ir = model if isinstance(model, Model) else import_model(model)
     source = model if not isinstance(model, Model) else ir.path
@@ -939,8 +947,12 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
                 raise CheckError("--save-golden records one data set; this reference has "
                                  f"{len(cases)}")
             write_golden(save_golden, *cases[0])
-        reports = [_check_backend(ir, name, reference, cases, tolerances,
-                                  bisect, chunk) for name in backends]
+        reports = []
+        for name in backends:
+            reports.append(_check_backend(ir, name, reference, cases, tolerances, bisect, chunk,
+                                          fail_fast, iterations, warm_up))
+            if fail_fast and not reports[-1].passed:
+                break  # the backends after the first failing one are not run
     finally:
         reference.close()
     return CheckReport(model=str(ir.path or "<memory>"), reference=reference.name, mode=mode,
@@ -976,10 +988,14 @@ def _prepare_cases(reference: Reference, ir: Model,
 
 
 def _check_backend(ir: Model, backend: str, reference: Reference, cases: list[Case],
-                   tolerances: Tolerances, want_bisect: bool, chunk: int) -> BackendReport:
+                   tolerances: Tolerances, want_bisect: bool, chunk: int,
+                   fail_fast: bool = False, iterations: int = 0,
+                   warm_up: int = 0) -> BackendReport:
     session = Session(ir, backend)
     outputs = []
     for index, (feeds, expected) in enumerate(cases):
+        if fail_fast and not all(c.passed for c in outputs):
+            break  # the first data set that fails is the last one run
         got = session.run(feeds)
         for name, ref_value in expected.items():
             if name not in got:
@@ -996,7 +1012,25 @@ def _check_backend(ir: Model, backend: str, reference: Reference, cases: list[Ca
     report = BackendReport(backend, outputs)
     if want_bisect:
         report.bisect = find_divergence(session, reference, cases[0][0], tolerances, chunk)
+    if iterations:
+        report.timing = _time_runs(session, cases[0][0], iterations, warm_up)
     return report
+
+
+def _time_runs(session: Session, feeds: Mapping[str, Any], iterations: int,
+               warm_up: int) -> dict[str, float]:
+    """Latency of `session.run(feeds)`: `warm_up` untimed runs, then `iterations` timed."""
+    import time
+
+    for _ in range(warm_up):
+        session.run(feeds)
+    times = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        session.run(feeds)
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"median_ms": float(np.median(times)), "p90_ms": float(np.percentile(times, 90)),
+            "min_ms": float(min(times)), "iterations": iterations, "warm_up": warm_up}
 
 
 # -- printing ----------------------------------------------------------------------------------
@@ -1010,6 +1044,11 @@ def format_report(report: CheckReport) -> str:
             lines.extend(_format_comparison(f"[{b.backend}]", c))
         if b.bisect is not None:
             lines.extend(_format_bisect(b.backend, b.bisect))
+        if b.timing is not None:
+            t = b.timing
+            lines.append(f"[{b.backend}] latency: median {t['median_ms']:.3f} ms, p90 "
+                         f"{t['p90_ms']:.3f} ms, min {t['min_ms']:.3f} ms over "
+                         f"{t['iterations']} run(s) after {t['warm_up']} warm-up run(s)")
     if report.saved_golden:
         lines.append(f"saved inputs and reference outputs to {report.saved_golden}")
     lines.append(_summary_line(report))
@@ -1134,6 +1173,12 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="fail where either side has NaN or Inf")
     p.add_argument("--topk", type=_positive_int, default=0, metavar="K",
                    help="also require the same indices of the K largest values in each row")
+    p.add_argument("--fail-fast", action="store_true",
+                   help="stop at the first data set or backend that fails")
+    p.add_argument("--iterations", type=_non_negative_int, default=0, metavar="N",
+                   help="also time N runs of each backend on the first data set")
+    p.add_argument("--warm-up", type=_non_negative_int, default=0, metavar="K", dest="warm_up",
+                   help="untimed runs before --iterations (default 0)")
     p.add_argument("--bisect", action="store_true",
                    help="name the first node whose output diverges while its inputs agree")
     p.add_argument("--chunk", type=_positive_int, default=DEFAULT_CHUNK,
@@ -1146,15 +1191,7 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (argparse turns the error into one line, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+_positive_int, _non_negative_int = int_at_least(1), int_at_least(0)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -1167,7 +1204,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                    rtol=_with_default(parse_tolerances(args.rtol, "--rtol"), DEFAULT_RTOL),
                    mode=args.mode, bisect=args.bisect,
                    save_golden=args.save_golden, chunk=args.chunk,
-                   validate=args.validate, topk=args.topk)
+                   validate=args.validate, topk=args.topk, fail_fast=args.fail_fast,
+                   iterations=args.iterations, warm_up=args.warm_up)
     print(report.format())
     if args.json:
         try:

@@ -170,3 +170,19 @@ def parse_pairs(items: Sequence[str], flag: str) -> dict[str, str]:
             raise InputError(f"{flag} expects NAME=VALUE, got '{item}'")
         pairs[name] = value
     return pairs
+
+
+def int_at_least(least: int):
+    """An argparse type: an integer >= `least` (argparse turns its error into one line and
+    exit code 2)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+    return parse

@@ -413,3 +413,19 @@ def test_bad_check_modes_exit_2(mode, tmp_path, capsys):
     path = build_chain_model(tmp_path / "chain.onnx")
     assert cli_main(["check", path, "--check", mode]) == 2
     assert "--check" in capsys.readouterr().err
+
+
+def test_fail_fast_and_timing(model_path, monkeypatch):
+    """--fail-fast: no backend runs after the first that fails; --iterations: a latency line
+    per backend that ran."""
+    report = golden.check(model_path, "cpu,cpu", ref="onnxruntime", iterations=3, warm_up=1)
+    assert report.passed and len(report.backends) == 2
+    assert all(b.timing["iterations"] == 3 and b.timing["median_ms"] > 0
+               for b in report.backends)
+    assert "latency: median" in golden.format_report(report)
+    break_tanh(monkeypatch)
+    assert len(golden.check(model_path, "cpu,cpu", ref="onnxruntime").backends) == 2
+    failing = golden.check(model_path, "cpu,cpu", ref="onnxruntime", fail_fast=True)
+    assert not failing.passed and len(failing.backends) == 1
+    with pytest.raises(SystemExit):
+        cli_main(["check", model_path, "--iterations", "-1"])

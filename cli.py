@@ -300,7 +300,7 @@ def model_summary(model: Model, session: Session | None, nodes: bool) -> dict:
         "metadata": dict(model.metadata), "opsets": dict(model.opsets),
         "inputs": [io(v) for v in graph.inputs if v.name not in graph.initializers],
         "outputs": [io(v) for v in graph.outputs],
-        "parameters": model.parameterint_at_least(), "initializers": len(graph.initializers),
+        "parameters": model.parameter_count(), "initializers": len(graph.initializers),
         "ops": model.op_histogram(),
         "ops_without_kernel": {b: sorted({n.op_type for n in graph.iter_nodes()
                                           if lookup(n.domain, n.op_type, n.version, b) is None})
@@ -351,7 +351,7 @@ def describe(model: Model) -> str:
     lines.append("outputs:")
     for v in graph.outputs:
         lines.append(f"  {_io_line(_io_info(v))}")
-    lines.append(f"parameters: {model.parameterint_at_least():,} in {len(graph.initializers)} initializers")
+    lines.append(f"parameters: {model.parameter_count():,} in {len(graph.initializers)} initializers")
     hist = model.op_histogram()
     lines.append(f"ops: {sum(hist.values())} nodes, {len(hist)} op types")
     for op, count in hist.items():

@@ -911,7 +911,8 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
           rtol: float | Mapping[str, float] = DEFAULT_RTOL, mode: str = "elementwise",
           bisect: bool = False, save_golden: str | None = None,
           chunk: int = DEFAULT_CHUNK, validate: bool = False, topk: int = 0,
-          fail_fast: bool = False, iterations: int = 0, warm_up: int = 0) -> CheckReport:
+          fail_fast: bool = False, iterations: int = 0, warm_up: int = 0,
+          marks: Sequence[str] = ()) -> CheckReport:
     """Compare `model` on each candidate `backend` (a name, "cpu,opencl" or a list; default
     $EMBER_BACKEND or cpu) with `ref`; see the module docstring for references and modes.
 
@@ -921,7 +922,8 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
     inputs and the reference's outputs as an .npz. `validate`: NaN or Inf on either side
     fails; `topk`: the indices of each row's k largest values must also agree. `fail_fast`
     stops at the first data set and backend that fail. `iterations` (after `warm_up` untimed
-    runs) times each backend on the first data set."""
+    runs) times each backend on the first data set. `marks` names intermediate values to
+    compare too (on the first data set), reported as "mark:NAME"."""
     if iterations < 0 or warm_up < 0:
         raise InputError("--iterations and --warm-up must not be negative")
     tolerances = Tolerances(atol, rtol, mode, validate=validate, topk=topk)
@@ -932,6 +934,9 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
                          "not ember IR built in memory")
     # Per-value tolerances may name outputs or, for --bisect, intermediate values.
     values = {v.name for v in ir.graph.outputs} | {o for n in ir.graph.nodes for o in n.outputs}
+    unmarked = sorted(set(marks) - values)
+    if unmarked:
+        raise InputError(f"--mark: no node produces {', '.join(unmarked)}")
     unknown = tolerances.unknown_outputs(values)
     if unknown:
         raise InputError(f"tolerance given for unknown value(s) {', '.join(unknown)}; the "
@@ -950,7 +955,7 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
         reports = []
         for name in backends:
             reports.append(_check_backend(ir, name, reference, cases, tolerances, bisect, chunk,
-                                          fail_fast, iterations, warm_up))
+                                          fail_fast, iterations, warm_up, marks))
             if fail_fast and not reports[-1].passed:
                 break  # the backends after the first failing one are not run
     finally:
@@ -990,7 +995,7 @@ def _prepare_cases(reference: Reference, ir: Model,
 def _check_backend(ir: Model, backend: str, reference: Reference, cases: list[Case],
                    tolerances: Tolerances, want_bisect: bool, chunk: int,
                    fail_fast: bool = False, iterations: int = 0,
-                   warm_up: int = 0) -> BackendReport:
+                   warm_up: int = 0, marks: Sequence[str] = ()) -> BackendReport:
     session = Session(ir, backend)
     outputs = []
     for index, (feeds, expected) in enumerate(cases):
@@ -1009,12 +1014,44 @@ def _check_backend(ir: Model, backend: str, reference: Reference, cases: list[Ca
             comparison.dataset = index if len(cases) > 1 else None
             outputs.append(comparison)
         del got
+    if marks:
+        outputs.extend(_compare_marks(session, reference, cases[0][0], marks, tolerances))
     report = BackendReport(backend, outputs)
     if want_bisect:
         report.bisect = find_divergence(session, reference, cases[0][0], tolerances, chunk)
     if iterations:
         report.timing = _time_runs(session, cases[0][0], iterations, warm_up)
     return report
+
+
+def _marked_values(session: Session, feeds: Mapping[str, Any], names: Sequence[str]
+                   ) -> dict[str, Any]:
+    """The values `names` take in one run of `session`'s plan (host copies)."""
+    wanted, found = set(names), {}
+    ordered = session._check_feeds(feeds, session._plan)
+    for node, values in session._plan.iterate(ordered):
+        for name, value in zip(node.outputs, values):
+            if name in wanted:
+                found[name] = session._backend.to_host(value) if value is not None else None
+    return found
+
+
+def _reference_marks(reference: Reference, feeds: Mapping[str, Any], names: Sequence[str]
+                     ) -> dict[str, Any]:
+    if isinstance(reference, ProtoReference):
+        return reference.values(feeds, list(names))
+    if isinstance(reference, EmberReference):
+        return _marked_values(reference.session, feeds, names)
+    raise CheckError("--mark needs a runtime reference (onnxruntime, onnx or an ember "
+                     "backend): recorded data holds no intermediate values")
+
+
+def _compare_marks(session: Session, reference: Reference, feeds: Mapping[str, Any],
+                   marks: Sequence[str], tolerances: Tolerances) -> list[Comparison]:
+    """--mark: each named intermediate value compared as an output is, "mark:NAME"."""
+    got, want = _marked_values(session, feeds, marks), _reference_marks(reference, feeds, marks)
+    return [compare_values(f"mark:{name}", got.get(name), want.get(name),
+                           tolerances.for_value(name), tolerances.mode) for name in marks]
 
 
 def _time_runs(session: Session, feeds: Mapping[str, Any], iterations: int,
@@ -1173,6 +1210,8 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="fail where either side has NaN or Inf")
     p.add_argument("--topk", type=_positive_int, default=0, metavar="K",
                    help="also require the same indices of the K largest values in each row")
+    p.add_argument("--mark", nargs="+", default=[], metavar="NAME",
+                   help="also compare these intermediate values (on the first data set)")
     p.add_argument("--fail-fast", action="store_true",
                    help="stop at the first data set or backend that fails")
     p.add_argument("--iterations", type=_non_negative_int, default=0, metavar="N",
@@ -1205,7 +1244,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                    mode=args.mode, bisect=args.bisect,
                    save_golden=args.save_golden, chunk=args.chunk,
                    validate=args.validate, topk=args.topk, fail_fast=args.fail_fast,
-                   iterations=args.iterations, warm_up=args.warm_up)
+                   iterations=args.iterations, warm_up=args.warm_up, marks=args.mark)
     print(report.format())
     if args.json:
         try:

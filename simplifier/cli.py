@@ -78,7 +78,11 @@ def _check_arguments(args: argparse.Namespace) -> tuple[str, dict]:
     target, the --input-shape, --dim, --check and tolerance values. InputError: one line,
     exit 2. Returns (target, input shapes)."""
     from ember.inputs import parse_dims
+    from ember.runtime.backends import BACKENDS
 
+    if args.backend is not None and args.backend not in BACKENDS:
+        raise InputError(f"--backend {args.backend!r}: unknown backend; choose one of "
+                         f"{', '.join(BACKENDS)}")
     target = args.target if args.backend is None else f"ember:{args.backend}"
     if args.backend is not None and args.target not in ("onnx", target):
         raise InputError(f"--backend {args.backend} and --target {args.target} disagree; "

@@ -429,3 +429,20 @@ def test_fail_fast_and_timing(model_path, monkeypatch):
     assert not failing.passed and len(failing.backends) == 1
     with pytest.raises(SystemExit):
         cli_main(["check", model_path, "--iterations", "-1"])
+
+
+def test_marked_intermediates_are_compared(model_path, monkeypatch):
+    """--mark NAME: the value is compared like an output, against onnxruntime exposing it;
+    a broken kernel upstream of it shows there, and one downstream does not."""
+    tanh = next(n for n in onnx.load(model_path).graph.node if n.name == FAULTY)
+    before, after = tanh.input[0], tanh.output[0]    # the broken Tanh's input and output
+    report = golden.check(model_path, "cpu", ref="onnxruntime", marks=[before, after])
+    marked = {c.name: c for c in report.backends[0].outputs if c.name.startswith("mark:")}
+    assert set(marked) == {f"mark:{before}", f"mark:{after}"}
+    assert all(c.passed for c in marked.values())
+    break_tanh(monkeypatch)
+    report = golden.check(model_path, "cpu", ref="onnxruntime", marks=[before, after])
+    marked = {c.name: c for c in report.backends[0].outputs if c.name.startswith("mark:")}
+    assert marked[f"mark:{before}"].passed and not marked[f"mark:{after}"].passed
+    with pytest.raises(EmberError, match="--mark: no node produces nope"):
+        golden.check(model_path, "cpu", ref="onnxruntime", marks=["nope"])

@@ -32,6 +32,7 @@ from ember.ir import Model, OptionalType, SequenceType
 from ember.inputs import (int_at_least, load_input_files, make_inputs, parse_dims, parse_pairs,
                           parse_ranges)
 from ember.runtime.backends import BACKENDS, resolve_backend_name
+from ember.polygraphy_json import load_inputs
 from ember.runtime.session import Session
 
 DEFAULT_ATOL = 1e-4
@@ -666,8 +667,36 @@ def _read_pb(path: str, value_type: Any) -> Any:
         raise CheckError(f"cannot read recorded tensor '{path}': {exc}") from exc
 
 
-def make_reference(ref: str, source: ModelSource, model: Model) -> Reference:
-    """`ref` is onnxruntime, onnx, an ember backend, an .npz file or an ONNX test directory."""
+class PolygraphyReference(Reference):
+    """Polygraphy's run results (`polygraphy run --save-outputs FILE.json`): the first runner's
+    outputs, one data set per iteration, fed with the matching sets of `--load-inputs`."""
+
+    def __init__(self, path: str, input_sets: Sequence[Mapping[str, Any]] | None):
+        from ember.polygraphy_json import load_run_results
+
+        self.name = path
+        if not os.path.isfile(path):
+            raise CheckError(f"recorded reference not found: {path}")
+        if not input_sets:
+            raise CheckError(f"{path}: Polygraphy's results hold no inputs; give the ones they "
+                             "were computed from with --load-inputs FILE.json")
+        runs = load_run_results(path)
+        if not runs or not runs[0][1]:
+            raise CheckError(f"{path}: no runner results in it")
+        runner, iterations = runs[0]
+        if len(iterations) != len(input_sets):
+            raise CheckError(f"{path}: runner {runner} has {len(iterations)} iteration(s) but "
+                             f"--load-inputs gives {len(input_sets)} input set(s)")
+        self.recorded = [(dict(f), o) for f, o in zip(input_sets, iterations)]
+
+    def cases(self, model: Model) -> list[Case]:
+        return self.recorded
+
+
+def make_reference(ref: str, source: ModelSource, model: Model,
+                   input_sets: Sequence[Mapping[str, Any]] | None = None) -> Reference:
+    """`ref` is onnxruntime, onnx, an ember backend, an .npz file, an ONNX test directory or
+    Polygraphy's run results (.json, with `input_sets` the inputs they were computed from)."""
     key = ref.lower()
     if key in _RUNTIME_REFS:
         return ProtoReference(_RUNTIME_REFS[key], source)
@@ -679,8 +708,11 @@ def make_reference(ref: str, source: ModelSource, model: Model) -> Reference:
         if not os.path.isfile(ref):
             raise CheckError(f"recorded reference not found: {ref}")
         return NpzReference(ref)
+    if ref.endswith(".json"):
+        return PolygraphyReference(ref, input_sets)
     raise CheckError(f"unknown reference '{ref}'; use onnxruntime, onnx, one of "
-                     f"{', '.join(BACKENDS)}, a .npz file or an ONNX test directory")
+                     f"{', '.join(BACKENDS)}, a .npz file, an ONNX test directory or "
+                     "Polygraphy's results (.json)")
 
 
 def write_golden(path: str, feeds: Mapping[str, Any], outputs: Mapping[str, Any]) -> None:
@@ -912,7 +944,8 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
           bisect: bool = False, save_golden: str | None = None,
           chunk: int = DEFAULT_CHUNK, validate: bool = False, topk: int = 0,
           fail_fast: bool = False, iterations: int = 0, warm_up: int = 0,
-          marks: Sequence[str] = ()) -> CheckReport:
+          marks: Sequence[str] = (), input_sets: Sequence[Mapping[str, Any]] | None = None,
+          save_inputs: str | None = None, save_outputs: str | None = None) -> CheckReport:
     """Compare `model` on each candidate `backend` (a name, "cpu,opencl" or a list; default
     $EMBER_BACKEND or cpu) with `ref`; see the module docstring for references and modes.
 
@@ -923,7 +956,11 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
     fails; `topk`: the indices of each row's k largest values must also agree. `fail_fast`
     stops at the first data set and backend that fail. `iterations` (after `warm_up` untimed
     runs) times each backend on the first data set. `marks` names intermediate values to
-    compare too (on the first data set), reported as "mark:NAME"."""
+    compare too (on the first data set), reported as "mark:NAME". Polygraphy's JSON:
+    `input_sets` (its --save-inputs files, ember.polygraphy_json.load_inputs) are the data sets
+    to run; `save_inputs` / `save_outputs` write the data sets and each backend's outputs in
+    its formats (runners named ember-BACKEND), so `polygraphy run --load-inputs /
+    --load-outputs` can use them."""
     if iterations < 0 or warm_up < 0:
         raise InputError("--iterations and --warm-up must not be negative")
     tolerances = Tolerances(atol, rtol, mode, validate=validate, topk=topk)
@@ -942,22 +979,33 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
         raise InputError(f"tolerance given for unknown value(s) {', '.join(unknown)}; the "
                          f"model's outputs are {', '.join(v.name for v in ir.graph.outputs)}")
     backends = _backend_names(backend)
-    reference = make_reference(ref, source, ir)
+    reference = make_reference(ref, source, ir, input_sets)
     try:
         if bisect and not isinstance(reference, (ProtoReference, EmberReference)):
             raise CheckError(_NEEDS_RUNTIME)
-        cases = _prepare_cases(reference, ir, inputs, seed, dims, ranges)
+        cases = _prepare_cases(reference, ir, inputs, seed, dims, ranges,
+                               None if isinstance(reference, PolygraphyReference)
+                               else input_sets)
+        if save_inputs:
+            from ember.polygraphy_json import save_inputs as write_inputs
+            write_inputs(save_inputs, [feeds for feeds, _ in cases])
         if save_golden:
             if len(cases) != 1:
                 raise CheckError("--save-golden records one data set; this reference has "
                                  f"{len(cases)}")
             write_golden(save_golden, *cases[0])
-        reports = []
+        reports, runs = [], []
         for name in backends:
+            collected = [] if save_outputs else None
             reports.append(_check_backend(ir, name, reference, cases, tolerances, bisect, chunk,
-                                          fail_fast, iterations, warm_up, marks))
+                                          fail_fast, iterations, warm_up, marks, collected))
+            if collected is not None:
+                runs.append((f"ember-{name}", collected))
             if fail_fast and not reports[-1].passed:
                 break  # the backends after the first failing one are not run
+        if save_outputs:
+            from ember.polygraphy_json import save_run_results
+            save_run_results(save_outputs, runs)
     finally:
         reference.close()
     return CheckReport(model=str(ir.path or "<memory>"), reference=reference.name, mode=mode,
@@ -974,8 +1022,10 @@ def _backend_names(backend: str | Sequence[str] | None) -> list[str]:
 
 
 def _prepare_cases(reference: Reference, ir: Model,
-                   inputs: Mapping[str, Any] | None, seed: int, dims, ranges) -> list[Case]:
-    """Feeds and expected outputs per data set: recorded, or computed by the reference."""
+                   inputs: Mapping[str, Any] | None, seed: int, dims, ranges,
+                   input_sets: Sequence[Mapping[str, Any]] | None = None) -> list[Case]:
+    """Feeds and expected outputs per data set: recorded, or computed by the reference (on
+    each of `input_sets`, or on one set)."""
     from ember.runtime.session import _io_info
 
     graph = ir.graph
@@ -988,20 +1038,26 @@ def _prepare_cases(reference: Reference, ir: Model,
                              "drop -i/--inputs for them")
         return [(make_inputs(declared, {**feeds, **(inputs or {})}, dims, ranges, seed), outputs)
                 for feeds, outputs in recorded]
-    feeds = make_inputs(declared, inputs, dims, ranges, seed)
-    return [(feeds, reference.outputs(feeds))]
+    cases = []
+    for given in input_sets or [{}]:
+        feeds = make_inputs(declared, {**given, **(inputs or {})}, dims, ranges, seed)
+        cases.append((feeds, reference.outputs(feeds)))
+    return cases
 
 
 def _check_backend(ir: Model, backend: str, reference: Reference, cases: list[Case],
                    tolerances: Tolerances, want_bisect: bool, chunk: int,
                    fail_fast: bool = False, iterations: int = 0,
-                   warm_up: int = 0, marks: Sequence[str] = ()) -> BackendReport:
+                   warm_up: int = 0, marks: Sequence[str] = (),
+                   collected: list | None = None) -> BackendReport:
     session = Session(ir, backend)
     outputs = []
     for index, (feeds, expected) in enumerate(cases):
         if fail_fast and not all(c.passed for c in outputs):
             break  # the first data set that fails is the last one run
         got = session.run(feeds)
+        if collected is not None:  # --save-outputs
+            collected.append(got)
         for name, ref_value in expected.items():
             if name not in got:
                 tol = tolerances.for_value(name)
@@ -1210,6 +1266,12 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="fail where either side has NaN or Inf")
     p.add_argument("--topk", type=_positive_int, default=0, metavar="K",
                    help="also require the same indices of the K largest values in each row")
+    p.add_argument("--load-inputs", metavar="INPUTS.json",
+                   help="Polygraphy input data (polygraphy run --save-inputs): the data sets")
+    p.add_argument("--save-inputs", metavar="INPUTS.json",
+                   help="write the data sets as Polygraphy input data")
+    p.add_argument("--save-outputs", metavar="OUTPUTS.json",
+                   help="write each backend's outputs as Polygraphy run results")
     p.add_argument("--mark", nargs="+", default=[], metavar="NAME",
                    help="also compare these intermediate values (on the first data set)")
     p.add_argument("--fail-fast", action="store_true",
@@ -1244,7 +1306,9 @@ def cmd_check(args: argparse.Namespace) -> int:
                    mode=args.mode, bisect=args.bisect,
                    save_golden=args.save_golden, chunk=args.chunk,
                    validate=args.validate, topk=args.topk, fail_fast=args.fail_fast,
-                   iterations=args.iterations, warm_up=args.warm_up, marks=args.mark)
+                   iterations=args.iterations, warm_up=args.warm_up, marks=args.mark,
+                   input_sets=load_inputs(args.load_inputs) if args.load_inputs else None,
+                   save_inputs=args.save_inputs, save_outputs=args.save_outputs)
     print(report.format())
     if args.json:
         try:

@@ -446,3 +446,55 @@ def test_marked_intermediates_are_compared(model_path, monkeypatch):
     assert marked[f"mark:{before}"].passed and not marked[f"mark:{after}"].passed
     with pytest.raises(EmberError, match="--mark: no node produces nope"):
         golden.check(model_path, "cpu", ref="onnxruntime", marks=["nope"])
+
+
+def test_polygraphy_json_inputs_outputs_and_reference(model_path, tmp_path, monkeypatch):
+    """Polygraphy's own JSON (its save_json / RunResults are the oracle of the format): its
+    input sets feed `ember check`, ember's saved inputs and outputs load in Polygraphy, and
+    its run results serve as the reference."""
+    pg_json = pytest.importorskip("polygraphy.json")
+    from polygraphy.comparator import RunResults
+    from polygraphy.comparator.struct import IterationResult
+
+    rng = np.random.default_rng(3)
+    sets = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(2)]
+    inputs = str(tmp_path / "inputs.json")
+    pg_json.save_json(sets, inputs)
+    saved_in, saved_out = str(tmp_path / "ember_in.json"), str(tmp_path / "ember_out.json")
+    assert cli_main(["check", model_path, "--load-inputs", inputs, "--save-inputs", saved_in,
+                     "--save-outputs", saved_out]) == 0
+    for mine, theirs in zip(pg_json.load_json(saved_in), sets):
+        np.testing.assert_array_equal(mine["x"], theirs["x"])
+    runner, iterations = RunResults.load(saved_out)[0]
+    assert runner == "ember-cpu" and len(iterations) == 2
+    for iteration, feeds in zip(iterations, sets):
+        want = ort_outputs(model_path, feeds)
+        for name in want:
+            np.testing.assert_allclose(np.asarray(iteration[name]), want[name], rtol=1e-5,
+                                       atol=1e-6)
+    # onnxruntime's outputs recorded by Polygraphy's own classes, as the reference
+    results = RunResults()
+    results.append(("onnxrt-runner", [IterationResult(ort_outputs(model_path, f), 0.0,
+                                                      "onnxrt-runner") for f in sets]))
+    recorded = str(tmp_path / "ort_results.json")
+    results.save(recorded)
+    assert cli_main(["check", model_path, "--ref", recorded, "--load-inputs", inputs]) == 0
+    break_tanh(monkeypatch)
+    assert cli_main(["check", model_path, "--ref", recorded, "--load-inputs", inputs]) == 1
+
+
+def test_polygraphy_json_refuses_what_is_not_arrays(model_path, tmp_path, capsys):
+    import base64
+    import io
+
+    pickled = io.BytesIO()
+    np.save(pickled, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    bad = tmp_path / "pickled.json"
+    bad.write_text(json.dumps([{"x": {"array": base64.b64encode(pickled.getvalue()).decode(),
+                                      "polygraphy_class": "ndarray"}}]))
+    not_json = tmp_path / "not.json"
+    not_json.write_text("{")
+    for path in (bad, not_json):
+        assert cli_main(["check", model_path, "--load-inputs", str(path)]) == 2
+        assert "ember: error:" in capsys.readouterr().err
+    assert cli_main(["check", model_path, "--ref", str(tmp_path / "none.json")]) == 2

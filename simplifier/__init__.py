@@ -24,6 +24,7 @@ from ember.simplifier.passes.cse import eliminate_common_subexpressions
 from ember.simplifier.passes.dead_code import eliminate_dead_code
 from ember.simplifier.passes.expand_functions import expand_functions
 from ember.simplifier.passes.fold_batchnorm import fold_batchnorm_into_conv
+from ember.simplifier.passes.fold_not import fold_not_into_where
 from ember.simplifier.passes.fuse_activation import fuse_activations, fuse_residual_add
 from ember.simplifier.passes.fuse_attention import fuse_attention, fuse_attention_projections
 from ember.simplifier.passes.fuse_gelu import fuse_gelu
@@ -45,6 +46,7 @@ PASSES: dict[str, Pass] = {
     "constants_to_initializers": constants_to_initializers,
     "fold_constants": fold_constants,
     "remove_noops": remove_noops,
+    "fold_not_into_where": fold_not_into_where,
     "eliminate_common_subexpressions": eliminate_common_subexpressions,
     "merge_transposes": merge_transposes,
     "merge_reshapes": merge_reshapes,
@@ -70,7 +72,7 @@ _TRIGGERS = {
     "fuse_gelu": {"Erf", "Tanh"}, "fuse_attention": {"Softmax"},
     "fuse_attention_projections": {"Attention"}, "fuse_matmul_add": {"MatMul"},
     "fold_scale_into_matmul": {"Mul"}, "fuse_residual_add": {"Add"},
-    "widen_output_cast": {"Cast"},
+    "widen_output_cast": {"Cast"}, "fold_not_into_where": {"Not"},
 }
 # Passes that only look at the top-level graph (subgraphs keep their own scoping rules).
 _TOP_LEVEL_ONLY = {"infer_shapes"}

@@ -183,6 +183,23 @@ def test_noops_are_removed(node, inits, removable):
     assert (ops(model) == ["Neg"]) == removable
 
 
+def test_not_folds_into_the_where_it_feeds():
+    """Where(Not(c), a, b) == Where(c, b, a); a Not read twice stays."""
+    B = TensorProto.BOOL
+    nodes = [helper.make_node("Not", ["c"], ["n"]), helper.make_node("Where", ["n", "a", "b"], ["y"])]
+    proto = make_model(nodes, [tensor("c", [2, 3], B), tensor("a", [2, 3]), tensor("b", [2, 3])],
+                       [tensor("y", [2, 3])])
+    feeds = {"c": rand(2, 3) > 0.5, "a": rand(2, 3), "b": rand(2, 3)}
+    changed, model = run_pass(proto, "fold_not_into_where")
+    assert changed and ops(model) == ["Where"]
+    simplified_matches(proto, feeds)
+    shared = make_model(nodes + [helper.make_node("Cast", ["n"], ["m"], to=F)],
+                        [tensor("c", [2, 3], B), tensor("a", [2, 3]), tensor("b", [2, 3])],
+                        [tensor("y", [2, 3]), tensor("m", [2, 3])])
+    changed, model = run_pass(shared, "fold_not_into_where")
+    assert not changed and sorted(ops(model)) == ["Cast", "Not", "Where"]
+
+
 def test_zero_that_broadcasts_is_kept():
     proto = make_model([helper.make_node("Add", ["x", "zero"], ["y"])], [tensor("x", [3])],
                        [tensor("y", [2, 3])], [const("zero", np.zeros((2, 3), np.float32))])
@@ -594,3 +611,23 @@ def test_copy_structure_leaves_the_original_untouched():
     simplified = simplify(copy_structure(original))
     assert ops(simplified) == ["Gelu"] and len(original.graph.nodes) == 5
     assert original.opsets[""] == 18
+
+
+def test_weights_past_the_protobuf_limit_go_to_external_data(tmp_path, monkeypatch):
+    """The 2 GB limit lowered to 1 KB: `ember simplify` writes the weights beside the file,
+    and onnxruntime loads the pair with the original's outputs."""
+    from ember.cli import main
+    from ember.importer import onnx_export
+
+    monkeypatch.setattr(onnx_export, "_EXTERNAL_DATA_BYTES", 1024)
+    w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    proto = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [tensor("x", [2, 64])],
+                       [tensor("y", [2, 64])], [const("w", w)])
+    source, out = tmp_path / "big.onnx", tmp_path / "out.onnx"
+    onnx.save(proto, source)
+    assert main(["simplify", str(source), "-o", str(out)]) == 0
+    assert (tmp_path / "out.onnx.data").stat().st_size >= w.nbytes
+    feeds = {"x": rand(2, 64)}
+    written = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(written.run(None, feeds)[0], ort_outputs(proto, feeds)[0],
+                               rtol=1e-6)

@@ -526,9 +526,13 @@ class _GRU(_RecurrentBase):
         """z, r = sigmoid(.) (negated pre-activations), n = tanh(.), h = n + z * (h - n)."""
         xp = self.xp
         batch = XW.shape[1]
+        lbr = self._lbr()
+        first = _gru_lbr_cell_loops if lbr else _gru_gates_loops
+        if masks is None and self._compiled_cell(first, cdt, True) is not None:
+            h = xp.zeros((batch, H), cdt) if init[0] is None else init[0]
+            return self._recur_compiled(XW, Y, ts, h, Rt, Rb, H, cdt)
         matmul, add, subtract, multiply = xp.matmul, xp.add, xp.subtract, xp.multiply
         exp, reciprocal, tanh, copyto = xp.exp, xp.reciprocal, xp.tanh, xp.copyto
-        lbr = self._lbr()
         XWzr, XWn = XW[:, :, :2 * H], XW[:, :, 2 * H:]
         if lbr:
             G = xp.empty((batch, 3 * H), cdt)
@@ -545,8 +549,6 @@ class _GRU(_RecurrentBase):
         else:
             h = self._state(xp, init[0], batch, H, cdt)
             hn = xp.empty((batch, H), cdt)
-        if masks is None and self._compiled_cell(_gru_out_loops, cdt, True) is not None:
-            return self._recur_compiled(XW, Y, ts, h, Rt, Rb, H, cdt)
         with np.errstate(over="ignore"):  # exp(-x) -> inf: the sigmoid's limit 0, exactly
             for t in ts:
                 if lbr:

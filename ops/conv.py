@@ -13,7 +13,10 @@ Every convolution is N-D (1-D, 2-D, 3-D, ...) and reduces to one of three kernel
 * depthwise 2-D (one output channel per input channel), on the CPU: a channels-last kernel
   (np.einsum, or a compiled 3x3 loop where numba is installed) whose result stays
   channels-last, as do the 1x1 convolutions fed such an input (see "CPU kernels over
-  channels-last memory" below).
+  channels-last memory" below);
+* shifted GEMMs, on the CPU, for 2-D stride-1 convolutions over large images with few
+  channels (UNet's layers): one GEMM per kernel tap over the channels-last padded input, with
+  no patch matrix at all (see `_conv_shifted`).
 
 ConvTranspose and Col2Im share the reverse: a matmul producing columns, then a scatter-add over
 kernel taps (col2im). Integer convolutions run exactly through float64 BLAS (every int8/uint8
@@ -230,6 +233,9 @@ def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, 
             return gemm(augmented(), cols)
         out = gemm(w.reshape(group, Mg, Cg), x.reshape(N, group, Cg, L))
         return _add_bias(out, bias)
+
+    if xp is np and _shifted_fits(x, group, kernel, strides, dilations, begin, end, outs):
+        return _conv_shifted(x, w, kernel, begin, end, outs, bias, cache)
 
     padded = pad_array(xp, x, begin, end)
     win = _windows(xp, padded, kernel, strides, dilations, outs)  # (N, C, *kernel, *outs)
@@ -459,6 +465,69 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
     if bias is not None:
         out += bias
     return out.reshape(N, *outs, M).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
+
+
+# A 2-D stride-1 convolution over a channels-last padded image P (Hp, Wp, C) is, with the
+# output computed at every padded column (Ho x Wp pixels, the last Wp - Wo of each row thrown
+# away), a sum over taps (i, j) of P's rows [i*Wp + j, i*Wp + j + Ho*Wp) as a (Ho*Wp, C)
+# matrix, a contiguous slice of P, times the tap's (C, M) weights. So no patch matrix is
+# built: im2col writes and reads C*kh*kw values per pixel, this reads the image kh*kw times
+# from cache. The taps accumulate over chunks of _SHIFTED_CHUNK output pixels, so the partial
+# sums stay in cache. Measured here (one thread): 1.4-1.9x faster than im2col on 64x64 to
+# 128x128 images with 16-128 channels (UNet 128x128: 1.25x faster in all); slower with more
+# channels (bigger GEMMs, where im2col's one large GEMM wins) or fewer (K = C too short for
+# BLAS); no clear gain on ResNet-50's 56x56 and 28x28 layers, which keep im2col.
+_SHIFTED_CHUNK = 2048
+_SHIFTED_CHANNELS = (16, 128)   # input channels it runs for
+_SHIFTED_MIN_PIXELS = 4096      # output pixels per image (64x64) it runs from
+
+
+def _shifted_fits(x, group, kernel, strides, dilations, begin, end, outs):
+    lo, hi = _SHIFTED_CHANNELS
+    return (x.ndim == 4 and group == 1 and lo <= x.shape[1] <= hi and math.prod(kernel) > 1
+            and all(s == 1 for s in strides) and all(d == 1 for d in dilations)
+            and min(begin) >= 0 and min(end) >= 0 and math.prod(outs) >= _SHIFTED_MIN_PIXELS
+            and x.dtype in (np.float32, np.float64))
+
+
+def _conv_shifted(x, w, kernel, begin, end, outs, bias, cache):
+    """Conv of x (N, C, H, W) by w (M, C, kh, kw), stride 1, as one GEMM per tap (see
+    above); returns the channels-last (N, M, Ho, Wo) view that the channels-last kernels
+    and the fused epilogue take as it is."""
+    N, C, H, W = x.shape
+    M = w.shape[0]
+    (kh, kw), (Ho, Wo) = kernel, outs
+    Hp, Wp = Ho + kh - 1, Wo + kw - 1
+    key = ("shifted",)
+    taps = None if cache is None else cache.get(key)
+    if taps is None:
+        taps = np.ascontiguousarray(w.transpose(2, 3, 1, 0)).reshape(kh * kw, C, M)
+        if cache is not None:
+            cache[key] = taps
+    offsets = [i * Wp + j for i in range(kh) for j in range(kw)]
+    rows = Ho * Wp
+    # the padded image, plus kw - 1 zero rows that the last tap reads past its end
+    padded = np.zeros((Hp * Wp + kw - 1, C), x.dtype)
+    image = padded[:Hp * Wp].reshape(Hp, Wp, C)
+    h1, w1 = min(H, Hp - begin[0]), min(W, Wp - begin[1])   # pads may crop the input
+    out = np.empty((N, Ho, Wp, M), x.dtype)
+    partial = np.empty((min(_SHIFTED_CHUNK, rows), M), x.dtype)
+    for n in range(N):
+        image[begin[0]:begin[0] + h1, begin[1]:begin[1] + w1] = \
+            x[n, :, :h1, :w1].transpose(1, 2, 0)
+        flat_out = out[n].reshape(rows, M)
+        for r0 in range(0, rows, _SHIFTED_CHUNK):
+            r1 = min(rows, r0 + _SHIFTED_CHUNK)
+            acc, tmp = flat_out[r0:r1], partial[:r1 - r0]
+            np.matmul(padded[r0:r1], taps[0], out=acc)
+            for tap in range(1, len(offsets)):
+                off = offsets[tap]
+                np.matmul(padded[r0 + off:r1 + off], taps[tap], out=tmp)
+                acc += tmp
+            if bias is not None:
+                acc += bias
+    dense = np.ascontiguousarray(out[:, :, :Wo]) if Wp != Wo else out
+    return dense.transpose(0, 3, 1, 2)
 
 
 def _fill_cols(xp, cols, win, ones_row):

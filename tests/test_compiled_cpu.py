@@ -9,7 +9,10 @@ its numpy kernel and onnxruntime:
   functions (rounded to float32) over every range that matters;
 * LSTM and GRU steps (the gates in one compiled pass) and the last-axis Softmax (also the
   attention ops' masked one), against onnxruntime, with numba and without, rows split among
-  threads giving the same bits.
+  threads giving the same bits;
+* the fused ops' epilogue (bias, residual and activation in one pass), which must give the
+  numpy epilogue's bits, and a Conv + Add + activation chain fused by the simplifier against
+  onnxruntime.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ember
-from ember.ops import _compiled, activations, conv, reduction, rnn
+from ember.ops import _compiled, activations, conv, fused, reduction, rnn
 
 ort = pytest.importorskip("onnxruntime")
 F = TensorProto.FLOAT
@@ -307,3 +310,57 @@ def test_softmax_rows_give_the_same_bits_however_split_and_keep_its_edge_cases()
     zeros = np.empty_like(x)
     kernel(x, zeros, True, 0, 1)
     np.testing.assert_array_equal(zeros[0], 0)
+
+
+EPILOGUES = [("", []), ("Relu", []), ("LeakyRelu", [0.1]), ("Clip", [0.0, 6.0]),
+             ("Clip", [-1.0]), ("HardSigmoid", [0.3, 0.4]), ("HardSwish", [])]
+
+
+@pytest.mark.parametrize("activation,params", EPILOGUES, ids=lambda v: str(v))
+@pytest.mark.parametrize("layout", ["c-ordered", "channels-last", "mixed"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_epilogue_gives_the_numpy_epilogues_bits(activation, params, layout, dtype,
+                                                          monkeypatch):
+    pytest.importorskip("numba")
+    monkeypatch.delenv("EMBER_NUMBA", raising=False)
+    rng = np.random.default_rng(len(activation) + len(layout))
+    y = (rng.standard_normal((2, 24, 30, 31)) * 4).astype(dtype)
+    y.flat[::97] = np.nan
+    y.flat[1::211] = np.inf
+    z = rng.standard_normal(y.shape).astype(dtype)
+    if layout != "c-ordered":   # the channels-last view a CPU convolution returns
+        y = np.ascontiguousarray(y.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    if layout == "channels-last":
+        z = np.ascontiguousarray(z.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    bias = rng.standard_normal(31).astype(dtype) if layout == "c-ordered" else None
+    assert y.size >= fused._EPILOGUE_MIN
+    compiled, numpy_ = y.copy(order="K"), y.copy(order="K")
+    assert fused._epilogue_compiled(compiled, bias, z, activation, params)
+    monkeypatch.setattr(fused, "_EPILOGUE_MIN", 1 << 62)    # the numpy epilogue
+    assert fused.epilogue(np, numpy_, bias, z, activation, params) is numpy_
+    np.testing.assert_array_equal(compiled, numpy_)
+
+
+def test_conv_add_relu_fused_matches_onnxruntime_with_the_compiled_epilogue():
+    """Conv -> Add(residual) -> Relu and Conv -> HardSwish, fused by the simplifier into
+    FusedConv whose epilogue runs compiled at this size."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(5)
+    c = 32
+    inits = [numpy_helper.from_array(rng.standard_normal((c, c, 1, 1)).astype(np.float32) / 4,
+                                     name) for name in ("w1", "w2")]
+    inits += [numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b")]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b"], ["c1"]),
+             helper.make_node("Add", ["c1", "x"], ["s"]),
+             helper.make_node("Relu", ["s"], ["r"]),
+             helper.make_node("Conv", ["r", "w2"], ["c2"]),
+             helper.make_node("HardSwish", ["c2"], ["y"])]
+    graph = helper.make_graph(nodes, "res", [helper.make_tensor_value_info(
+        "x", F, [1, c, 40, 40])], [helper.make_tensor_value_info("y", F, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    sess = ember.load(proto.SerializeToString())
+    assert [op for _, op, _ in sess.placement].count("FusedConv") == 2
+    x = rng.standard_normal((1, c, 40, 40)).astype(np.float32)
+    want = ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(sess.run({"x": x})["y"], want, rtol=1e-5, atol=1e-5)

@@ -3,6 +3,8 @@ cases (a few dozen elements each) never reach; each one-node model is checked ag
 onnxruntime."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -64,3 +66,49 @@ def test_conv_with_a_bias_computed_at_run_time():
     x, w, b = rand(1, 16, 30, 30), rand(32, 16, 3, 3), rand(32)
     matches_onnxruntime(one_node("Conv", {"x": x, "w": w, "b": b}, pads=[1, 1, 1, 1]),
                         {"x": x, "w": w, "b": b})
+
+
+SHIFTED_CASES = [  # batch, channels in, height, width, channels out, kernel, pads
+    (1, 16, 64, 64, 32, [3, 3], [1, 1, 1, 1]),
+    (2, 32, 69, 63, 20, [3, 5], [0, 2, 1, 0]),
+    (2, 24, 64, 70, 8, [5, 5], [2, 2, 2, 2]),
+    (1, 128, 66, 66, 64, [3, 3], [0, 0, 0, 0]),
+]
+
+
+@pytest.mark.parametrize("case", SHIFTED_CASES, ids=lambda c: "x".join(map(str, c[:5])))
+@pytest.mark.parametrize("chained", [False, True], ids=["one", "chained-relu"])
+def test_conv_as_shifted_gemms_matches_onnxruntime(case, chained):
+    """Stride-1 convolutions over large images with few channels take one GEMM per tap
+    (ops/conv.py: _conv_shifted); chained, the second reads the first's channels-last result
+    and the simplifier fuses the ReLUs into them."""
+    from ember.ops import conv
+    n, c, h, w_, m, kernel, pads = case
+    begin, end = pads[:2], pads[2:]
+    outs = conv.out_size((h, w_), kernel, (1, 1), (1, 1), begin, end)
+    assert conv._shifted_fits(rand(1, c, 1, 1), 1, kernel, (1, 1), (1, 1), begin, end, outs)
+    x, w1, b1 = rand(n, c, h, w_), rand(m, c, *kernel) / c, rand(m)
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["y" if not chained else "c1"],
+                              pads=pads)]
+    inits = [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(b1, "b1")]
+    if chained:
+        w2 = rand(16, m, 3, 3) / m
+        nodes += [helper.make_node("Relu", ["c1"], ["r1"]),
+                  helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", ["c2"], ["y"])]
+        inits.append(numpy_helper.from_array(w2, "w2"))
+    graph = helper.make_graph(nodes, "shifted", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, list(x.shape))], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    want = ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    sess = ember.load(proto)
+    got = sess.run({"x": x})["y"]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    if chained and n == 2:   # one session shared by threads: the sequential run's bits
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda _: sess.run({"x": x})["y"], range(8)))
+        for result in results:
+            np.testing.assert_array_equal(result, got)

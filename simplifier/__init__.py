@@ -24,23 +24,28 @@ from ember.simplifier.passes.cse import eliminate_common_subexpressions
 from ember.simplifier.passes.dead_code import eliminate_dead_code
 from ember.simplifier.passes.expand_functions import expand_functions
 from ember.simplifier.passes.fold_batchnorm import fold_batchnorm_into_conv
+from ember.simplifier.passes.fold_input_scale import fold_input_scale_into_matmul
 from ember.simplifier.passes.fold_not import fold_not_into_where
+from ember.simplifier.passes.fold_reshape_into_reduce import REDUCTIONS, fold_reshape_into_reduce
 from ember.simplifier.passes.fuse_activation import fuse_activations, fuse_residual_add
 from ember.simplifier.passes.fuse_attention import fuse_attention, fuse_attention_projections
 from ember.simplifier.passes.fuse_gelu import fuse_gelu
 from ember.simplifier.passes.fuse_gemm import fold_scale_into_matmul, fuse_matmul_add
 from ember.simplifier.passes.fuse_layernorm import fuse_layernorm
 from ember.simplifier.passes.merge_transpose import (gather_through_transpose, merge_reshapes,
-                                                     merge_transposes)
+                                                     merge_transposes, merge_unsqueezes)
+from ember.simplifier.passes.merge_constant_operands import merge_constant_operands
 from ember.simplifier.passes.noop import remove_noops
 from ember.simplifier.passes.shape_inference import infer_shapes
+from ember.simplifier.passes.slice_to_gather import slice_squeeze_to_gather
 from ember.simplifier.passes.widen_output_cast import widen_output_cast
 
 Pass = Callable[[Graph, Context], bool]
 
 # Order matters within a round: shapes first (later passes read them), folding and cleanup,
 # then the pattern fusions from the largest pattern to the smallest (attention and layer
-# norm before the activation fusion would take their pieces), expansion last.
+# norm before the activation fusion would take their pieces), expansion last. Constants are
+# merged after the MatMul+Add fusion has taken its bias Adds.
 PASSES: dict[str, Pass] = {
     "infer_shapes": infer_shapes,
     "constants_to_initializers": constants_to_initializers,
@@ -50,14 +55,19 @@ PASSES: dict[str, Pass] = {
     "eliminate_common_subexpressions": eliminate_common_subexpressions,
     "merge_transposes": merge_transposes,
     "merge_reshapes": merge_reshapes,
+    "merge_unsqueezes": merge_unsqueezes,
+    "slice_squeeze_to_gather": slice_squeeze_to_gather,
     "gather_through_transpose": gather_through_transpose,
+    "fold_reshape_into_reduce": fold_reshape_into_reduce,
     "fold_batchnorm_into_conv": fold_batchnorm_into_conv,
     "fuse_layernorm": fuse_layernorm,
     "fuse_gelu": fuse_gelu,
     "fuse_attention": fuse_attention,
     "fuse_attention_projections": fuse_attention_projections,
+    "fold_input_scale_into_matmul": fold_input_scale_into_matmul,
     "fuse_matmul_add": fuse_matmul_add,
     "fold_scale_into_matmul": fold_scale_into_matmul,
+    "merge_constant_operands": merge_constant_operands,
     "fuse_residual_add": fuse_residual_add,
     "fuse_activations": fuse_activations,
     "widen_output_cast": widen_output_cast,
@@ -73,6 +83,9 @@ _TRIGGERS = {
     "fuse_attention_projections": {"Attention"}, "fuse_matmul_add": {"MatMul"},
     "fold_scale_into_matmul": {"Mul"}, "fuse_residual_add": {"Add"},
     "widen_output_cast": {"Cast"}, "fold_not_into_where": {"Not"},
+    "merge_unsqueezes": {"Unsqueeze"}, "slice_squeeze_to_gather": {"Squeeze"},
+    "fold_reshape_into_reduce": set(REDUCTIONS), "fold_input_scale_into_matmul": {"MatMul", "Gemm"},
+    "merge_constant_operands": {"Add", "Mul"},
 }
 # Passes that only look at the top-level graph (subgraphs keep their own scoping rules).
 _TOP_LEVEL_ONLY = {"infer_shapes"}

@@ -41,6 +41,7 @@ class GraphIndex:
         for v in itertools.chain(graph.inputs, graph.outputs):
             self._declared.setdefault(v.name, v)
         self._taken: set[str] | None = None  # every name in the graph, once a pass asks
+        self._next_suffix: dict[str, int] = {}  # base -> the first suffix not yet tried
 
     # -- new names --------------------------------------------------------------------------
     def fresh_name(self, base: str) -> str:
@@ -48,7 +49,12 @@ class GraphIndex:
         index, not once per new name (a pass making a name per rewrite stays linear)."""
         if self._taken is None:
             self._taken = all_names(self.graph)
-        return fresh_name(self.graph, base, self._taken)
+        # numbering resumes where the last name from this base stopped: a pass that derives
+        # many constants from one weight or one scalar would otherwise retry every earlier
+        # suffix for each new name
+        name = fresh_name(self.graph, base, self._taken, self._next_suffix.get(base, 0))
+        self._next_suffix[base] = int(name.rsplit("__s", 1)[1]) + 1
+        return name
 
     def add_constant(self, base: str, value: Any) -> str:
         """Store `value` as a new initialiser named after `base`; returns its name."""
@@ -135,6 +141,15 @@ class GraphIndex:
                 self.consumers.setdefault(name, []).append(node)
         node.inputs = list(inputs)
 
+    def hand_over_read(self, name: str, removed: Node, reader: Node) -> None:
+        """`reader` now reads `name` in place of `removed` (about to be killed). Unlike
+        set_inputs this walks only `name`'s readers: a pass merging a node into the next one
+        leaves the constants `reader` stops reading listed, rather than walk every reader of a
+        widely shared constant on each merge. A stale entry only over-counts uses, which can
+        make a pass decline a rewrite but never make one wrong, and renames skip it."""
+        self.consumers[name] = [reader if n is removed else n
+                                for n in self.consumers.get(name, [])]
+
     def kill(self, *nodes: Node) -> None:
         self.dead.update(id(n) for n in nodes)
 
@@ -161,10 +176,10 @@ def drop_dead(graph: Graph, index: GraphIndex) -> None:
     graph.nodes = [n for n in graph.nodes if index.alive(n)]
 
 
-def fresh_name(graph: Graph, base: str, taken: set[str] | None = None) -> str:
-    """A value name not used anywhere in `graph` (nor in `taken`)."""
+def fresh_name(graph: Graph, base: str, taken: set[str] | None = None, first: int = 0) -> str:
+    """A value name not used anywhere in `graph` (nor in `taken`): `base`__sN, N >= `first`."""
     used = taken if taken is not None else all_names(graph)
-    for i in itertools.count():
+    for i in itertools.count(first):
         name = f"{base}__s{i}"
         if name not in used:
             used.add(name)

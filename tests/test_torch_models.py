@@ -78,7 +78,8 @@ def test_opsets_are_as_exported(exported):
 def test_portable_simplify_runs_in_onnxruntime(exported):
     """`ember.simplify` (the default target, onnx): the file loads in onnxruntime, at the
     model's own opsets with no op outside its domains, gives the original's outputs within
-    1e-5 relative, and has no more nodes than it had."""
+    1e-5 relative, and has no more nodes than it had, and fewer than onnx-simplifier leaves
+    where that is installed."""
     import onnx
 
     name, path, inputs = exported
@@ -93,7 +94,7 @@ def test_portable_simplify_runs_in_onnxruntime(exported):
     except ImportError:
         onnxsim = None
     if onnxsim is not None:
-        assert len(simplified.graph.node) <= len(onnxsim.simplify(onnx.load(path))[0].graph.node)
+        assert len(simplified.graph.node) < len(onnxsim.simplify(onnx.load(path))[0].graph.node)
     want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, inputs)
     got = ort.InferenceSession(simplified.SerializeToString(),
                                providers=["CPUExecutionProvider"]).run(None, inputs)

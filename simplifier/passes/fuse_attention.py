@@ -140,17 +140,16 @@ def fuse_attention_projections(graph: Graph, ctx: Context) -> bool:
 
 def _packed_qkv(att: Node, index: GraphIndex):
     """(projection, heads, head_size, nodes) when Q, K, V = Squeeze(Slice(Transpose(
-    Reshape(projection, [b, s, 3, heads, head_size]), [2, 0, 3, 1, 4]), i:i+1, axis 0))."""
+    Reshape(projection, [b, s, 3, heads, head_size]), [2, 0, 3, 1, 4]), i:i+1, axis 0)), or
+    a Gather of index i along axis 0 in place of the Squeeze and Slice."""
     transposes, nodes = set(), []
     for i, name in enumerate(att.inputs[:3]):
-        squeeze = index.single_use_producer(name, "Squeeze")
-        if squeeze is None or _axes_of(squeeze, index) != [0]:
+        taken = _taken_along_axis_0(name, i, index)
+        if taken is None:
             return None
-        sliced = index.single_use_producer(squeeze.inputs[0], "Slice")
-        if sliced is None or _slice_range(sliced, index) != (i, i + 1):
-            return None
-        transposes.add(sliced.inputs[0])
-        nodes += [squeeze, sliced]
+        source, taking_nodes = taken
+        transposes.add(source)
+        nodes += taking_nodes
     if len(transposes) != 1:
         return None
     permuted = transposes.pop()
@@ -168,6 +167,25 @@ def _packed_qkv(att: Node, index: GraphIndex):
             source_shape[2] != 3 * shape[3] * shape[4]:
         return None
     return reshape.inputs[0], shape[3], shape[4], nodes + [transpose, reshape]
+
+
+def _taken_along_axis_0(name: str, i: int, index: GraphIndex):
+    """(x, nodes) when `name` is x[i] along axis 0: Squeeze(Slice(x, i:i+1)), or the scalar
+    Gather that slice_squeeze_to_gather makes of it."""
+    gather = index.single_use_producer(name, "Gather")
+    if gather is not None:
+        position = index.constant(gather.inputs[1])
+        if position is None or position.ndim != 0 or int(position) != i or \
+                gather.attrs.get("axis", 0) != 0:
+            return None
+        return gather.inputs[0], [gather]
+    squeeze = index.single_use_producer(name, "Squeeze")
+    if squeeze is None or _axes_of(squeeze, index) != [0]:
+        return None
+    sliced = index.single_use_producer(squeeze.inputs[0], "Slice")
+    if sliced is None or _slice_range(sliced, index) != (i, i + 1):
+        return None
+    return sliced.inputs[0], [squeeze, sliced]
 
 
 def _merged_output(att: Node, index: GraphIndex):

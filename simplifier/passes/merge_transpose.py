@@ -1,12 +1,12 @@
 """Consecutive layout ops merged: Transpose(Transpose(x)) is one Transpose (or none), a
-Reshape of a Reshape / Flatten / Squeeze / Unsqueeze reshapes x directly, and a scalar Gather
-after a Transpose gathers from x."""
+Reshape of a Reshape / Flatten / Squeeze / Unsqueeze reshapes x directly, an Unsqueeze of an
+Unsqueeze is one Unsqueeze, and a scalar Gather after a Transpose gathers from x."""
 from __future__ import annotations
 
 import numpy as np
 from onnx import AttributeProto
 
-from ember.ir import Graph
+from ember.ir import Graph, Node
 from ember.simplifier.context import Context
 from ember.simplifier.graph import GraphIndex, alias, drop_dead
 
@@ -67,6 +67,57 @@ def merge_reshapes(graph: Graph, ctx: Context) -> bool:
     drop_dead(graph, index)
     return changed
 
+
+
+def merge_unsqueezes(graph: Graph, ctx: Context) -> bool:
+    """Unsqueeze(Unsqueeze(x, first), second) -> Unsqueeze(x, both), the first's axes moved to
+    where its new dimensions end up (dynamic dimensions stay dynamic, unlike a Reshape)."""
+    index = GraphIndex(graph)
+    changed = False
+    for outer in index.live("Unsqueeze"):
+        inner = index.single_use_producer(outer.inputs[0], "Unsqueeze")
+        rank = index.rank(inner.inputs[0]) if inner is not None else None
+        first = _unsqueeze_axes(inner, index) if inner is not None else None
+        second = _unsqueeze_axes(outer, index)
+        if rank is None or first is None or second is None:
+            continue
+        axes = merged_unsqueeze_axes(first, second, rank)
+        if axes is None:
+            continue
+        index.hand_over_read(inner.inputs[0], inner, outer)
+        if outer.version >= 13:
+            outer.inputs = [inner.inputs[0],
+                            index.add_constant(outer.inputs[1], np.array(axes, np.int64))]
+        else:
+            outer.inputs = [inner.inputs[0]]
+            outer.attrs = dict(outer.attrs, axes=axes)
+        index.kill(inner)
+        changed = True
+    drop_dead(graph, index)
+    return changed
+
+
+def merged_unsqueeze_axes(first: list[int], second: list[int], rank: int) -> list[int] | None:
+    """The axes of one Unsqueeze of a rank-`rank` tensor doing what Unsqueeze `first`, then
+    Unsqueeze `second`, do; None for axes out of range or repeated (the op's to report)."""
+    middle, final = rank + len(first), rank + len(first) + len(second)
+    if not all(-middle <= a < middle for a in first) or \
+            not all(-final <= a < final for a in second):
+        return None
+    first, second = {a % middle for a in first}, {a % final for a in second}
+    if len(first) + len(second) != final - rank:
+        return None
+    # the intermediate's dimensions fill the final positions `second` leaves free, in order
+    middle_positions = [p for p in range(final) if p not in second]
+    return sorted(second | {middle_positions[a] for a in first})
+
+
+def _unsqueeze_axes(node: Node, index: GraphIndex) -> list[int] | None:
+    if node.version >= 13:
+        value = index.constant(node.inputs[1]) if len(node.inputs) > 1 else None
+        return None if value is None else [int(a) for a in value.reshape(-1)]
+    axes = node.attrs.get("axes")
+    return [int(a) for a in axes] if axes else None
 
 
 def gather_through_transpose(graph: Graph, ctx: Context) -> bool:

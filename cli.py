@@ -1,4 +1,5 @@
-"""The `ember` command line: run a model, describe a model, check it against a reference.
+"""The `ember` command line: run a model, describe it, check it against a reference, run it
+over a dataset (`ember batch`).
 
 Exit codes: 0 success, 1 `check` found a mismatch, 2 a bad argument, model or input: an ember
 error, or a file the user named that cannot be read or written (one line on stderr, no
@@ -112,10 +113,66 @@ def _parser() -> argparse.ArgumentParser:
                                      "since-versions each backend implements, as markdown (the "
                                      "README's ops table).")
     ops.set_defaults(command=cmd_ops)
+    _add_batch_parser(sub)
     add_check_parser(sub)
     add_convert_parser(sub)
     add_simplify_parser(sub)
     return parser
+
+
+def _add_batch_parser(sub) -> None:
+    batch = sub.add_parser(
+        "batch", help="run a model over every row of a dataset (Parquet, .npy/.npz folders)",
+        description="Run a model over every row of DATA (a Parquet, .npy or .npz file, or a "
+                    "folder of them) in batches, and write one Parquet file per input file "
+                    "into the folder OUT: the input's other columns, then one column per "
+                    "model output. Each output file appears complete or not at all. The "
+                    "local engine runs in this process; --engine ray runs Ray Data actors "
+                    "(pip install ember[ray]). See the README, \"Batch inference\".")
+    batch.add_argument("model", help="path to an .onnx file")
+    batch.add_argument("data", help="a Parquet, .npy or .npz file, or a folder of them")
+    batch.add_argument("out", help="the folder for the outputs (made if missing)")
+    batch.add_argument("--batch-size", type=int_at_least(1), default=64, metavar="N",
+                       help="rows per model run (default 64)")
+    batch.add_argument("--engine", choices=("local", "ray"), default="local",
+                       help="local: this process (default); ray: Ray Data actors")
+    batch.add_argument("--workers", type=int_at_least(1), default=None, metavar="N",
+                       help="Ray actors, each loading the model once (default 1)")
+    batch.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="the Ray cluster to connect to (default: start a local Ray)")
+    batch.add_argument("--backend", default=None, help=f"one of {', '.join(BACKENDS)} "
+                                                       "(default: $EMBER_BACKEND or cpu)")
+    batch.add_argument("--gpus-per-worker", type=float, default=None, metavar="G",
+                       help="GPUs each Ray actor requests (with --backend cuda)")
+    batch.add_argument("--map", action="append", default=[], metavar="COL=INPUT",
+                       help="feed model input INPUT from column COL (repeatable; default: "
+                            "the column of the input's name)")
+    batch.add_argument("--resume", action="store_true",
+                       help="skip input files whose output file exists")
+    batch.add_argument("--on-error", choices=("fail", "skip"), default="fail",
+                       help="a row that does not fit the model: stop (default), or write it "
+                            "to OUT/STEM.errors.parquet and carry on")
+    batch.add_argument("--no-progress", action="store_true",
+                       help="no progress line (rows/s, ETA) on stderr")
+    batch.set_defaults(command=cmd_batch)
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from ember.batch import run_batch  # needs pyarrow: imported only here
+
+    column_map = parse_pairs(args.map, "--map")
+    report = run_batch(model_file(args.model), args.data, args.out, batch_size=args.batch_size,
+                       engine=args.engine, workers=args.workers, ray_address=args.ray_address,
+                       backend=args.backend, gpus_per_worker=args.gpus_per_worker,
+                       column_map=column_map, resume=args.resume, on_error=args.on_error,
+                       progress=not args.no_progress)
+    skipped = f", {report.files_skipped} skipped (--resume)" if report.files_skipped else ""
+    print(f"{report.rows:,} rows written to {report.files_written} file(s) in {args.out}"
+          f"{skipped}; {report.seconds:.1f} s, {report.rows_per_second:,.0f} rows/s")
+    if report.error_rows:
+        print(f"{report.error_rows:,} failing row(s) set aside in "
+              f"{', '.join(report.error_files)}")
+    return 0
 
 
 def _add_feed_arguments(parser: argparse.ArgumentParser) -> None:

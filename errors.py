@@ -29,6 +29,17 @@ class InputError(EmberError):
     """A feed given to run() does not match what the model declares."""
 
 
+class BadRowError(InputError):
+    """A row of a batch-inference dataset (`ember batch`) does not fit the model; names the
+    file, the row (its index within the file) and the column."""
+
+    def __init__(self, path: str, row: int, problem: str,
+                 hint: str = "--on-error skip sets failing rows aside in an errors file and "
+                             "carries on"):
+        self.path, self.row, self.problem = path, row, problem
+        super().__init__(f"{path}, row {row}, {problem}" + (f" ({hint})" if hint else ""))
+
+
 class ExecutionError(EmberError):
     """A kernel failed while running a node; names the node."""
 

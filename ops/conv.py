@@ -509,12 +509,10 @@ def _conv_shifted(x, w, kernel, begin, end, outs, bias, cache):
     # the padded image, plus kw - 1 zero rows that the last tap reads past its end
     padded = np.zeros((Hp * Wp + kw - 1, C), x.dtype)
     image = padded[:Hp * Wp].reshape(Hp, Wp, C)
-    h1, w1 = min(H, Hp - begin[0]), min(W, Wp - begin[1])   # pads may crop the input
     out = np.empty((N, Ho, Wp, M), x.dtype)
     partial = np.empty((min(_SHIFTED_CHUNK, rows), M), x.dtype)
     for n in range(N):
-        image[begin[0]:begin[0] + h1, begin[1]:begin[1] + w1] = \
-            x[n, :, :h1, :w1].transpose(1, 2, 0)
+        image[begin[0]:begin[0] + H, begin[1]:begin[1] + W] = x[n].transpose(1, 2, 0)
         flat_out = out[n].reshape(rows, M)
         for r0 in range(0, rows, _SHIFTED_CHUNK):
             r1 = min(rows, r0 + _SHIFTED_CHUNK)

@@ -54,6 +54,21 @@ def write_dataset(folder: str, column: str, x: np.ndarray, files: int,
     return paths
 
 
+def write_bad_dataset(folder, x: np.ndarray) -> str:
+    """Two files of the MLP's rows `x`; in part-1: row 1234 has 5 values, row 1500 is null,
+    row 2000 holds a NaN (it runs: a value, not a shape). Returns part-1's path."""
+    write_dataset(str(folder), "x", x, files=2, encodings=("list", "list"))
+    path = os.path.join(str(folder), "part-1.parquet")
+    table = pq.read_table(path)
+    rows = table.column("x").to_pylist()
+    rows[1234] = [1.0, 2.0, 3.0, 4.0, 5.0]
+    rows[1500] = None
+    rows[2000] = [float("nan"), 0.0, 0.0, 0.0]
+    table = table.set_column(2, "x", pa.array(rows, pa.list_(pa.float32())))
+    pq.write_table(table, path, row_group_size=ROW_GROUP)
+    return path
+
+
 def stacked(column: pa.Array) -> np.ndarray:
     """A column of equal-shaped cells as one (rows, *shape) array, by a route of its own
     (Python lists), independent of ember.batch.data."""

@@ -15,7 +15,8 @@ import pyarrow.parquet as pq  # noqa: E402
 
 import ember  # noqa: E402
 from batch_datasets import (CNN, MLP, ROW_GROUP, assert_matches_session_loop,  # noqa: E402
-                            export_tiny_cnn, session_loop, stacked, write_dataset)
+                            export_tiny_cnn, session_loop, stacked, write_bad_dataset,
+                            write_dataset)
 from ember.batch import (ERROR_COLUMN, ColumnPlan, predict_batch, read_output,  # noqa: E402
                          run_batch)
 from ember.batch.job import Progress  # noqa: E402
@@ -202,24 +203,9 @@ def test_an_interrupted_run_leaves_no_partial_output(mlp_data, tmp_path, monkeyp
     assert (report.files_skipped, report.files_written) == (1, 3)
 
 
-def _bad_dataset(folder, x):
-    """Two files of the MLP's rows; in part-1: row 1234 has 5 values, row 1500 is null,
-    row 2000 holds a NaN (it runs: a value, not a shape)."""
-    write_dataset(str(folder), "x", x, files=2, encodings=("list", "list"))
-    path = folder / "part-1.parquet"
-    table = pq.read_table(path)
-    cells = table.column("x").to_pylist()
-    cells[1234] = [1.0, 2.0, 3.0, 4.0, 5.0]
-    cells[1500] = None
-    cells[2000] = [float("nan"), 0.0, 0.0, 0.0]
-    table = table.set_column(2, "x", pa.array(cells, pa.list_(pa.float32())))
-    pq.write_table(table, path, row_group_size=ROW_GROUP)
-    return path
-
-
 def test_a_bad_row_names_its_file_row_and_column(mlp_data, tmp_path):
     data, x = mlp_data
-    path = _bad_dataset(tmp_path / "data", x[:6000])
+    path = write_bad_dataset(tmp_path / "data", x[:6000])
     out = tmp_path / "out"
     with pytest.raises(BadRowError) as info:
         run_batch(MLP, str(tmp_path / "data"), str(out))
@@ -234,7 +220,7 @@ def test_a_bad_row_names_its_file_row_and_column(mlp_data, tmp_path):
 
 def test_on_error_skip_sets_failing_rows_aside(mlp_data, tmp_path):
     data, x = mlp_data
-    _bad_dataset(tmp_path / "data", x[:6000])
+    write_bad_dataset(tmp_path / "data", x[:6000])
     out = tmp_path / "out"
     report = run_batch(MLP, str(tmp_path / "data"), str(out), on_error="skip")
     assert (report.rows, report.error_rows) == (5998, 2)
@@ -323,7 +309,7 @@ def test_cli(mlp_data, tmp_path, capsys):
     assert main(["batch", MLP, data, str(tmp_path / "out"), "--batch-size", "128",
                  "--no-progress"]) == 0
     assert "12,000 rows written to 4 file(s)" in capsys.readouterr().out
-    _bad_dataset(tmp_path / "bad", np.zeros((6000, 4), np.float32))
+    write_bad_dataset(tmp_path / "bad", np.zeros((6000, 4), np.float32))
     assert main(["batch", MLP, str(tmp_path / "bad"), str(tmp_path / "out2"),
                  "--no-progress"]) == 2
     err = capsys.readouterr().err

@@ -94,15 +94,15 @@ class Predictor:
                 else column.to_numpy(zero_copy_only=False) for name, column in result.items()}
 
 
-class _PartWorker:
+class _PartWorker(Predictor):
     """The CLI's actor: given rows {"index", "path", "part"}, runs each named part of an
     input file and returns {"index", "table"}: the part's result (predict_batch's columns,
-    failing rows and their errors included) as Arrow IPC bytes."""
+    failing rows and their errors included) as Arrow IPC bytes. It loads its session and
+    plan as Predictor does."""
 
     def __init__(self, model: str, backend: str | None, column_map: Mapping[str, str],
                  batch_size: int, threads: int | None = None):
-        self.session = load(model, backend, threads=threads or _assigned_cpus())
-        self.plan = ColumnPlan.build(self.session.inputs, self.session.outputs, column_map)
+        super().__init__(model, backend, column_map, threads)
         self.batch_size = batch_size
         self.npy_column = self.session.inputs[0].name if len(self.session.inputs) == 1 else None
         self._source = None  # the last file opened: parts of a file come in order

@@ -28,17 +28,28 @@ ACTIVATIONS = ("", "Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid"
                "Gelu")
 
 
+# the ONNX defaults of the activation parameters a fusion may leave out
+_PARAMETER_DEFAULTS = {"LeakyRelu": [0.01], "Clip": [-np.inf, np.inf], "HardSigmoid": [0.2, 0.5]}
+
+
+def _with_defaults(name: str, params: list[float]) -> list[float]:
+    """`params` of activation `name`, the missing trailing ones filled with ONNX's defaults."""
+    defaults = _PARAMETER_DEFAULTS.get(name, [])
+    return list(params) + defaults[len(params):]
+
+
 def activate_in_place(xp, y, name: str, params: list[float]) -> None:
     """y = `name`(y), written into y (a writable float array of namespace `xp`)."""
-    t = y.dtype.type
     if not name:
         return
+    t = y.dtype.type
+    params = _with_defaults(name, params)
     if name == "Relu":
         xp.maximum(y, 0, out=y)
     elif name == "LeakyRelu":
-        xp.copyto(y, y * t(params[0] if params else 0.01), where=y < 0)
+        xp.copyto(y, y * t(params[0]), where=y < 0)
     elif name == "Clip":
-        lo, hi = (params + [-np.inf, np.inf][len(params):])[:2]
+        lo, hi = params[:2]
         xp.clip(y, lo, hi, out=y)
     elif name == "Sigmoid":
         with np.errstate(over="ignore"):
@@ -49,7 +60,7 @@ def activate_in_place(xp, y, name: str, params: list[float]) -> None:
     elif name == "Tanh":
         xp.tanh(y, out=y)
     elif name == "HardSigmoid":
-        alpha, beta = (params + [0.2, 0.5][len(params):])[:2]
+        alpha, beta = params[:2]
         y *= t(alpha)
         y += t(beta)
         xp.clip(y, 0, 1, out=y)
@@ -139,10 +150,9 @@ def _epilogue_compiled(y, row, z, activation: str, params: list[float]) -> bool:
         y += z        # another layout: numpy adds it; the kernel does the rest
         z = None
     rows = y.transpose(order).reshape(-1, y.shape[order[-1]])    # y's memory, as rows
-    no_bias, no_residual = _EPILOGUE_EMPTY[y.dtype.type]
+    no_bias, no_residual = _EPILOGUE_EMPTY[t]
     residual = no_residual if z is None else z.transpose(order).reshape(rows.shape)
-    defaults = {2: [0.01, 0.0], 3: [-np.inf, np.inf], 4: [0.2, 0.5]}.get(code, [0.0, 0.0])
-    p0, p1 = (list(params) + defaults[len(params):])[:2]
+    p0, p1 = (_with_defaults(activation, params) + [0.0, 0.0])[:2]   # (unused ones: 0)
     _compiled.split_rows(kernel, rows.shape[0], rows, no_bias if row is None else row, residual,
                          code, t(p0), t(p1), min_rows=max(1, _EPILOGUE_MIN // rows.shape[1]))
     return True

@@ -172,6 +172,20 @@ def _reads(node: Node) -> Iterable[str]:
             yield name
 
 
+def squeeze_axes(node: Node, index: GraphIndex, default: list[int] | None = None
+                 ) -> list[int] | None:
+    """The `axes` a Squeeze or Unsqueeze is given, as given (an attribute before opset 13, a
+    constant input from 13 on); `default` where none are given, None where they are
+    computed."""
+    if node.version < 13:
+        axes = node.attrs.get("axes")
+        return default if axes is None else [int(a) for a in axes]
+    if len(node.inputs) < 2 or not node.inputs[1]:
+        return default
+    value = index.constant(node.inputs[1])
+    return None if value is None else [int(a) for a in value.reshape(-1)]
+
+
 def drop_dead(graph: Graph, index: GraphIndex) -> None:
     graph.nodes = [n for n in graph.nodes if index.alive(n)]
 

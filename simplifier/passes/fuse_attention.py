@@ -16,7 +16,7 @@ from onnx import AttributeProto
 
 from ember.ir import Graph, Node
 from ember.simplifier.context import Context
-from ember.simplifier.graph import GraphIndex, drop_dead
+from ember.simplifier.graph import GraphIndex, drop_dead, squeeze_axes
 
 _INT, _FLOAT = AttributeProto.INT, AttributeProto.FLOAT
 
@@ -180,7 +180,7 @@ def _taken_along_axis_0(name: str, i: int, index: GraphIndex):
             return None
         return gather.inputs[0], [gather]
     squeeze = index.single_use_producer(name, "Squeeze")
-    if squeeze is None or _axes_of(squeeze, index) != [0]:
+    if squeeze is None or squeeze_axes(squeeze, index) != [0]:
         return None
     sliced = index.single_use_producer(squeeze.inputs[0], "Slice")
     if sliced is None or _slice_range(sliced, index) != (i, i + 1):
@@ -204,15 +204,6 @@ def _merged_output(att: Node, index: GraphIndex):
             after != (before[0], before[1], before[2] * before[3]):
         return None
     return reshape.outputs[0], [transpose, reshape]
-
-
-def _axes_of(node: Node, index: GraphIndex) -> list[int] | None:
-    if node.version >= 13:
-        if len(node.inputs) < 2:
-            return None
-        value = index.constant(node.inputs[1])
-        return None if value is None else [int(a) for a in value.reshape(-1)]
-    return list(node.attrs.get("axes", [])) or None
 
 
 def _slice_range(node: Node, index: GraphIndex) -> tuple[int, int] | None:

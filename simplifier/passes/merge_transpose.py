@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 from onnx import AttributeProto
 
-from ember.ir import Graph, Node
+from ember.ir import Graph
 from ember.simplifier.context import Context
-from ember.simplifier.graph import GraphIndex, alias, drop_dead
+from ember.simplifier.graph import GraphIndex, alias, drop_dead, squeeze_axes
 
 _RESHAPE_LIKE = {"Reshape", "Flatten", "Squeeze", "Unsqueeze"}
 
@@ -77,9 +77,9 @@ def merge_unsqueezes(graph: Graph, ctx: Context) -> bool:
     for outer in index.live("Unsqueeze"):
         inner = index.single_use_producer(outer.inputs[0], "Unsqueeze")
         rank = index.rank(inner.inputs[0]) if inner is not None else None
-        first = _unsqueeze_axes(inner, index) if inner is not None else None
-        second = _unsqueeze_axes(outer, index)
-        if rank is None or first is None or second is None:
+        first = squeeze_axes(inner, index) if inner is not None else None
+        second = squeeze_axes(outer, index)
+        if rank is None or not first or not second:  # (Unsqueeze needs axes)
             continue
         axes = merged_unsqueeze_axes(first, second, rank)
         if axes is None:
@@ -110,14 +110,6 @@ def merged_unsqueeze_axes(first: list[int], second: list[int], rank: int) -> lis
     # the intermediate's dimensions fill the final positions `second` leaves free, in order
     middle_positions = [p for p in range(final) if p not in second]
     return sorted(second | {middle_positions[a] for a in first})
-
-
-def _unsqueeze_axes(node: Node, index: GraphIndex) -> list[int] | None:
-    if node.version >= 13:
-        value = index.constant(node.inputs[1]) if len(node.inputs) > 1 else None
-        return None if value is None else [int(a) for a in value.reshape(-1)]
-    axes = node.attrs.get("axes")
-    return [int(a) for a in axes] if axes else None
 
 
 def gather_through_transpose(graph: Graph, ctx: Context) -> bool:

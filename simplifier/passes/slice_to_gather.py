@@ -8,7 +8,7 @@ from onnx import AttributeProto
 
 from ember.ir import Graph, Node
 from ember.simplifier.context import Context
-from ember.simplifier.graph import GraphIndex, drop_dead
+from ember.simplifier.graph import GraphIndex, drop_dead, squeeze_axes
 
 
 def slice_squeeze_to_gather(graph: Graph, ctx: Context) -> bool:
@@ -67,16 +67,9 @@ def squeezed_axes(node: Node, index: GraphIndex) -> list[int] | None:
     shape = index.static_shape(node.inputs[0])
     if shape is None:
         return None
-    if node.version >= 13:
-        given = index.constant(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] \
-            else None
-        if len(node.inputs) > 1 and node.inputs[1] and given is None:
-            return None
-        axes = None if given is None else [int(a) for a in given.reshape(-1)]
-    else:
-        axes = node.attrs.get("axes")
+    axes = squeeze_axes(node, index, default=[i for i, d in enumerate(shape) if d == 1])
     if axes is None:
-        return [i for i, d in enumerate(shape) if d == 1]
+        return None
     if not all(-len(shape) <= a < len(shape) for a in axes):
         return None
     return sorted({int(a) % len(shape) for a in axes})

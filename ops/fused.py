@@ -75,8 +75,9 @@ def activate_in_place(xp, y, name: str, params: list[float]) -> None:
         raise ValueError(f"unknown fused activation {name!r}")
 
 
-def epilogue(xp, y, bias, z, activation: str, params: list[float]):
-    """activation(y + bias + z), with `bias` broadcast over y's last axis and `z` of y's shape.
+def epilogue(xp, y, bias, z, activation: str, params: list[float], channel_bias=None):
+    """activation(y + bias + z), with `bias` broadcast over y's last axis (or `channel_bias`,
+    a convolution's, over axis 1) and `z` of y's shape.
 
     On a fresh dense float `y` (the usual case: C-contiguous, or the channels-last view a
     CPU convolution returns) every step writes into y: no new arrays. Each step is one call
@@ -84,20 +85,26 @@ def epilogue(xp, y, bias, z, activation: str, params: list[float]):
     on ResNet-50's convolutions), while GELU, a long formula, blocks inside `gelu`. Anything
     else (integer products, a bias of another shape) takes steps that allocate.
     """
-    row = None
-    if bias is not None and y.ndim and bias.size == y.shape[-1] and y.ndim >= bias.ndim \
+    row = channels = None
+    if channel_bias is not None:
+        channels = channel_bias.reshape(-1).astype(y.dtype, copy=False)
+        bias = channels.reshape((-1,) + (1,) * (y.ndim - 2))     # over axis 1
+    elif bias is not None and y.ndim and bias.size == y.shape[-1] and y.ndim >= bias.ndim \
             and all(d == 1 for d in bias.shape[:-1]):
         row = bias.reshape(-1).astype(y.dtype, copy=False)
     # (cupy's flags have no `writeable`: device arrays are always writable)
     # a fresh dense result: C-ordered, or the channels-last view a CPU convolution returns
     dense = y.ndim and (y.flags.c_contiguous or _channels_last(y))
     if y.dtype.kind != "f" or not dense or not getattr(y.flags, "writeable", True) or \
-            (bias is not None and row is None) or (z is not None and z.dtype != y.dtype):
+            (bias is not None and row is None and channels is None) or \
+            (z is not None and z.dtype != y.dtype):
         return _epilogue_whole(xp, y, bias, z, activation, params)
-    if xp is np and _epilogue_compiled(y, row, z, activation, params):
+    if xp is np and _epilogue_compiled(y, row, z, activation, params, channels):
         return y
     if row is not None:
         y += row
+    if channels is not None:
+        y += bias
     if z is not None:
         y += z
     activate_in_place(xp, y, activation, params)
@@ -124,51 +131,87 @@ def _epilogue_whole(xp, y, bias, z, activation, params):
 _EPILOGUE_CODES = {"": 0, "Relu": 1, "LeakyRelu": 2, "Clip": 3, "HardSigmoid": 4,
                    "HardSwish": 5}
 _EPILOGUE_MIN = 1 << 14  # elements; below, numpy's passes are as fast as a compiled call
+_EPILOGUE_NS = 0.3       # its time per element, ~0.15-0.35 ns measured here (split_rows)
 _EPILOGUE_EMPTY = {t: (np.empty(0, t), np.empty((0, 0), t)) for t in (np.float32, np.float64)}
 
 
-def _epilogue_compiled(y, row, z, activation: str, params: list[float]) -> bool:
-    """activation(y + row + z) into y by the compiled kernel, where it applies: a float32 /
-    float64 `y` of at least _EPILOGUE_MIN elements, C-ordered or channels-last, an activation
-    it knows; `row` (over y's last axis) only on a C-ordered y. Returns whether it ran."""
+def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels=None) -> bool:
+    """activation(y + row + z), or with `channels` (one bias per channel, y's axis 1) for
+    `row`, into y by the compiled kernel where it applies: a float32 / float64 `y` of at least
+    _EPILOGUE_MIN elements, C-ordered or channels-last, an activation it knows; `row` (over
+    y's last axis) only on a C-ordered y. Returns whether it ran."""
     code = _EPILOGUE_CODES.get(activation)
     if code is None or y.size < _EPILOGUE_MIN or y.dtype.type not in _EPILOGUE_EMPTY:
         return False
-    if code == 0 and row is None and z is None:
+    if code == 0 and row is None and channels is None and z is None:
         return True                            # nothing to do
-    if y.flags.c_contiguous:
-        order = tuple(range(y.ndim))
-    elif row is None:
-        order = (0, *range(2, y.ndim), 1)      # channels-last: the channels are the rows' axis
-    else:
-        return False
     kernel = _compiled.jit(_epilogue_loops)
     if kernel is None:
         return False
+    bias, per_row = _EPILOGUE_EMPTY[y.dtype.type][0], False
+    if y.flags.c_contiguous:
+        order = tuple(range(y.ndim))
+        if row is not None:
+            rows = y.reshape(-1, y.shape[-1])
+            bias = row
+        elif channels is not None:             # a bias per row of pixels
+            rows = y.reshape(y.shape[0] * y.shape[1], -1)
+            bias, per_row = channels, True
+        else:                                  # any rows: long ones
+            rows = y.reshape(-1, _row_length(y.shape))
+    elif row is None:
+        order = (0, *range(2, y.ndim), 1)      # channels-last: the channels are the rows' axis
+        rows = y.transpose(order).reshape(-1, y.shape[1])
+        if channels is not None:
+            bias = channels
+    else:
+        return False
     t = y.dtype.type
     if z is not None and z.strides != y.strides:
-        y += z        # another layout: numpy adds it; the kernel does the rest
-        z = None
-    rows = y.transpose(order).reshape(-1, y.shape[order[-1]])    # y's memory, as rows
-    no_bias, no_residual = _EPILOGUE_EMPTY[t]
-    residual = no_residual if z is None else z.transpose(order).reshape(rows.shape)
+        z = _in_layout_of(y, z)
+    residual = _EPILOGUE_EMPTY[t][1] if z is None else z.transpose(order).reshape(rows.shape)
     p0, p1 = (_with_defaults(activation, params) + [0.0, 0.0])[:2]   # (unused ones: 0)
-    _compiled.split_rows(kernel, rows.shape[0], rows, no_bias if row is None else row, residual,
-                         code, t(p0), t(p1), min_rows=max(1, _EPILOGUE_MIN // rows.shape[1]))
+    _compiled.split_rows(kernel, rows.shape[0], rows, bias, per_row, residual, code, t(p0), t(p1),
+                         ns_per_row=_EPILOGUE_NS * rows.shape[1])
     return True
 
 
-def _epilogue_loops(y, bias, z, code, p0, p1, row0, row1):  # pragma: no cover - numba
-    """Rows [row0, row1) of y (rows, C) in place: y + bias (C,) if given, + z (rows, C) if
-    given, then activation `code` (_EPILOGUE_CODES) with parameters p0, p1; each step
-    rounded as numpy's in-place ufuncs round it (activate_in_place). One loop per step over
-    a row, which is in L1 by then: branch-free loops that LLVM vectorises."""
+def _row_length(shape) -> int:
+    """A row length for the kernel over C-ordered memory of `shape`: its trailing axes
+    together, as few as make a row of 1024 values (rows of 7 or 49 values, a small
+    feature map's, would cost a loop each)."""
+    length = 1
+    for d in reversed(shape):
+        length *= d
+        if length >= 1024:
+            break
+    return max(1, length)
+
+
+def _in_layout_of(y, z):
+    """z copied into y's memory layout (a residual laid out otherwise): the kernel reads both
+    as the same rows."""
+    out = np.empty_like(y)          # y's strides (numpy keeps the layout of a dense y)
+    out[...] = z
+    return out
+
+
+def _epilogue_loops(y, bias, bias_per_row, z, code, p0, p1, row0, row1):  # pragma: no cover
+    """Rows [row0, row1) of y (rows, C) in place: y + bias if given, along each row (bias
+    (C,)) or, with `bias_per_row`, bias[i % bias.size] over all of row i; + z (rows, C) if
+    given; then activation `code` (_EPILOGUE_CODES) with parameters p0, p1. Each step rounded
+    as numpy's in-place ufuncs round it (activate_in_place). One loop per step over a row,
+    which is in L1 by then: branch-free loops that LLVM vectorises (numba)."""
     C = y.shape[1]
     one, zero, sixth, half = y.dtype.type(1), y.dtype.type(0), y.dtype.type(1 / 6), \
         y.dtype.type(0.5)
     for i in range(row0, row1):
         out = y[i]
-        if bias.size:
+        if bias.size and bias_per_row:
+            b = bias[i % bias.size]
+            for c in range(C):
+                out[c] = out[c] + b
+        elif bias.size:
             for c in range(C):
                 out[c] = out[c] + bias[c]
         if z.size:
@@ -212,10 +255,11 @@ class _Activated(OpImpl):
         self.activation_args = [float(v) for v in (getattr(self, "activation_params", None)
                                                    or [])]
 
-    def finish(self, y, bias=None, z=None):
+    def finish(self, y, bias=None, z=None, channel_bias=None):
         if z is not None and z.shape != y.shape:
             raise self.fail(f"residual Z has shape {z.shape}, the result {y.shape}")
-        return epilogue(self.xp, y, bias, z, self.activation_name, self.activation_args)
+        return epilogue(self.xp, y, bias, z, self.activation_name, self.activation_args,
+                        channel_bias)
 
 
 @register("FusedConv", versions=[1], domain=DOMAIN)
@@ -225,6 +269,11 @@ class FusedConv(Conv, _Activated):
         self._activation_setup()
 
     def run(self, x, w, b=None, z=None):
+        if b is not None and self.xp is np and x.dtype in (np.float32, np.float64) \
+                and b.size == w.shape[0] and x.ndim >= 3:
+            # the epilogue's pass adds the bias: the convolution then neither copies its
+            # input beside a ones row nor makes a pass of its own over the output for it
+            return self.finish(super().run(x, w), z=z, channel_bias=b)
         return self.finish(super().run(x, w, b), z=z)
 
 

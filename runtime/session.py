@@ -18,6 +18,7 @@ from ember.importer import ModelSource, import_model
 from ember.log import logger
 from ember.ir import Dim, MapType, Model, OptionalType, SequenceType, TensorType, ValueInfo
 from ember.runtime.backends import Backend, get_backend
+from ember.runtime import memory as _memory
 from ember.runtime import threads as _threads
 from ember.runtime.executor import Plan
 from ember.runtime.profiler import Profiler
@@ -80,6 +81,7 @@ class Session:
         # the largest tensor a node may produce (ember.limits); default: half the memory
         self.max_tensor_bytes = limits.resolve(max_tensor_bytes)
         _threads.refresh()  # the BLAS libraries loaded by now
+        _memory.keep_freed_memory()  # the next run's arrays reuse this one's pages
         self._backend = get_backend(backend)  # a Backend instance is used as it is
         self.backend = self._backend.name
         graph = model.graph

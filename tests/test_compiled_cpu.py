@@ -24,6 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import ember
 from ember.ops import _compiled, activations, conv, fused, reduction, rnn
+from ember.runtime import threads
 
 ort = pytest.importorskip("onnxruntime")
 F = TensorProto.FLOAT
@@ -87,11 +88,30 @@ def test_depthwise_matches_onnxruntime(kernel, case, batch, pointwise_first):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_split_rows_hands_out_pieces_only_where_each_has_enough_work(monkeypatch):
+    """Pieces go to the pool only with MIN_PIECE_NS of work each (a piece handed over right
+    after a GEMM waits for OpenBLAS's spinning workers): small jobs stay on the caller."""
+    monkeypatch.setattr(threads, "run_threads", lambda: 2)
+    pieces = []
+
+    def record(row0, row1):
+        pieces.append((row0, row1))
+
+    _compiled.split_rows(record, 100, ns_per_row=_compiled.MIN_PIECE_NS / 60)
+    assert pieces == [(0, 100)]
+    pieces.clear()
+    _compiled.split_rows(record, 100, ns_per_row=_compiled.MIN_PIECE_NS / 40)
+    assert sorted(pieces) == [(0, 50), (50, 100)]
+
+
 @pytest.mark.parametrize("stride, dilation, pad", [(1, 1, 1), (2, 1, 1), (1, 2, 2), (2, 1, 0)])
-def test_rows_split_among_threads_give_the_same_bits(kernel, stride, dilation, pad):
+def test_rows_split_among_threads_give_the_same_bits(kernel, stride, dilation, pad,
+                                                    monkeypatch):
     """A run with several threads splits the output rows among them: every split must give
     the bits of one thread doing all rows (BLAS's thread count may change a GEMM's rounding;
     this kernel's must not)."""
+    monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)  # split even this small image
+    monkeypatch.setattr(threads, "run_threads", lambda: 3)
     if kernel != "numba":
         pytest.skip("the row split is the numba kernel's")
     compiled = conv._numba_depthwise3x3()
@@ -319,8 +339,11 @@ EPILOGUES = [("", []), ("Relu", []), ("LeakyRelu", [0.1]), ("Clip", [0.0, 6.0]),
 @pytest.mark.parametrize("activation,params", EPILOGUES, ids=lambda v: str(v))
 @pytest.mark.parametrize("layout", ["c-ordered", "channels-last", "mixed"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bias_over", ["last axis", "channels"])
 def test_compiled_epilogue_gives_the_numpy_epilogues_bits(activation, params, layout, dtype,
-                                                          monkeypatch):
+                                                          bias_over, monkeypatch):
+    """Bias over the last axis (FusedMatMul's) on C-ordered results; over the channels (a
+    FusedConv's) on every layout."""
     pytest.importorskip("numba")
     monkeypatch.delenv("EMBER_NUMBA", raising=False)
     rng = np.random.default_rng(len(activation) + len(layout))
@@ -333,12 +356,19 @@ def test_compiled_epilogue_gives_the_numpy_epilogues_bits(activation, params, la
     if layout == "channels-last":
         z = np.ascontiguousarray(z.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
     bias = rng.standard_normal(31).astype(dtype) if layout == "c-ordered" else None
+    channels = None
+    if bias_over == "channels":
+        bias, channels = None, rng.standard_normal(24).astype(dtype)
     assert y.size >= fused._EPILOGUE_MIN
     compiled, numpy_ = y.copy(order="K"), y.copy(order="K")
-    assert fused._epilogue_compiled(compiled, bias, z, activation, params)
+    assert fused._epilogue_compiled(compiled, bias, z, activation, params, channels)
     monkeypatch.setattr(fused, "_EPILOGUE_MIN", 1 << 62)    # the numpy epilogue
-    assert fused.epilogue(np, numpy_, bias, z, activation, params) is numpy_
+    assert fused.epilogue(np, numpy_, bias, z, activation, params, channels) is numpy_
     np.testing.assert_array_equal(compiled, numpy_)
+    if channels is not None:   # and numpy's own broadcast, written out
+        want = y + channels.reshape(24, 1, 1) + z
+        fused.activate_in_place(np, want, activation, params)
+        np.testing.assert_array_equal(numpy_, want)
 
 
 def test_conv_add_relu_fused_matches_onnxruntime_with_the_compiled_epilogue():
@@ -364,3 +394,47 @@ def test_conv_add_relu_fused_matches_onnxruntime_with_the_compiled_epilogue():
     want = ort.InferenceSession(proto.SerializeToString(),
                                 providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(sess.run({"x": x})["y"], want, rtol=1e-5, atol=1e-5)
+
+
+# Conv(bias) -> activation, one case per CPU convolution kernel: (input channels, output
+# channels, image size, kernel, group, stride, activation). The bias reaches FusedConv's
+# epilogue, over channels-first or channels-last results. "channels-last" puts a depthwise
+# convolution first, whose channels-last result the pointwise one keeps.
+BIASED_CONVS = {
+    "im2col": (3, 32, 40, 3, 1, 2, "Relu"),
+    "pointwise": (24, 48, 30, 1, 1, 1, "Clip"),
+    "pointwise, channels-last": (24, 48, 30, 1, 1, 1, "Relu"),
+    "pointwise strided": (24, 16, 30, 1, 1, 2, "HardSwish"),
+    "depthwise": (40, 40, 30, 3, 40, 1, "Clip"),
+    "shifted": (16, 24, 70, 3, 1, 1, "LeakyRelu"),
+    "grouped": (32, 64, 20, 3, 4, 1, "Relu"),
+}
+
+
+@pytest.mark.parametrize("case", list(BIASED_CONVS))
+def test_fused_conv_bias_in_the_epilogue_matches_onnxruntime(case):
+    c, m, size, k, group, stride, activation = BIASED_CONVS[case]
+    rng = np.random.default_rng(len(case))
+    inits = [numpy_helper.from_array(
+        (rng.standard_normal((m, c // group, k, k)) / k).astype(np.float32), "w"),
+        numpy_helper.from_array(rng.standard_normal(m).astype(np.float32), "b")]
+    attrs = {"min": 0.0, "max": 6.0} if activation == "Clip" else {}
+    if activation == "Clip":   # opset 11+: min and max are inputs
+        inits += [numpy_helper.from_array(np.float32(v), n) for n, v in attrs.items()]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], group=group, strides=[stride] * 2,
+                              pads=[k // 2] * 4),
+             helper.make_node(activation, ["c"] + list(attrs), ["y"])]
+    if case == "pointwise, channels-last":
+        inits.append(numpy_helper.from_array(
+            rng.standard_normal((c, 1, 3, 3)).astype(np.float32), "dw"))
+        nodes.insert(0, helper.make_node("Conv", ["x0", "dw"], ["x"], group=c, pads=[1] * 4))
+    first = nodes[0].input[0]
+    graph = helper.make_graph(nodes, "biased", [helper.make_tensor_value_info(
+        first, F, [2, c, size, size])], [helper.make_tensor_value_info("y", F, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    sess = ember.load(proto.SerializeToString())
+    assert [op for _, op, _ in sess.placement][-1] == "FusedConv"
+    x = rng.standard_normal((2, c, size, size)).astype(np.float32)
+    want = ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {first: x})[0]
+    np.testing.assert_allclose(sess.run({first: x})["y"], want, rtol=1e-5, atol=1e-5)

@@ -159,6 +159,16 @@ def compute_dtype(dtype):
     return np.float64 if dtype == np.float64 else np.float32
 
 
+def _remembered(cache, key, make):
+    """`make()`, kept in `cache` (conv_nd's per-weight dict, or None) under `key`: weights
+    rearranged for a kernel are built once per constant weight."""
+    if cache is None:
+        return make()
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
 def _windows(xp, padded, kernel, strides, dilations, outs):
     """Read-only view (N, C, *kernel, *outs) of the padded input `padded` (N, C, *spatial)."""
     n = len(kernel)
@@ -197,15 +207,12 @@ def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, 
     def augmented():
         # weights with the bias as an extra column, matched by a row of ones in the patches:
         # the GEMM then writes the biased result directly (no extra pass over the output)
-        key = "aug"
-        if cache is not None and key in cache:
-            return cache[key]
-        wa = xp.empty((group, Mg, Cg * K + 1), x.dtype)
-        wa[:, :, :-1] = w.reshape(group, Mg, Cg * K)
-        wa[:, :, -1] = bias.reshape(group, Mg)
-        if cache is not None:
-            cache[key] = wa
-        return wa
+        def make():
+            wa = xp.empty((group, Mg, Cg * K + 1), x.dtype)
+            wa[:, :, :-1] = w.reshape(group, Mg, Cg * K)
+            wa[:, :, -1] = bias.reshape(group, Mg)
+            return wa
+        return _remembered(cache, "aug", make)
 
     def gemm(wm, cols):
         if group == 1:
@@ -315,12 +322,8 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache):
             xt = x.transpose(0, 2, 3, 1)
             if not xt.flags.c_contiguous:
                 xt = np.ascontiguousarray(xt)
-            key = ("dw-3x3",)
-            wt = None if cache is None else cache.get(key)
-            if wt is None:
-                wt = np.ascontiguousarray(w.reshape(C, 3, 3).transpose(1, 2, 0))
-                if cache is not None:
-                    cache[key] = wt
+            wt = _remembered(cache, "dw-3x3", lambda: np.ascontiguousarray(
+                w.reshape(C, 3, 3).transpose(1, 2, 0)))
             out = np.empty((N, Oh, Ow, C), x.dtype)
             b = np.zeros(C, x.dtype) if bias is None else np.ascontiguousarray(bias)
             _run_depthwise3x3(compiled, xt, wt, b, out, begin[0], begin[1], sh, sw, dh, dw)
@@ -346,16 +349,13 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache):
         if hi > lo:
             c0 = ph + sw * lo - b1
             rows[:, :, lo:hi] = xt[:, :, c0:c0 + sw * (hi - lo - 1) + 1:sw]
-    key = ("dw-rows", Ow)
-    wt = None if cache is None else cache.get(key)
-    if wt is None:
+    def row_weights():
         wt = np.zeros((kh, sw, ndj, Ow, C), x.dtype)
         taps = w.reshape(C, kh, kw)
         for j in range(kw):
             wt[:, (j * dw) % sw, (j * dw) // sw] = taps[:, :, j].T[:, None, :]
-        wt = wt.reshape(kh, sw, ndj, Ow * C)
-        if cache is not None:
-            cache[key] = wt
+        return wt.reshape(kh, sw, ndj, Ow * C)
+    wt = _remembered(cache, ("dw-rows", Ow), row_weights)
     st = Q.strides
     win = np.lib.stride_tricks.as_strided(
         Q, (kh, sw, ndj, N, Oh, Ow * C),
@@ -443,13 +443,12 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
     if group == 1 and bias is not None and C < M:
         # fewer inputs than outputs: the bias rides along as an extra weight row matched by a
         # column of ones (a copy of the smaller input instead of a pass over the output)
-        wa = None if cache is None else cache.get("pw-cl-aug")
-        if wa is None:
+        def make():
             wa = np.empty((C + 1, M), x.dtype)
             wa[:C] = w.reshape(M, C).T
             wa[C] = bias
-            if cache is not None:
-                cache["pw-cl-aug"] = wa
+            return wa
+        wa = _remembered(cache, "pw-cl-aug", make)
         xa = np.empty((L, C + 1), x.dtype)
         xa[:, :C].reshape(xt.shape)[...] = xt
         xa[:, C] = 1
@@ -500,12 +499,8 @@ def _conv_shifted(x, w, kernel, begin, end, outs, bias, cache):
     M = w.shape[0]
     (kh, kw), (Ho, Wo) = kernel, outs
     Hp, Wp = Ho + kh - 1, Wo + kw - 1
-    key = ("shifted",)
-    taps = None if cache is None else cache.get(key)
-    if taps is None:
-        taps = np.ascontiguousarray(w.transpose(2, 3, 1, 0)).reshape(kh * kw, C, M)
-        if cache is not None:
-            cache[key] = taps
+    taps = _remembered(cache, "shifted", lambda: np.ascontiguousarray(
+        w.transpose(2, 3, 1, 0)).reshape(kh * kw, C, M))
     offsets = [i * Wp + j for i in range(kh) for j in range(kw)]
     rows = Ho * Wp
     # the padded image, plus kw - 1 zero rows that the last tap reads past its end

@@ -103,8 +103,8 @@ def epilogue(xp, y, bias, z, activation: str, params: list[float], channel_bias=
         return y
     if row is not None:
         y += row
-    if channels is not None:
-        y += bias
+    elif channels is not None:
+        y += bias                                                 # the channels, broadcast
     if z is not None:
         y += z
     activate_in_place(xp, y, activation, params)
@@ -148,7 +148,8 @@ def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels
     kernel = _compiled.jit(_epilogue_loops)
     if kernel is None:
         return False
-    bias, per_row = _EPILOGUE_EMPTY[y.dtype.type][0], False
+    t = y.dtype.type
+    (bias, no_residual), per_row = _EPILOGUE_EMPTY[t], False
     if y.flags.c_contiguous:
         order = tuple(range(y.ndim))
         if row is not None:
@@ -166,10 +167,9 @@ def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels
             bias = channels
     else:
         return False
-    t = y.dtype.type
     if z is not None and z.strides != y.strides:
         z = _in_layout_of(y, z)
-    residual = _EPILOGUE_EMPTY[t][1] if z is None else z.transpose(order).reshape(rows.shape)
+    residual = no_residual if z is None else z.transpose(order).reshape(rows.shape)
     p0, p1 = (_with_defaults(activation, params) + [0.0, 0.0])[:2]   # (unused ones: 0)
     _compiled.split_rows(kernel, rows.shape[0], rows, bias, per_row, residual, code, t(p0), t(p1),
                          ns_per_row=_EPILOGUE_NS * rows.shape[1])

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from ember.ir import Graph, Node, TensorType
+from ember.ops.registry import lookup
 
 
 class GraphIndex:
@@ -184,6 +185,13 @@ def squeeze_axes(node: Node, index: GraphIndex, default: list[int] | None = None
         return default
     value = index.constant(node.inputs[1])
     return None if value is None else [int(a) for a in value.reshape(-1)]
+
+
+def axes_are_input(node: Node) -> bool:
+    """Whether a reduction at its opset takes its axes as an input rather than an attribute
+    (ReduceSum from 13, the others from 18), as its implementation declares."""
+    impl = lookup(node.domain, node.op_type, node.version)
+    return bool(getattr(impl, "axes_from_input", False))
 
 
 def drop_dead(graph: Graph, index: GraphIndex) -> None:

@@ -7,7 +7,7 @@ from onnx import AttributeProto
 
 from ember.ir import Graph, Node
 from ember.simplifier.context import Context
-from ember.simplifier.graph import GraphIndex, drop_dead
+from ember.simplifier.graph import GraphIndex, axes_are_input, drop_dead
 
 REDUCTIONS = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
               "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")
@@ -47,10 +47,9 @@ def reduced_axes(node: Node, index: GraphIndex) -> set[int] | None:
     """The axes a reduction reduces, non-negative; None where they are not known (axes from
     a computed input) or where there are none (noop_with_empty_axes=1: the identity)."""
     rank = index.rank(node.inputs[0])
-    axes_as_input = node.version >= (13 if node.op_type == "ReduceSum" else 18)
     if rank is None:
         return None
-    if axes_as_input:
+    if axes_are_input(node):
         given = node.inputs[1] if len(node.inputs) > 1 else ""
         value = index.constant(given) if given else None
         if given and value is None:

@@ -7,7 +7,7 @@ from onnx import AttributeProto
 
 from ember.ir import Graph, Node
 from ember.simplifier.context import Context
-from ember.simplifier.graph import GraphIndex, drop_dead
+from ember.simplifier.graph import GraphIndex, axes_are_input, drop_dead
 
 
 def fuse_layernorm(graph: Graph, ctx: Context) -> bool:
@@ -87,7 +87,7 @@ def _axes(reduce: Node, index: GraphIndex, rank: int | None) -> int | None:
     keepdims; else None."""
     if not reduce.attrs.get("keepdims", 1):
         return None
-    if reduce.version >= 18:
+    if axes_are_input(reduce):
         if len(reduce.inputs) < 2 or not reduce.inputs[1]:
             return None
         value = index.constant(reduce.inputs[1])

@@ -68,7 +68,6 @@ def merge_reshapes(graph: Graph, ctx: Context) -> bool:
     return changed
 
 
-
 def merge_unsqueezes(graph: Graph, ctx: Context) -> bool:
     """Unsqueeze(Unsqueeze(x, first), second) -> Unsqueeze(x, both), the first's axes moved to
     where its new dimensions end up (dynamic dimensions stay dynamic, unlike a Reshape)."""

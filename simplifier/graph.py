@@ -92,10 +92,20 @@ class GraphIndex:
         return t.shape if t is not None else None
 
     def static_shape(self, name: str) -> tuple[int, ...] | None:
+        shape = self.known_shape(name)
+        if shape is None or not all(isinstance(d, int) for d in shape):
+            return None
+        return shape
+
+    def known_shape(self, name: str) -> tuple[int | str, ...] | None:
+        """The shape when each dimension is a size or a named symbol ("batch"), else None.
+        Two names with equal known shapes have equal shapes at run time: a session binds a
+        symbol to one size across a call's inputs, and inference carries symbols through."""
         shape = self.shape(name)
         # A declared input dimension of 0 is not enforced by sessions: treat it as unknown.
         smallest = 1 if name in self.inputs else 0
-        if shape is None or not all(isinstance(d, int) and d >= smallest for d in shape):
+        if shape is None or not all(isinstance(d, int) and d >= smallest or
+                                    isinstance(d, str) and d for d in shape):
             return None
         return tuple(shape)
 

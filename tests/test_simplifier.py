@@ -495,6 +495,38 @@ def test_residual_add_and_relu_fuse_into_conv():
     assert ops(model) == ["FusedConv"] and len(model.graph.nodes[0].inputs) == 4
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_residual_add_fuses_under_a_symbolic_batch(batch):
+    # exporters name the batch dimension ("batch"); the residual has the product's shape by
+    # the symbol, so it still fuses, and the fused node checks the sizes when it runs
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c", "x"], ["s"]),
+             helper.make_node("Relu", ["s"], ["y"]),
+             helper.make_node("MatMul", ["a", "m"], ["p"]),
+             helper.make_node("Add", ["p", "bias"], ["pb"]),
+             helper.make_node("Add", ["r", "pb"], ["z"])]
+    inputs = [tensor("x", ["batch", 4, 5, 7]), tensor("a", ["batch", "seq", 6]),
+              tensor("r", ["batch", "seq", 6])]
+    proto = make_model(nodes, inputs, [tensor("y", None), tensor("z", None)],
+                       [const("w", rand(4, 4, 3, 3)), const("m", rand(6, 6)),
+                        const("bias", rand(6))])
+    feeds = {"x": rand(batch, 4, 5, 7), "a": rand(batch, 2, 6), "r": rand(batch, 2, 6)}
+    model = simplified_matches(proto, feeds)
+    assert sorted(ops(model)) == ["FusedConv", "FusedMatMul"]
+    assert all(len(n.inputs) == 4 for n in model.graph.nodes)
+
+
+def test_residual_of_another_symbolic_size_stays_an_add():
+    # "rows" may differ from "batch": Add broadcasts a (1, 6) residual up, which the fused
+    # node could not do
+    nodes = [helper.make_node("MatMul", ["a", "m"], ["p"]),
+             helper.make_node("Add", ["p", "r"], ["y"])]
+    proto = make_model(nodes, [tensor("a", ["batch", 6]), tensor("r", ["rows", 6])],
+                       [tensor("y", None)], [const("m", rand(6, 6))])
+    model = simplified_matches(proto, {"a": rand(1, 6), "r": rand(4, 6)})
+    assert "Add" in ops(model)
+
+
 @pytest.mark.parametrize("a_shape", [[1, 1, 7], [2, 5, 7]])
 def test_layer_scale_folds_and_residual_fuses_into_matmul(a_shape):
     nodes = [helper.make_node("MatMul", ["a", "w"], ["m"]),

@@ -94,7 +94,8 @@ _RESIDUAL_TARGETS = {("", "Conv"): "FusedConv", (DOMAIN, "FusedConv"): "FusedCon
 
 
 def fuse_residual_add(graph: Graph, ctx: Context) -> bool:
-    """Add(product, z) -> the fused product with Z = z, when z has the result's exact shape."""
+    """Add(product, z) -> the fused product with Z = z, when z has the product's shape (sizes
+    and named symbols alike)."""
     index = GraphIndex(graph)
     changed = False
     for add in index.live("Add"):
@@ -103,7 +104,7 @@ def fuse_residual_add(graph: Graph, ctx: Context) -> bool:
         for side in (0, 1):
             producer = index.single_use_producer(add.inputs[side])
             z = add.inputs[1 - side]
-            if producer is None or not _takes_residual(producer, index, z, add.outputs[0]):
+            if producer is None or not _takes_residual(producer, index, z):
                 continue
             fused_op = _RESIDUAL_TARGETS[(producer.domain, producer.op_type)]
             if not ctx.has_kernel(DOMAIN, fused_op, 1):
@@ -121,11 +122,11 @@ def fuse_residual_add(graph: Graph, ctx: Context) -> bool:
     return changed
 
 
-def _takes_residual(producer: Node, index: GraphIndex, z: str, out: str) -> bool:
+def _takes_residual(producer: Node, index: GraphIndex, z: str) -> bool:
     if (producer.domain, producer.op_type) not in _RESIDUAL_TARGETS:
         return False
     if producer.attrs.get("activation") or len(producer.inputs) > 3:
         return False  # Z is added before the activation, and only once
-    shape, dtype = index.static_shape(producer.outputs[0]), index.dtype(producer.outputs[0])
-    return shape is not None and shape == index.static_shape(z) == index.static_shape(out) \
+    shape, dtype = index.known_shape(producer.outputs[0]), index.dtype(producer.outputs[0])
+    return shape is not None and shape == index.known_shape(z) \
         and dtype is not None and dtype.kind == "f" and dtype == index.dtype(z)

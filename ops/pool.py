@@ -8,7 +8,12 @@ outputs whose input lies inside the tensor). The first combine of an axis writes
 data stays so), and on the CPU the last, contiguous axis runs over all rows laid end to end
 (`_reduce_last_flat`: long SIMD loops instead of one short loop per row, and stride 2 as a
 stride-1 pass plus one strided pick). MaxPool's Indices output uses a tap loop over the padded
-input that remembers the winning tap. No loop ever runs over output pixels.
+input that remembers the winning tap. No loop ever runs over output pixels in numpy.
+
+With numba (ops/_compiled.py), a float 2-D MaxPool without Indices runs compiled instead
+(`_maxpool2d`): one pass over the output, each window read where it lies in the input (the
+separable passes wrote and reread a whole intermediate array per axis: 1.7 ms for ResNet-50's
+112x112x64 pool here, where onnxruntime takes 0.2 ms).
 """
 from __future__ import annotations
 
@@ -17,8 +22,8 @@ import math
 import numpy as np
 
 from ember import limits
-from ember.ops import _xp
-from ember.ops.conv import (auto_pads, check_window_attributes, compute_dtype, ints, out_size,
+from ember.ops import _compiled, _xp
+from ember.ops.conv import (_channels_last, auto_pads, check_window_attributes, compute_dtype, ints, out_size,
                             pad_array, tap_slices)
 from ember.ops.registry import OpImpl, register
 
@@ -189,6 +194,10 @@ class MaxPool(_WindowPool):
         N, C = x.shape[:2]
         in_sp = x.shape[2:]
         want_idx = self.n_outputs > 1
+        if xp is np and not want_idx and x.ndim == 4 and x.dtype in (np.float32, np.float64):
+            out = _maxpool2d(x, kernel, strides, dilations, begin, outs)
+            if out is not None:
+                return out
         work = x if x.dtype.kind in "fiu" else x.astype(np.float32)
         if not want_idx:
             out = self.reduce_separable(xp, work, kernel, strides, dilations, begin, outs,
@@ -231,6 +240,98 @@ class MaxPool(_WindowPool):
                 pos = pos + tap_coords[best, i] * dilations[i]
             idx += pos * sp_strides[i]
         return out, idx
+
+
+# ---------------------------------------------------------------- compiled 2-D MaxPool (numba)
+# A max that lets NaN through as np.maximum does: a NaN tap replaces the running max, and a
+# NaN running max stays. Windows wholly in the padding give -inf, as the numpy kernel's fill.
+_MAXPOOL_NS = 0.15  # time per window tap, 0.1-0.2 ns measured here (split_rows)
+
+
+def _maxpool2d(x, kernel, strides, dilations, begin, outs):
+    """The compiled 2-D MaxPool of float x (N, C, H, W), or None without numba. A
+    channels-last input gives a channels-last result (a (N, C, Oh, Ow) view); any other
+    layout is read as contiguous planes."""
+    N, C = x.shape[:2]
+    (oh, ow), taps = outs, kernel[0] * kernel[1]
+    geometry = (*kernel, *strides, *begin, *dilations)
+    if _channels_last(x):
+        rows_kernel = _compiled.jit(_maxpool2d_channels_last_rows)
+        if rows_kernel is None:
+            return None
+        out = np.empty((N, oh, ow, C), x.dtype)
+        _compiled.split_rows(rows_kernel, N * oh, x.transpose(0, 2, 3, 1), out, *geometry,
+                             ns_per_row=_MAXPOOL_NS * ow * C * taps)
+        return out.transpose(0, 3, 1, 2)
+    # planes: only stride 2 along the rows (CNNs' downsampling pools), 1.3-1.7x faster here;
+    # at stride 1 numpy's flat passes (_reduce_last_flat) were faster than this
+    rows_kernel = _compiled.jit(_maxpool2d_plane_rows) if strides[1] == 2 else None
+    if rows_kernel is None:
+        return None
+    planes = np.ascontiguousarray(x).reshape(N * C, *x.shape[2:])
+    out = np.empty((N * C, oh, ow), x.dtype)
+    _compiled.split_rows(rows_kernel, N * C, planes, out, *geometry,
+                         ns_per_row=_MAXPOOL_NS * oh * ow * taps)
+    return out.reshape(N, C, oh, ow)
+
+
+def _maxpool2d_channels_last_rows(x, out, kh, kw, sh, sw, ph, pw, dh, dw, row0, row1
+                                  ):  # pragma: no cover - numba
+    """Rows [row0, row1) of out (N, Oh, Ow, C), n = row // Oh: the max over each window of
+    x (N, H, W, C), the channel loop innermost (contiguous, vectorised)."""
+    N, H, W, C = x.shape
+    Oh, Ow = out.shape[1], out.shape[2]
+    for row in range(row0, row1):
+        n, oh = row // Oh, row % Oh
+        for ow in range(Ow):
+            o = out[n, oh, ow]
+            for c in range(C):
+                o[c] = -np.inf
+            for i in range(kh):
+                r = oh * sh - ph + i * dh
+                if r < 0 or r >= H:
+                    continue
+                for j in range(kw):
+                    q = ow * sw - pw + j * dw
+                    if q < 0 or q >= W:
+                        continue
+                    v = x[n, r, q]
+                    for c in range(C):
+                        a, m = v[c], o[c]
+                        m = a if a > m else m
+                        o[c] = a if a != a else m
+
+
+def _maxpool2d_plane_rows(x, out, kh, kw, sh, sw, ph, pw, dh, dw, row0, row1
+                          ):  # pragma: no cover - numba
+    """Planes [row0, row1) of out (P, Oh, Ow), stride sw == 2 along the rows: each output
+    row gathers its taps one input row and one kernel column at a time, over the outputs
+    that tap reaches inside x."""
+    P, H, W = x.shape
+    Oh, Ow = out.shape[1], out.shape[2]
+    for p in range(row0, row1):
+        for oh in range(Oh):
+            o = out[p, oh]
+            for k in range(Ow):
+                o[k] = -np.inf
+            for i in range(kh):
+                r = oh * sh - ph + i * dh
+                if r < 0 or r >= H:
+                    continue
+                xr = x[p, r]
+                for j in range(kw):
+                    off = j * dw - pw          # input column of output 0's tap
+                    lo = 0 if off >= 0 else (sw - 1 - off) // sw
+                    hi = min(Ow, (W - 1 - off) // sw + 1) if off <= W - 1 else 0
+                    if hi <= lo:
+                        continue
+                    # loops from 0 over slices: numba then drops its negative-index checks
+                    # and LLVM vectorises (8x faster here)
+                    src, dst = xr[lo * sw + off:], o[lo:hi]
+                    for k in range(hi - lo):  # stride 2, a constant: LLVM vectorises
+                        v, m = src[2 * k], dst[k]
+                        m = v if v > m else m
+                        dst[k] = v if v != v else m
 
 
 @register("AveragePool", versions=[1, 7, 10, 11, 19, 22])

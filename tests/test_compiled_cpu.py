@@ -12,7 +12,9 @@ its numpy kernel and onnxruntime:
   threads giving the same bits;
 * the fused ops' epilogue (bias, residual and activation in one pass), which must give the
   numpy epilogue's bits, and a Conv + Add + activation chain fused by the simplifier against
-  onnxruntime.
+  onnxruntime;
+* the 2-D MaxPool, over contiguous planes and over channels-last input, against onnxruntime
+  and with the numpy kernel's bits (NaN included), its rows split among threads or not.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ember
-from ember.ops import _compiled, activations, conv, fused, reduction, rnn
+from ember.ops import _compiled, activations, conv, fused, pool, reduction, rnn
 from ember.runtime import threads
 
 ort = pytest.importorskip("onnxruntime")
@@ -438,3 +440,62 @@ def test_fused_conv_bias_in_the_epilogue_matches_onnxruntime(case):
     want = ort.InferenceSession(proto.SerializeToString(),
                                 providers=["CPUExecutionProvider"]).run(None, {first: x})[0]
     np.testing.assert_allclose(sess.run({first: x})["y"], want, rtol=1e-5, atol=1e-5)
+
+
+POOLS = [  # kernel, strides, pads, dilations, ceil_mode
+    ([3, 3], [2, 2], [1, 1, 1, 1], [1, 1], 0),    # ResNet's stem pool
+    ([2, 2], [2, 2], [0, 0, 0, 0], [1, 1], 0),    # UNet's
+    ([3, 3], [2, 2], [0, 0, 0, 0], [1, 1], 1),    # ceil mode: windows past the end
+    ([3, 2], [1, 2], [1, 0, 2, 1], [2, 1], 0),
+    ([3, 3], [1, 1], [1, 1, 1, 1], [1, 1], 0),    # stride 1: numpy's kernel on planes
+]
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["planes", "channels-last"])
+@pytest.mark.parametrize("case", POOLS, ids=lambda c: f"k{c[0]}s{c[1]}p{c[2]}d{c[3]}c{c[4]}")
+def test_maxpool_matches_onnxruntime(case, channels_last):
+    """[a 1x1 Conv, whose result is channels-last ->] MaxPool."""
+    pytest.importorskip("numba")
+    kernel, strides, pads, dilations, ceil_mode = case
+    rng = np.random.default_rng(sum(kernel) + sum(pads))
+    nodes, inits, source = [], [], "x"
+    if channels_last:
+        nodes.append(helper.make_node("Conv", ["x", "pw"], ["p"]))
+        inits.append(numpy_helper.from_array(rng.standard_normal((24, 24, 1, 1))
+                                             .astype(np.float32), "pw"))
+        source = "p"
+    nodes.append(helper.make_node("MaxPool", [source], ["y"], kernel_shape=kernel,
+                                  strides=strides, pads=pads, dilations=dilations,
+                                  ceil_mode=ceil_mode))
+    graph = helper.make_graph(nodes, "pool", [helper.make_tensor_value_info(
+        "x", F, [2, 24, 29, 30])], [helper.make_tensor_value_info("y", F, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": rng.standard_normal((2, 24, 29, 30)).astype(np.float32)}
+    want = ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(ember.load(proto).run(feeds)["y"], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["planes", "channels-last"])
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_compiled_maxpool_gives_the_numpy_kernels_bits(channels_last, pieces, monkeypatch):
+    """NaN wins a window as in np.maximum (whichever tap holds it), a window wholly in the
+    padding is -inf, and any split of the rows among threads gives the same bits."""
+    pytest.importorskip("numba")
+    monkeypatch.delenv("EMBER_NUMBA", raising=False)
+    monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
+    monkeypatch.setattr(threads, "run_threads", lambda: pieces)
+    x = np.random.default_rng(5).standard_normal((2, 16, 21, 20)).astype(np.float32)
+    x[0, 3, 4, 7] = x[1, 0, 0, 0] = x[1, 15, 20, 19] = np.nan
+    x[0, 5, :6, :6] = -np.inf
+    if channels_last:
+        x = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    # pads of 3 with a 3x3 window at stride 2: the first output row and column lie wholly in
+    # the padding
+    geometry = ([3, 3], [2, 2], [1, 1], [3, 3])
+    outs = [(21 + 6 - 3) // 2 + 1, (20 + 6 - 3) // 2 + 1]
+    got = pool._maxpool2d(x, *geometry, outs)
+    want = pool._WindowPool.reduce_separable(np, x, *geometry, outs, np.maximum, -np.inf)
+    assert got is not None and np.isnan(got).sum() == np.isnan(want).sum() > 0
+    np.testing.assert_array_equal(got, want)
+    assert np.all(got[:, :, 0, :] == -np.inf)

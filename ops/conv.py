@@ -755,16 +755,50 @@ class ConvTranspose(_ConvBase):
         kernel, strides, dilations, begin, end, out_sp = self.geometry(x.shape, w.shape)
         in_sp = x.shape[2:]
         dt = compute_dtype(x.dtype)
+        cache = self.cached_weight(w, lambda a: {})  # the rearranged weights, per kernel
+        if xp is np and _tiles_without_overlap(x, G, kernel, strides, dilations, begin, end,
+                                               out_sp):
+            return self._tiles_channels_last(x, w, b, kernel, cache)
         K = math.prod(kernel)
         L = math.prod(in_sp)
-        wt = self.cached_weight(w, lambda a: xp.ascontiguousarray(
-            a.astype(dt, copy=False).reshape(G, C // G, Mg * K).transpose(0, 2, 1)))
+        wt = _remembered(cache, "cols", lambda: xp.ascontiguousarray(
+            w.astype(dt, copy=False).reshape(G, C // G, Mg * K).transpose(0, 2, 1)))
         xm = x.astype(dt, copy=False).reshape(N, G, C // G, L)
         cols = xp.matmul(wt, xm)  # (N, G, Mg*K, L)
         cols = cols.reshape((N, M) + tuple(kernel) + tuple(in_sp))
         out = col2im_nd(xp, cols, out_sp, kernel, strides, dilations, begin, end)
         _add_bias(out, b)  # col2im_nd's result is a fresh array of ours
         return out.astype(x.dtype, copy=False)
+
+
+    def _tiles_channels_last(self, x, w, b, kernel, cache):
+        """The upsampling ConvTranspose (stride = kernel, no padding: each input pixel writes
+        its own kh x kw tile of the output) as one GEMM of the pixels (N*H*W, C), whatever
+        x's layout, by the weights (C, kh*kw*M), and one copy of the tiles into place with
+        the bias added. Returns the channels-last (N, M, Ho, Wo) view; col2im's scatter plus
+        a pass for the bias took 2.2x as long on UNet's upsampling layers."""
+        N, C, H, W = x.shape
+        M, (kh, kw) = w.shape[1], kernel
+        wm = _remembered(cache, "tiles", lambda: np.ascontiguousarray(
+            w.astype(x.dtype, copy=False).transpose(0, 2, 3, 1)).reshape(C, kh * kw * M))
+        pixels = x.transpose(0, 2, 3, 1).reshape(N * H * W, C)  # a view when channels-last
+        tiles = np.matmul(pixels, wm).reshape(N, H, W, kh, kw, M)
+        out = np.empty((N, H, kh, W, kw, M), x.dtype)
+        placed = tiles.transpose(0, 1, 3, 2, 4, 5)
+        if b is None:
+            np.copyto(out, placed)
+        else:
+            np.add(placed, b.astype(x.dtype, copy=False), out=out)
+        return out.reshape(N, H * kh, W * kw, M).transpose(0, 3, 1, 2)
+
+
+def _tiles_without_overlap(x, group, kernel, strides, dilations, begin, end, out_sp):
+    """Whether a ConvTranspose is the tiling upsampler `_tiles_channels_last` computes:
+    2-D, one group, stride = kernel, no dilation, padding or output padding, float."""
+    return (x.ndim == 4 and group == 1 and list(strides) == list(kernel)
+            and all(d == 1 for d in dilations) and not any(begin) and not any(end)
+            and list(out_sp) == [i * s for i, s in zip(x.shape[2:], strides)]
+            and x.dtype in (np.float32, np.float64))
 
 
 @register("Col2Im", versions=[18])

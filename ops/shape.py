@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from ember import limits
+from ember.ops.conv import _channels_last
 from ember.ops.registry import OpImpl, register
 
 
@@ -266,11 +267,37 @@ class Concat(OpImpl):
             raise self.fail("no inputs")
         axis = 1 if self.axis is None else self.axis
         axis = _norm_axis(self, axis, xs[0].ndim)
+        if self.xp is np and axis == 1 and _mostly_channels_last(xs):
+            return _concat_channels_last(xs)
         try:
             return self.xp.concatenate(xs, axis=axis)
         except ValueError as exc:
             raise self.fail(f"inputs of shapes {[x.shape for x in xs]} cannot be "
                             f"concatenated on axis {axis}: {exc}") from None
+
+
+def _mostly_channels_last(xs) -> bool:
+    """Whether 4-D images concatenated along their channels are mostly channels-last views
+    (the CPU convolutions' results), with matching shapes and one dtype."""
+    first = xs[0]
+    if first.ndim != 4 or any(x.ndim != 4 or x.dtype != first.dtype or
+                              x.shape[0] != first.shape[0] or x.shape[2:] != first.shape[2:]
+                              for x in xs):
+        return False
+    return 2 * sum(x.size for x in xs if _channels_last(x)) >= sum(x.size for x in xs)
+
+
+def _concat_channels_last(xs):
+    """The channel concatenation written channels-last, returned as a (N, C, H, W) view: each
+    channels-last input is then copied in contiguous runs of its channels, where numpy's
+    channels-first result made a transposing copy of it (UNet's skip connections)."""
+    N, _, H, W = xs[0].shape
+    out = np.empty((N, H, W, sum(x.shape[1] for x in xs)), xs[0].dtype)
+    c0 = 0
+    for x in xs:
+        out[..., c0:c0 + x.shape[1]] = x.transpose(0, 2, 3, 1)
+        c0 += x.shape[1]
+    return out.transpose(0, 3, 1, 2)
 
 
 # ----------------------------------------------------------------------------- Split

@@ -112,3 +112,39 @@ def test_conv_as_shifted_gemms_matches_onnxruntime(case, chained):
             results = list(pool.map(lambda _: sess.run({"x": x})["y"], range(8)))
         for result in results:
             np.testing.assert_array_equal(result, got)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_upsampling_and_skip_concat_match_onnxruntime(batch, with_bias):
+    """A UNet decoder step: ConvTranspose with stride = kernel (ops/conv.py:
+    _tiles_channels_last) of a channels-first and of a channels-last input (a shifted
+    GEMM's result), each concatenated with the other's skip (ops/shape.py:
+    _concat_channels_last when most of the data is channels-last) and convolved again.
+    float32 only: onnxruntime has no float64 Conv."""
+    t = TensorProto.FLOAT
+    x, skip = rand(batch, 32, 64, 64), rand(batch, 16, 16, 16)
+    inits = {"w": rand(16, 32, 3, 3) / 32, "up": rand(16, 8, 2, 2), "up2": rand(24, 6, 3, 2),
+             "w2": rand(8, 6, 3, 3) / 6, "b": rand(8)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),  # channels-last
+             helper.make_node("ConvTranspose", ["c", "up"] + (["b"] if with_bias else []),
+                              ["u"], strides=[2, 2]),            # (batch, 8, 128, 128)
+             helper.make_node("MaxPool", ["c"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("ConvTranspose", ["skip", "up"], ["u2"], strides=[2, 2]),
+             helper.make_node("Concat", ["p", "u2"], ["cat"], axis=1),   # 16 + 8, 32x32
+             helper.make_node("ConvTranspose", ["cat", "up2"], ["u3"], strides=[3, 2]),
+             helper.make_node("Conv", ["u3", "w2"], ["y"], pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(
+        nodes, "decoder", [helper.make_tensor_value_info("x", t, list(x.shape)),
+                           helper.make_tensor_value_info("skip", t, list(skip.shape))],
+        [helper.make_tensor_value_info("y", t, None), helper.make_tensor_value_info("u", t, None)],
+        [numpy_helper.from_array(v, n) for n, v in inits.items()])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": x, "skip": skip}
+    want = ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = ember.load(proto).run(feeds)
+    for name, expected in zip(("y", "u"), want):
+        assert got[name].shape == expected.shape and got[name].dtype == expected.dtype
+        np.testing.assert_allclose(got[name], expected, rtol=1e-4,
+                                   atol=1e-4 * float(np.abs(expected).max()))

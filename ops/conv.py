@@ -316,18 +316,17 @@ def _depthwise_fast(x, w, group, kernel, begin, end):
 def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache):
     N, C, H, W = x.shape
     (kh, kw), (sh, sw), (dh, dw), (Oh, Ow) = kernel, strides, dilations, outs
-    if kh == kw == 3:
-        compiled = _numba_depthwise3x3()
-        if compiled is not None:
-            xt = x.transpose(0, 2, 3, 1)
-            if not xt.flags.c_contiguous:
-                xt = np.ascontiguousarray(xt)
-            wt = _remembered(cache, "dw-3x3", lambda: np.ascontiguousarray(
-                w.reshape(C, 3, 3).transpose(1, 2, 0)))
-            out = np.empty((N, Oh, Ow, C), x.dtype)
-            b = np.zeros(C, x.dtype) if bias is None else np.ascontiguousarray(bias)
-            _run_depthwise3x3(compiled, xt, wt, b, out, begin[0], begin[1], sh, sw, dh, dw)
-            return out.transpose(0, 3, 1, 2)
+    compiled = _numba_depthwise3x3() if kh == kw == 3 else _numba_depthwise()
+    if compiled is not None:
+        xt = x.transpose(0, 2, 3, 1)
+        if not xt.flags.c_contiguous:
+            xt = np.ascontiguousarray(xt)
+        wt = _remembered(cache, "dw-taps", lambda: np.ascontiguousarray(
+            w.reshape(C, kh, kw).transpose(1, 2, 0)))
+        out = np.empty((N, Oh, Ow, C), x.dtype)
+        b = np.zeros(C, x.dtype) if bias is None else np.ascontiguousarray(bias)
+        _run_depthwise(compiled, xt, wt, b, out, begin[0], begin[1], sh, sw, dh, dw)
+        return out.transpose(0, 3, 1, 2)
     # Width tap j reads padded column sw*ow + j*dw = sw*(ow + dj) + ph: the padded input is
     # split by column phase ph (Q[ph][:, :, q] = padded column sw*q + ph, channels last), so
     # that every tap reads rows of Ow*C contiguous values; taps become (row tap, phase, dj),
@@ -366,22 +365,28 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache):
     return out.transpose(0, 3, 1, 2)
 
 
-# --- an optional compiled depthwise 3x3 kernel (numba: ops/_compiled.py): the einsum kernel
-# above stays the fallback and the reference. The output rows are split among the run's
+# --- optional compiled depthwise kernels (numba: ops/_compiled.py), one for 3x3 windows and
+# one for any other: the einsum kernel above stays the fallback and the reference. The output rows are split among the run's
 # threads.
 
-_DEPTHWISE_NS = 1.0  # time per output value, 0.7-1.1 ns measured here (split_rows)
+_DEPTHWISE_TAP_NS = 0.12  # time per tap of an output value: 0.08-0.15 ns here (split_rows)
 
 
 def _numba_depthwise3x3():
-    """The compiled kernel (x, w, b, out, ph, pw, sh, sw, dh, dw, row0, row1), or None."""
+    """The compiled 3x3 kernel (x, w, b, out, ph, pw, sh, sw, dh, dw, row0, row1), or None."""
     return _compiled.jit(_depthwise3x3_rows, fastmath={"contract"})
 
 
-def _run_depthwise3x3(kernel, x, w, b, out, *geometry):
+def _numba_depthwise():
+    """The compiled kernel for any window (arguments as above), or None."""
+    return _compiled.jit(_depthwise_rows, fastmath={"contract"})
+
+
+def _run_depthwise(kernel, x, w, b, out, *geometry):
     N, rows, Ow, C = out.shape
+    taps = w.shape[0] * w.shape[1]
     _compiled.split_rows(kernel, rows, x, w, b, out, *geometry,
-                         ns_per_row=_DEPTHWISE_NS * N * Ow * C)
+                         ns_per_row=_DEPTHWISE_TAP_NS * taps * N * Ow * C)
 
 
 def _depthwise3x3_rows(x, w, b, out, ph, pw, sh, sw, dh, dw, row0, row1):  # pragma: no cover
@@ -429,6 +434,32 @@ def _depthwise3x3_rows(x, w, b, out, ph, pw, sh, sw, dh, dw, row0, row1):  # pra
                             continue
                         for c in range(C):
                             o[c] += x[n, r, q, c] * w[i, j, c]
+
+
+def _depthwise_rows(x, w, b, out, ph, pw, sh, sw, dh, dw, row0, row1):  # pragma: no cover
+    """As `_depthwise3x3_rows`, for any kh x kw window (w (kh, kw, C)): each output pixel's
+    channels start at the bias and take its valid taps one at a time (ConvNeXt's 7x7: 2-6x
+    faster than the einsum kernel here)."""
+    N, H, W, C = x.shape
+    kh, kw = w.shape[0], w.shape[1]
+    Ow = out.shape[2]
+    for n in range(N):
+        for oh in range(row0, row1):
+            for ow in range(Ow):
+                o = out[n, oh, ow]
+                for c in range(C):
+                    o[c] = b[c]
+                for i in range(kh):
+                    r = oh * sh - ph + i * dh
+                    if r < 0 or r >= H:
+                        continue
+                    for j in range(kw):
+                        q = ow * sw - pw + j * dw
+                        if q < 0 or q >= W:
+                            continue
+                        xv, wv = x[n, r, q], w[i, j]
+                        for c in range(C):
+                            o[c] += xv[c] * wv[c]
 
 
 def _pointwise_cl(x, w, group, strides, outs, bias, cache):

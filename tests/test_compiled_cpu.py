@@ -1,8 +1,8 @@
 """The CPU kernels that numba compiles where it is installed (ops/_compiled.py), each against
 its numpy kernel and onnxruntime:
 
-* the depthwise 3x3 convolution (numpy's einsum kernel and numba's, with its rows split among
-  threads: the same bits), for NCHW input and for the channels-last input a preceding 1x1
+* the depthwise convolution, 3x3 and any other window (numpy's einsum kernel and numba's,
+  with its rows split among threads: the same bits), for NCHW input and for the channels-last input a preceding 1x1
   convolution hands on, and from several threads at once;
 * float32 GELU (erf), which must give numpy's kernel's bits exactly, in place or not;
 * the vectorised float32 exp and tanh the kernels below use, within 2 ulp of numpy's float64
@@ -63,19 +63,24 @@ CASES = [  # c, size, kernel, strides, dilations, pads
     (8, 12, [3, 3], [2, 1], [1, 1], [0, 1, 1, 0]),
     (40, 9, [3, 3], [1, 1], [1, 1], [0, 0, 0, 0]),
     (12, 14, [5, 5], [2, 2], [1, 1], [2, 2, 2, 2]),
+    (48, 20, [7, 7], [1, 1], [1, 1], [3, 3, 3, 3]),   # ConvNeXt's
+    (20, 11, [7, 3], [1, 2], [1, 2], [2, 1, 4, 0]),
 ]
 
 
 @pytest.fixture(params=["numpy", "numba"])
 def kernel(request, monkeypatch):
     """Which depthwise 3x3 kernel runs: numpy's einsum, or numba's where it is installed."""
+    rows = (conv._depthwise3x3_rows, conv._depthwise_rows)
     if request.param == "numpy":
-        monkeypatch.setitem(_compiled._compiled, conv._depthwise3x3_rows, None)
+        for loops in rows:
+            monkeypatch.setitem(_compiled._compiled, loops, None)
     else:
         pytest.importorskip("numba")
-        monkeypatch.delitem(_compiled._compiled, conv._depthwise3x3_rows, raising=False)
+        for loops in rows:
+            monkeypatch.delitem(_compiled._compiled, loops, raising=False)
         monkeypatch.delenv("EMBER_NUMBA", raising=False)
-        assert conv._numba_depthwise3x3() is not None
+        assert conv._numba_depthwise3x3() is not None and conv._numba_depthwise() is not None
     return request.param
 
 
@@ -106,8 +111,9 @@ def test_split_rows_hands_out_pieces_only_where_each_has_enough_work(monkeypatch
     assert sorted(pieces) == [(0, 50), (50, 100)]
 
 
+@pytest.mark.parametrize("window", [(3, 3), (7, 5)])
 @pytest.mark.parametrize("stride, dilation, pad", [(1, 1, 1), (2, 1, 1), (1, 2, 2), (2, 1, 0)])
-def test_rows_split_among_threads_give_the_same_bits(kernel, stride, dilation, pad,
+def test_rows_split_among_threads_give_the_same_bits(kernel, window, stride, dilation, pad,
                                                     monkeypatch):
     """A run with several threads splits the output rows among them: every split must give
     the bits of one thread doing all rows (BLAS's thread count may change a GEMM's rounding;
@@ -116,12 +122,13 @@ def test_rows_split_among_threads_give_the_same_bits(kernel, stride, dilation, p
     monkeypatch.setattr(threads, "run_threads", lambda: 3)
     if kernel != "numba":
         pytest.skip("the row split is the numba kernel's")
-    compiled = conv._numba_depthwise3x3()
+    kh, kw = window
+    compiled = conv._numba_depthwise3x3() if window == (3, 3) else conv._numba_depthwise()
     rng = np.random.default_rng(stride + 3 * dilation + 7 * pad)
     x = rng.standard_normal((2, 23, 19, 40)).astype(np.float32)
-    w, b = rng.standard_normal((3, 3, 40)).astype(np.float32), np.ones(40, np.float32)
-    oh = (23 + 2 * pad - 2 * dilation - 1) // stride + 1
-    ow = (19 + 2 * pad - 2 * dilation - 1) // stride + 1
+    w, b = rng.standard_normal((kh, kw, 40)).astype(np.float32), np.ones(40, np.float32)
+    oh = (23 + 2 * pad - (kh - 1) * dilation - 1) // stride + 1
+    ow = (19 + 2 * pad - (kw - 1) * dilation - 1) // stride + 1
     a, c = np.empty((2, oh, ow, 40), np.float32), np.empty((2, oh, ow, 40), np.float32)
     args = (pad, pad, stride, stride, dilation, dilation)
     compiled(x, w, b, a, *args, 0, oh)
@@ -129,7 +136,7 @@ def test_rows_split_among_threads_give_the_same_bits(kernel, stride, dilation, p
         compiled(x, w, b, c, *args, i, min(oh, i + 3))
     np.testing.assert_array_equal(a, c)
     split = np.empty_like(a)
-    conv._run_depthwise3x3(compiled, x, w, b, split, *args)  # over the pool
+    conv._run_depthwise(compiled, x, w, b, split, *args)  # over the pool
     np.testing.assert_array_equal(a, split)
 
 

@@ -3,13 +3,18 @@ GroupNormalization, RMSNormalization, LpNormalization, MeanVarianceNormalization
 
 Statistics are computed with keepdims reductions in the precision the spec asks for (stash_type,
 float32 by default for the transformer norms), never with Python loops over elements.
+
+With numba (ops/_compiled.py), a float LayerNormalization with one output runs compiled
+(`_layernorm_rows`): each row's mean, variance (summed in float64) and normalised, scaled and
+shifted result in three passes over the row while it is in cache, where numpy made seven
+passes over the whole tensor (ConvNeXt-T's 23 LayerNorms: 14 ms a run, onnxruntime's 2.5).
 """
 from __future__ import annotations
 
 import numpy as np
 from onnx import helper
 
-from ember.ops import _xp
+from ember.ops import _compiled, _xp
 from ember.ops.registry import OpImpl, register
 
 
@@ -153,6 +158,10 @@ class LayerNormalization17(OpImpl):
         dt = x.dtype
         axis = _norm_axis(self, self.axis, x.ndim)
         sd = _stash_dtype(self, x)
+        if xp is np and self.n_outputs == 1 and sd == dt:
+            y = _layernorm_compiled(x, axis, scale, b, self.epsilon)
+            if y is not None:
+                return y
         work = x.astype(sd, copy=False)
         axes = tuple(range(axis, x.ndim))
         mean, d, var = _mean_var(xp, work, axes)
@@ -165,6 +174,54 @@ class LayerNormalization17(OpImpl):
         if self.n_outputs == 1:
             return y
         return y, mean, inv
+
+
+_LAYERNORM_NS = 0.5  # time per value of a row, 0.35-0.5 ns measured here (split_rows)
+
+
+def _layernorm_compiled(x, axis, scale, b, epsilon):
+    """The compiled LayerNormalization of float x over axes [axis, ndim), or None where it
+    does not apply: no numba, another dtype, or a scale / bias not of the normalised shape."""
+    norm_shape = x.shape[axis:]
+    D = int(np.prod(norm_shape))
+    params = [p for p in (scale, b) if p is not None]
+    if x.dtype not in (np.float32, np.float64) or D == 0 or x.size == 0 or \
+            any(p.dtype != x.dtype or p.size != D or
+                np.broadcast_shapes(p.shape, norm_shape) != norm_shape for p in params):
+        return None
+    kernel = _compiled.jit(_layernorm_rows, fastmath={"reassoc", "contract"})
+    if kernel is None:
+        return None
+    rows = x.reshape(-1, D)  # a copy only where x's layout needs one
+    y = np.empty(rows.shape, x.dtype)
+    bias = np.zeros(D, x.dtype) if b is None else b.reshape(D)
+    _compiled.split_rows(kernel, rows.shape[0], rows, scale.reshape(D), bias,
+                         float(epsilon), y, ns_per_row=_LAYERNORM_NS * D)
+    return y.reshape(x.shape)
+
+
+def _layernorm_rows(x, scale, bias, epsilon, y, row0, row1):  # pragma: no cover - numba
+    """Rows [row0, row1) of y = (x - mean) / sqrt(var + epsilon) * scale + bias, x (R, D):
+    mean and variance summed in float64, then the row normalised in x's dtype as numpy's
+    kernel does (2.5x faster than in float64). A row's bits do not depend on how the rows
+    are split (the reassociated sums are fixed by the compiled code and D)."""
+    D = x.shape[1]
+    stats = np.empty(2, x.dtype)  # mean and 1 / std, rounded to x's dtype
+    for r in range(row0, row1):
+        xr, yr = x[r], y[r]
+        total = 0.0
+        for k in range(D):
+            total += np.float64(xr[k])
+        mean = total / D
+        squares = 0.0
+        for k in range(D):
+            d = np.float64(xr[k]) - mean
+            squares += d * d
+        stats[0] = mean
+        stats[1] = 1.0 / np.sqrt(squares / D + epsilon)
+        m, inv = stats[0], stats[1]
+        for k in range(D):
+            yr[k] = (xr[k] - m) * inv * scale[k] + bias[k]
 
 
 class _GroupNorm(OpImpl):

@@ -14,7 +14,9 @@ its numpy kernel and onnxruntime:
   numpy epilogue's bits, and a Conv + Add + activation chain fused by the simplifier against
   onnxruntime;
 * the 2-D MaxPool, over contiguous planes and over channels-last input, against onnxruntime
-  and with the numpy kernel's bits (NaN included), its rows split among threads or not.
+  and with the numpy kernel's bits (NaN included), its rows split among threads or not;
+* LayerNormalization (row statistics in float64), against onnxruntime over one or several
+  normalised axes, transposed input and broadcast parameters, the same bits however split.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ember
-from ember.ops import _compiled, activations, conv, fused, pool, reduction, rnn
+from ember.ops import (_compiled, activations, conv, fused, normalization, pool,
+                       reduction, rnn)
 from ember.runtime import threads
 
 ort = pytest.importorskip("onnxruntime")
@@ -506,3 +509,69 @@ def test_compiled_maxpool_gives_the_numpy_kernels_bits(channels_last, pieces, mo
     assert got is not None and np.isnan(got).sum() == np.isnan(want).sum() > 0
     np.testing.assert_array_equal(got, want)
     assert np.all(got[:, :, 0, :] == -np.inf)
+
+
+LAYERNORMS = [  # input shape, axis, scale shape, with bias, transposed input
+    ((2, 197, 384), -1, (384,), True, False),          # ViT's
+    ((1, 14, 14, 96), -1, (96,), True, True),          # ConvNeXt's, after a Transpose
+    ((3, 5, 6, 7), 2, (6, 7), False, False),           # two normalised axes
+    ((4, 33), -1, (1, 33), True, False),               # a broadcast scale
+    ((2, 3, 1000), -1, (1000,), True, False),          # rows that vectorised loops end in
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", LAYERNORMS, ids=lambda c: "x".join(map(str, c[0])))
+def test_layernorm_matches_onnxruntime(case, dtype, monkeypatch):
+    pytest.importorskip("numba")
+    monkeypatch.delenv("EMBER_NUMBA", raising=False)
+    shape, axis, scale_shape, with_bias, transposed = case
+    t = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    rng = np.random.default_rng(len(shape) + shape[-1])
+    inits = [numpy_helper.from_array(rng.standard_normal(scale_shape).astype(dtype), "s")]
+    if with_bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(scale_shape).astype(dtype),
+                                             "b"))
+    nodes, source, x_shape = [], "x", shape
+    if transposed:  # NCHW -> NHWC, as ConvNeXt's blocks do before each LayerNorm
+        x_shape = (shape[0], shape[3], shape[1], shape[2])
+        nodes.append(helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 3, 1]))
+        source = "xt"
+    # float64: statistics in float64 too (stash_type 11; the default, 1, is float32)
+    nodes.append(helper.make_node("LayerNormalization", [source, "s"] + (["b"] * with_bias),
+                                  ["y"], axis=axis, epsilon=1e-5, stash_type=t))
+    graph = helper.make_graph(nodes, "ln", [helper.make_tensor_value_info("x", t, x_shape)],
+                              [helper.make_tensor_value_info("y", t, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": (rng.standard_normal(x_shape) * 3 + 2).astype(dtype)}
+    got = ember.load(proto).run(feeds)["y"]
+    if dtype == np.float32:
+        want = ort.InferenceSession(proto.SerializeToString(),
+                                    providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        tol = 1e-5
+    else:  # the formula in float64, as stash_type 11 asks (onnxruntime's are float32)
+        x = feeds["x"].transpose(0, 2, 3, 1) if transposed else feeds["x"]
+        axes = tuple(range(axis % x.ndim, x.ndim))
+        want = (x - x.mean(axes, keepdims=True)) / np.sqrt(x.var(axes, keepdims=True) + 1e-5)
+        want = want * numpy_helper.to_array(inits[0])
+        if with_bias:
+            want = want + numpy_helper.to_array(inits[1])
+        tol = 1e-12
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_layernorm_rows_give_the_same_bits_however_split(monkeypatch):
+    pytest.importorskip("numba")
+    monkeypatch.delenv("EMBER_NUMBA", raising=False)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((37, 300)).astype(np.float32)
+    scale, bias = rng.standard_normal(300).astype(np.float32), np.zeros(300, np.float32)
+    whole = normalization._layernorm_compiled(x, 1, scale, bias, 1e-5)
+    monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
+    monkeypatch.setattr(threads, "run_threads", lambda: 3)
+    split = normalization._layernorm_compiled(x, 1, scale, bias, 1e-5)
+    np.testing.assert_array_equal(whole, split)
+    # and the numpy kernel agrees to float32 rounding
+    numpy_kernel = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(whole, numpy_kernel * scale, rtol=1e-5, atol=1e-5)

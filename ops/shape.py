@@ -175,9 +175,14 @@ class Transpose(OpImpl):
             if len(perm) != x.ndim:
                 raise self.fail(f"perm {perm} has {len(perm)} entries for a tensor of rank "
                                 f"{x.ndim}")
+        y = x.transpose(perm)
+        if y.flags.c_contiguous and y.ndim:
+            # already laid out so (a channels-last kernel's result taken to NHWC): a view,
+            # as Reshape's results are
+            return y
         if x.ndim >= 2 and perm == list(range(x.ndim - 2)) + [x.ndim - 1, x.ndim - 2]:
             return swap_last_axes(self.xp, x)
-        return x.transpose(perm).copy()  # copy() keeps 0-d arrays 0-d
+        return y.copy()  # copy() keeps 0-d arrays 0-d
 
 
 _TRANSPOSE_BLOCK = 64  # rows per block: the block and its transposed image stay in L1/L2

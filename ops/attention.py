@@ -105,10 +105,11 @@ class _Attention(OpImpl):
         # one kv head are contiguous and fold into the sequence axis of one batched matmul.
         group = q_heads // kv_heads
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head)
-        root = work.type(math.sqrt(scale))
-        qg = (qw * root).reshape(batch, kv_heads, group * q_len, head)
-        scores = xp.matmul(qg, xp.swapaxes(kw * root, -1, -2)).reshape(
-            batch, q_heads, q_len, total)
+        # the scale on Q alone (the spec's reference puts its root on Q and on K: the two
+        # differ in the last bits): K, the long operand of a decoder step, is then not
+        # copied to be scaled
+        qg = (qw * work.type(scale)).reshape(batch, kv_heads, group * q_len, head)
+        scores = xp.matmul(qg, xp.swapaxes(kw, -1, -2)).reshape(batch, q_heads, q_len, total)
         qk_out = scores if self.mode == 0 else None
         if self.softcap > 0:
             cap = work.type(self.softcap)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import math
 import os
 from typing import Any, Iterable
 
@@ -173,11 +172,16 @@ class capped:
 def check_shape(shape: Iterable[int], dtype: Any, what: str = "output") -> None:
     """Raise ResourceLimitError if a tensor of `shape` and `dtype` would pass the cap. Call it
     before allocating anything sized from data. Sizes are Python ints: nothing overflows."""
-    dims = [max(int(d), 0) for d in shape]
-    itemsize = np.dtype(dtype).itemsize if dtype is not None else 1
-    nbytes = math.prod(dims) * itemsize
+    # called for every kernel's output: one pass, no list (a few microseconds add up)
+    nbytes = np.dtype(dtype).itemsize if dtype is not None else 1
+    for d in shape:
+        d = int(d)
+        if d <= 0:
+            return  # nothing to allocate
+        nbytes *= d
     cap = current()
     if nbytes > cap:
+        dims = [int(d) for d in shape]
         raise ResourceLimitError(f"{what} of shape {dims} ({np.dtype(dtype).name}) would take "
                                  f"{describe_bytes(nbytes)}, {_over(cap)}")
 

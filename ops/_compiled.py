@@ -74,16 +74,27 @@ def split_rows(kernel: Callable, rows: int, *args: Any, ns_per_row: float) -> No
     flight, but no more pieces than leave each MIN_PIECE_NS of work by the estimate
     `ns_per_row` (the kernel's time per row on one core, roughly); the calling thread does
     the first piece."""
-    # imported here: ember.runtime imports the importer, which imports the ops
-    from ember.runtime.threads import run_threads
-
-    parts = max(1, min(run_threads(), int(rows * ns_per_row // MIN_PIECE_NS)))
+    parts = max(1, min(_run_threads(), int(rows * ns_per_row // MIN_PIECE_NS)))
+    if parts == 1:  # most calls: no lists, no pool
+        kernel(*args, 0, rows)
+        return
     bounds = [rows * i // parts for i in range(parts + 1)]
     jobs = [_thread_pool().submit(kernel, *args, bounds[i], bounds[i + 1])
             for i in range(1, parts)]
     kernel(*args, bounds[0], bounds[1])
     for job in jobs:
         job.result()
+
+
+_threads: Any = None  # ember.runtime.threads
+
+
+def _run_threads() -> int:
+    global _threads
+    if _threads is None:  # imported on first use: ember.runtime imports the ops
+        from ember.runtime import threads
+        _threads = threads
+    return _threads.run_threads()
 
 
 def _thread_pool() -> ThreadPoolExecutor:

@@ -71,6 +71,19 @@ def check_window_attributes(op: OpImpl) -> None:
                           f"needs {per_axis * axes}")
 
 
+def remembered_geometry(op: OpImpl, key: tuple, resolve):
+    """resolve(), remembered on `op` for the last `key` (the input shapes it depends on): a
+    node sees the same shapes run after run, and resolving its attributes again cost 5-15 us
+    a call. The key and its value are one attribute, replaced whole, so threads sharing the
+    op never pair a key with another key's value. Callers must not modify the value."""
+    last = getattr(op, "_last_geometry", None)
+    if last is not None and last[0] == key:
+        return last[1]
+    value = resolve()
+    op._last_geometry = (key, value)
+    return value
+
+
 def ints(values, n: int, default: int) -> list[int]:
     """An attribute list of per-axis ints, or `default` on every axis when absent."""
     if values is None or len(values) == 0:
@@ -366,8 +379,8 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache):
 
 
 # --- optional compiled depthwise kernels (numba: ops/_compiled.py), one for 3x3 windows and
-# one for any other: the einsum kernel above stays the fallback and the reference. The output rows are split among the run's
-# threads.
+# one for any other: the einsum kernel above stays the fallback and the reference. The
+# output rows are split among the run's threads.
 
 _DEPTHWISE_TAP_NS = 0.12  # time per tap of an output value: 0.08-0.15 ns here (split_rows)
 
@@ -611,6 +624,10 @@ class _ConvBase(OpImpl):
         self._wval = None
 
     def geometry(self, x, w):
+        """(kernel, strides, dilations, pads begin, pads end) for these input and weight."""
+        return remembered_geometry(self, (x.shape, w.shape), lambda: self._geometry(x, w))
+
+    def _geometry(self, x, w):
         n = x.ndim - 2
         if n < 1:
             raise self.fail(f"input must have rank >= 3, got shape {x.shape}")
@@ -734,6 +751,10 @@ class ConvTranspose(_ConvBase):
     def geometry(self, x_shape, w_shape):
         """(kernel, strides, dilations, pads begin, pads end, output spatial shape) for these
         input and weight shapes, resolving auto_pad, output_padding and output_shape."""
+        return remembered_geometry(self, (tuple(x_shape), tuple(w_shape)),
+                                   lambda: self._geometry(x_shape, w_shape))
+
+    def _geometry(self, x_shape, w_shape):
         n = len(x_shape) - 2
         kernel = list(w_shape[2:])
         if getattr(self, "kernel_shape", None) is not None and len(self.kernel_shape):
@@ -800,7 +821,6 @@ class ConvTranspose(_ConvBase):
         out = col2im_nd(xp, cols, out_sp, kernel, strides, dilations, begin, end)
         _add_bias(out, b)  # col2im_nd's result is a fresh array of ours
         return out.astype(x.dtype, copy=False)
-
 
     def _tiles_channels_last(self, x, w, b, kernel, cache):
         """The upsampling ConvTranspose (stride = kernel, no padding: each input pixel writes

@@ -23,8 +23,8 @@ import numpy as np
 
 from ember import limits
 from ember.ops import _compiled, _xp
-from ember.ops.conv import (_channels_last, auto_pads, check_window_attributes, compute_dtype, ints, out_size,
-                            pad_array, tap_slices)
+from ember.ops.conv import (_channels_last, auto_pads, check_window_attributes, compute_dtype,
+                            ints, out_size, pad_array, remembered_geometry, tap_slices)
 from ember.ops.registry import OpImpl, register
 
 
@@ -35,6 +35,10 @@ class _WindowPool(OpImpl):
         check_window_attributes(self)
 
     def geometry(self, x):
+        """(kernel, strides, dilations, pads begin, pads end, effective end, output sizes)."""
+        return remembered_geometry(self, x.shape, lambda: self._geometry(x))
+
+    def _geometry(self, x):
         n = x.ndim - 2
         if n < 1:
             raise self.fail(f"input must have rank >= 3, got shape {x.shape}")

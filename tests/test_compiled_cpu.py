@@ -2,8 +2,8 @@
 its numpy kernel and onnxruntime:
 
 * the depthwise convolution, 3x3 and any other window (numpy's einsum kernel and numba's,
-  with its rows split among threads: the same bits), for NCHW input and for the channels-last input a preceding 1x1
-  convolution hands on, and from several threads at once;
+  with its rows split among threads: the same bits), for NCHW input and for the
+  channels-last input a preceding 1x1 convolution hands on, and from several threads at once;
 * float32 GELU (erf), which must give numpy's kernel's bits exactly, in place or not;
 * the vectorised float32 exp and tanh the kernels below use, within 2 ulp of numpy's float64
   functions (rounded to float32) over every range that matters;

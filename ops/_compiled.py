@@ -154,27 +154,40 @@ def tanh_float32(x):
 
 
 _math_registered = False
+_kernel_math: list[Callable] = [exp_float32, tanh_float32]  # callable from kernels
+_kernel_math_registered: set[Callable] = set()
+
+
+def kernel_math(fn: Callable) -> Callable:
+    """Declare the plain Python function `fn` callable from compiled kernels (as exp_float32
+    is); it stays callable from Python. numba learns it before it compiles the next kernel."""
+    with _lock:
+        _kernel_math.append(fn)
+    return fn
 
 
 def _register_math(numba: Any) -> None:
-    """Make the math above callable from compiled kernels; once per process."""
+    """Make the math above, and each `kernel_math` function, callable from compiled kernels;
+    each once per process."""
     global _math_registered
+    from numba.extending import register_jitable
     with _lock:
-        if _math_registered:
-            return
-        from llvmlite import ir
-        from numba.extending import intrinsic, overload, register_jitable
+        if not _math_registered:
+            from llvmlite import ir
+            from numba.extending import intrinsic, overload
 
-        @intrinsic
-        def bitcast_int32_float32(typingctx, bits):
-            def codegen(context, builder, signature, args):
-                return builder.bitcast(args[0], ir.FloatType())
-            return numba.types.float32(numba.types.int32), codegen
+            @intrinsic
+            def bitcast_int32_float32(typingctx, bits):
+                def codegen(context, builder, signature, args):
+                    return builder.bitcast(args[0], ir.FloatType())
+                return numba.types.float32(numba.types.int32), codegen
 
-        @overload(float32_from_bits)
-        def _float32_from_bits(bits):
-            return lambda bits: bitcast_int32_float32(np.int32(bits))
+            @overload(float32_from_bits)
+            def _float32_from_bits(bits):
+                return lambda bits: bitcast_int32_float32(np.int32(bits))
 
-        for fn in (exp_float32, tanh_float32):
-            register_jitable(fn)
-        _math_registered = True
+            _math_registered = True
+        for fn in _kernel_math:
+            if fn not in _kernel_math_registered:
+                register_jitable(fn)
+                _kernel_math_registered.add(fn)

@@ -75,26 +75,32 @@ _P0, _P1, _P2, _P3, _P4, _P5, _P6 = (np.float32(c) for c in _ERF32_P)
 _Q0, _Q1, _Q2, _Q3, _Q4 = (np.float32(c) for c in _ERF32_Q)
 
 
+_SQRT_HALF, _HALF, _FOUR = np.float32(math.sqrt(0.5)), np.float32(0.5), np.float32(4)
+
+
+@_compiled.kernel_math
+def gelu_erf_float32(w):
+    """GELU (erf) of the float32 `w` by _gelu_erf32_block's operations, in its order and
+    rounding (kernels compile it without contraction): the same bits."""
+    z = w * _SQRT_HALF
+    z = -_FOUR if z < -_FOUR else (_FOUR if z > _FOUR else z)  # NaN stays NaN, as in clip
+    z2 = z * z
+    num = ((((((_P0 * z2 + _P1) * z2 + _P2) * z2 + _P3) * z2 + _P4) * z2 + _P5) * z2
+           + _P6) * z
+    den = (((_Q0 * z2 + _Q1) * z2 + _Q2) * z2 + _Q3) * z2 + _Q4
+    return w * ((num / den) * _HALF + _HALF)
+
+
 def _gelu_erf32_loops(x, out, lo, hi):  # pragma: no cover - numba
-    """_gelu_erf32_block's operations, in its order and rounding (no contraction), element by
-    element over [lo, hi): the same bits, in one pass instead of ~20. Computed into a local
-    buffer, then copied: `out` may be `x` (the fused ops' in-place epilogue), and a loop whose
-    input and output overlap is not vectorised."""
-    p0, p1, p2, p3, p4, p5, p6 = _P0, _P1, _P2, _P3, _P4, _P5, _P6
-    q0, q1, q2, q3, q4 = _Q0, _Q1, _Q2, _Q3, _Q4
-    s, half, four = np.float32(math.sqrt(0.5)), np.float32(0.5), np.float32(4)
+    """gelu_erf_float32 element by element over [lo, hi): the same bits as the numpy block,
+    in one pass instead of ~20. Computed into a local buffer, then copied: `out` may be `x`
+    (the fused ops' in-place epilogue), and a loop whose input and output overlap is not
+    vectorised."""
     buf = np.empty(512, np.float32)
     for start in range(lo, hi, 512):
         n = min(512, hi - start)
         for j in range(n):
-            w = x[start + j]
-            z = w * s
-            z = -four if z < -four else (four if z > four else z)  # NaN stays NaN, as in clip
-            z2 = z * z
-            num = ((((((p0 * z2 + p1) * z2 + p2) * z2 + p3) * z2 + p4) * z2 + p5) * z2
-                   + p6) * z
-            den = (((q0 * z2 + q1) * z2 + q2) * z2 + q3) * z2 + q4
-            buf[j] = w * ((num / den) * half + half)
+            buf[j] = gelu_erf_float32(x[start + j])
         for j in range(n):
             out[start + j] = buf[j]
 

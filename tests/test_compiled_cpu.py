@@ -345,7 +345,8 @@ def test_softmax_rows_give_the_same_bits_however_split_and_keep_its_edge_cases()
 
 
 EPILOGUES = [("", []), ("Relu", []), ("LeakyRelu", [0.1]), ("Clip", [0.0, 6.0]),
-             ("Clip", [-1.0]), ("HardSigmoid", [0.3, 0.4]), ("HardSwish", [])]
+             ("Clip", [-1.0]), ("HardSigmoid", [0.3, 0.4]), ("HardSwish", []), ("Gelu", []),
+             ("Gelu", [1.0])]
 
 
 @pytest.mark.parametrize("activation,params", EPILOGUES, ids=lambda v: str(v))
@@ -355,7 +356,7 @@ EPILOGUES = [("", []), ("Relu", []), ("LeakyRelu", [0.1]), ("Clip", [0.0, 6.0]),
 def test_compiled_epilogue_gives_the_numpy_epilogues_bits(activation, params, layout, dtype,
                                                           bias_over, monkeypatch):
     """Bias over the last axis (FusedMatMul's) on C-ordered results; over the channels (a
-    FusedConv's) on every layout."""
+    FusedConv's) on every layout. GELU runs compiled in its float32 erf form only."""
     pytest.importorskip("numba")
     monkeypatch.delenv("EMBER_NUMBA", raising=False)
     rng = np.random.default_rng(len(activation) + len(layout))
@@ -373,7 +374,10 @@ def test_compiled_epilogue_gives_the_numpy_epilogues_bits(activation, params, la
         bias, channels = None, rng.standard_normal(24).astype(dtype)
     assert y.size >= fused._EPILOGUE_MIN
     compiled, numpy_ = y.copy(order="K"), y.copy(order="K")
-    assert fused._epilogue_compiled(compiled, bias, z, activation, params, channels)
+    runs = activation != "Gelu" or (dtype == np.float32 and not params)
+    assert fused._epilogue_compiled(compiled, bias, z, activation, params, channels) is runs
+    if not runs:
+        return
     monkeypatch.setattr(fused, "_EPILOGUE_MIN", 1 << 62)    # the numpy epilogue
     assert fused.epilogue(np, numpy_, bias, z, activation, params, channels) is numpy_
     np.testing.assert_array_equal(compiled, numpy_)
@@ -447,6 +451,40 @@ def test_fused_conv_bias_in_the_epilogue_matches_onnxruntime(case):
     sess = ember.load(proto.SerializeToString())
     assert [op for _, op, _ in sess.placement][-1] == "FusedConv"
     x = rng.standard_normal((2, c, size, size)).astype(np.float32)
+    want = ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {first: x})[0]
+    np.testing.assert_allclose(sess.run({first: x})["y"], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", ["numba", "numpy"])
+@pytest.mark.parametrize("layout", ["channels-first", "channels-last"])
+def test_fused_conv_gelu_matches_onnxruntime(kernels, layout, monkeypatch):
+    """[depthwise conv ->] 1x1 Conv(bias) -> Gelu: the epilogue's GELU over a channels-first
+    and a channels-last result, compiled and in numpy (which once wrote a channels-last
+    result's GELU into a reshaped copy and returned the product unchanged)."""
+    if kernels == "numba":
+        pytest.importorskip("numba")
+    else:
+        for loops in (fused._epilogue_loops, activations._gelu_erf32_loops):
+            monkeypatch.setitem(_compiled._compiled, loops, None)
+    rng = np.random.default_rng(9)
+    c, m = 24, 40
+    inits = [numpy_helper.from_array(rng.standard_normal((m, c, 1, 1)).astype(np.float32)
+                                     / 4, "w"),
+             numpy_helper.from_array(rng.standard_normal(m).astype(np.float32), "b"),
+             numpy_helper.from_array(rng.standard_normal((c, 1, 3, 3)).astype(np.float32),
+                                     "dw")]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["p"]),
+             helper.make_node("Gelu", ["p"], ["y"])]
+    if layout == "channels-last":
+        nodes.insert(0, helper.make_node("Conv", ["x0", "dw"], ["x"], group=c, pads=[1] * 4))
+    first = nodes[0].input[0]
+    graph = helper.make_graph(nodes, "gelu", [helper.make_tensor_value_info(
+        first, F, [2, c, 30, 30])], [helper.make_tensor_value_info("y", F, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    sess = ember.load(proto.SerializeToString())
+    assert [op for _, op, _ in sess.placement][-1] == "FusedConv"
+    x = rng.standard_normal((2, c, 30, 30)).astype(np.float32)
     want = ort.InferenceSession(proto.SerializeToString(),
                                 providers=["CPUExecutionProvider"]).run(None, {first: x})[0]
     np.testing.assert_allclose(sess.run({first: x})["y"], want, rtol=1e-5, atol=1e-5)

@@ -148,3 +148,43 @@ def test_upsampling_and_skip_concat_match_onnxruntime(batch, with_bias):
         assert got[name].shape == expected.shape and got[name].dtype == expected.dtype
         np.testing.assert_allclose(got[name], expected, rtol=1e-4,
                                    atol=1e-4 * float(np.abs(expected).max()))
+
+
+PATCH_ROWS_CASES = [  # batch, channels in, size, channels out, kernel, strides, dilations, pads
+    (1, 64, 28, 64, [3, 3], [1, 1], [1, 1], [1, 1, 1, 1]),      # ResNet-50's, 28x28
+    (2, 32, 30, 48, [3, 3], [2, 2], [1, 1], [1, 1, 1, 1]),      # strided
+    (1, 160, 15, 24, [3, 5], [1, 2], [2, 1], [2, 0, 1, 3]),     # dilated, uneven pads
+    (2, 16, 20, 8, [7, 7], [1, 1], [1, 1], [3, 3, 3, 3]),
+]
+
+
+@pytest.mark.parametrize("case", PATCH_ROWS_CASES, ids=lambda c: "x".join(map(str, c[:4])))
+@pytest.mark.parametrize("layout", ["channels-first", "channels-last"])
+def test_conv_over_patch_rows_matches_onnxruntime(case, layout):
+    """2-D convolutions with 16 or more channels that the shifted GEMMs don't take run over
+    channels-last patch rows (ops/conv.py: _conv_patch_rows), from a channels-first input
+    or the channels-last result of a depthwise convolution, with a bias."""
+    from ember.ops import conv
+    n, c, size, m, kernel, strides, dilations, pads = case
+    begin, end = pads[:2], pads[2:]
+    outs = conv.out_size((size, size), kernel, strides, dilations, begin, end)
+    assert conv._patch_rows_fit(rand(1, c, 1, 1), 1, begin, end)
+    assert not conv._shifted_fits(rand(1, c, 1, 1), 1, kernel, strides, dilations, begin, end,
+                                  outs)
+    x, w, b = rand(n, c, size, size), rand(m, c, *kernel) / c, rand(m)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], strides=strides,
+                              dilations=dilations, pads=pads)]
+    if layout == "channels-last":
+        inits.append(numpy_helper.from_array(rand(c, 1, 3, 3), "dw"))
+        nodes.insert(0, helper.make_node("Conv", ["x0", "dw"], ["x"], group=c, pads=[1] * 4))
+    first = nodes[0].input[0]
+    graph = helper.make_graph(nodes, "rows", [helper.make_tensor_value_info(
+        first, TensorProto.FLOAT, list(x.shape))], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    want = ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {first: x})[0]
+    got = ember.load(proto, simplify=False).run({first: x})["y"]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from ember.ops import _compiled
+from ember.ops._compiled import tanh_float32
 from ember.ops._dtypes import widen
 from ember.ops.elementwise import (_ERF32_P, _ERF32_Q, back, blocks, erf, erf_float32_block,
                                    unary)
@@ -89,6 +90,23 @@ def gelu_erf_float32(w):
            + _P6) * z
     den = (((_Q0 * z2 + _Q1) * z2 + _Q2) * z2 + _Q3) * z2 + _Q4
     return w * ((num / den) * _HALF + _HALF)
+
+
+_GELU_CUBIC, _SQRT_2_OVER_PI = np.float32(0.044715), np.float32(math.sqrt(2 / math.pi))
+
+
+@_compiled.kernel_math
+def gelu_tanh_float32(w):
+    """GELU's tanh approximation of the float32 `w`, by _gelu_tanh_block's steps in its
+    order; tanh_float32 is within 2 ulp of numpy's tanh, so the result may differ from the
+    numpy block's in the last bits."""
+    t = w * w
+    t = t * w
+    t = t * _GELU_CUBIC
+    t = t + w
+    t = t * _SQRT_2_OVER_PI
+    t = tanh_float32(t) + np.float32(1)
+    return (_HALF * w) * t
 
 
 def _gelu_erf32_loops(x, out, lo, hi):  # pragma: no cover - numba

@@ -356,7 +356,7 @@ EPILOGUES = [("", []), ("Relu", []), ("LeakyRelu", [0.1]), ("Clip", [0.0, 6.0]),
 def test_compiled_epilogue_gives_the_numpy_epilogues_bits(activation, params, layout, dtype,
                                                           bias_over, monkeypatch):
     """Bias over the last axis (FusedMatMul's) on C-ordered results; over the channels (a
-    FusedConv's) on every layout. GELU runs compiled in its float32 erf form only."""
+    FusedConv's) on every layout. GELU runs compiled in float32 only."""
     pytest.importorskip("numba")
     monkeypatch.delenv("EMBER_NUMBA", raising=False)
     rng = np.random.default_rng(len(activation) + len(layout))
@@ -374,12 +374,15 @@ def test_compiled_epilogue_gives_the_numpy_epilogues_bits(activation, params, la
         bias, channels = None, rng.standard_normal(24).astype(dtype)
     assert y.size >= fused._EPILOGUE_MIN
     compiled, numpy_ = y.copy(order="K"), y.copy(order="K")
-    runs = activation != "Gelu" or (dtype == np.float32 and not params)
+    runs = activation != "Gelu" or dtype == np.float32
     assert fused._epilogue_compiled(compiled, bias, z, activation, params, channels) is runs
     if not runs:
         return
     monkeypatch.setattr(fused, "_EPILOGUE_MIN", 1 << 62)    # the numpy epilogue
     assert fused.epilogue(np, numpy_, bias, z, activation, params, channels) is numpy_
+    if activation == "Gelu" and params:  # our float32 tanh: within 2 ulp of numpy's
+        np.testing.assert_allclose(compiled, numpy_, rtol=1e-6, atol=1e-6)
+        return
     np.testing.assert_array_equal(compiled, numpy_)
     if channels is not None:   # and numpy's own broadcast, written out
         want = y + channels.reshape(24, 1, 1) + z
@@ -456,9 +459,10 @@ def test_fused_conv_bias_in_the_epilogue_matches_onnxruntime(case):
     np.testing.assert_allclose(sess.run({first: x})["y"], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("kernels", ["numba", "numpy"])
 @pytest.mark.parametrize("layout", ["channels-first", "channels-last"])
-def test_fused_conv_gelu_matches_onnxruntime(kernels, layout, monkeypatch):
+def test_fused_conv_gelu_matches_onnxruntime(kernels, layout, approximate, monkeypatch):
     """[depthwise conv ->] 1x1 Conv(bias) -> Gelu: the epilogue's GELU over a channels-first
     and a channels-last result, compiled and in numpy (which once wrote a channels-last
     result's GELU into a reshaped copy and returned the product unchanged)."""
@@ -475,7 +479,7 @@ def test_fused_conv_gelu_matches_onnxruntime(kernels, layout, monkeypatch):
              numpy_helper.from_array(rng.standard_normal((c, 1, 3, 3)).astype(np.float32),
                                      "dw")]
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["p"]),
-             helper.make_node("Gelu", ["p"], ["y"])]
+             helper.make_node("Gelu", ["p"], ["y"], approximate=approximate)]
     if layout == "channels-last":
         nodes.insert(0, helper.make_node("Conv", ["x0", "dw"], ["x"], group=c, pads=[1] * 4))
     first = nodes[0].input[0]
@@ -488,6 +492,29 @@ def test_fused_conv_gelu_matches_onnxruntime(kernels, layout, monkeypatch):
     want = ort.InferenceSession(proto.SerializeToString(),
                                 providers=["CPUExecutionProvider"]).run(None, {first: x})[0]
     np.testing.assert_allclose(sess.run({first: x})["y"], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_fused_matmul_bias_gelu_matches_onnxruntime(approximate):
+    """MatMul + bias + Gelu (GPT-2's MLP uses the tanh form), fused into one FusedMatMul whose
+    compiled epilogue adds the bias and applies GELU in one pass."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(4)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Add", ["m", "b"], ["a"]),
+             helper.make_node("Gelu", ["a"], ["y"], approximate=approximate)]
+    inits = [numpy_helper.from_array(rng.standard_normal((96, 768)).astype(np.float32) / 8,
+                                     "w"),
+             numpy_helper.from_array(rng.standard_normal(768).astype(np.float32), "b")]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info(
+        "x", F, [2, 50, 96])], [helper.make_tensor_value_info("y", F, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    sess = ember.load(proto.SerializeToString())
+    assert [op for _, op, _ in sess.placement] == ["FusedMatMul"]
+    x = (rng.standard_normal((2, 50, 96)) * 2).astype(np.float32)
+    want = ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(sess.run({"x": x})["y"], want, rtol=1e-5, atol=1e-5)
 
 
 POOLS = [  # kernel, strides, pads, dilations, ceil_mode

@@ -21,7 +21,8 @@ and vectorises in a kernel's loop (the C library's expf / tanhf are scalar calls
 here; these cost 2-4 ns an element, half of numpy's float32 exp / tanh). Plain Python
 functions, callable from Python too; `jit` registers them with numba before it compiles a
 kernel. Both are within 2 ulp of the correctly rounded result; exp_float32 flushes results
-below 2**-124 (x < -86) to zero.
+below 2**-124 (x < -86) to zero. Other modules declare such functions with `kernel_math`
+(activations.py's float32 GELU, which the GELU kernel and the fused epilogue share).
 """
 from __future__ import annotations
 

@@ -41,9 +41,12 @@ def softplus(xp, x):
 
 def gelu(xp, w, tanh: bool = False, out=None):
     """0.5 * w * (1 + erf(w / sqrt(2))), or with tanh's approximation, written into `out` (a
-    fresh array if None; C-contiguous; `w` itself is allowed), block by block."""
+    fresh array if None; `w` itself is allowed), block by block."""
     if out is None:
         out = xp.empty(w.shape, w.dtype)
+    elif not out.flags.c_contiguous:  # the blocks below are flat views of C-ordered memory
+        out[...] = gelu(xp, w, tanh)
+        return out
     if xp is np and not tanh and w.dtype == np.float32 and w.size >= _COMPILED_MIN:
         kernel = _compiled.jit(_gelu_erf32_loops)
         if kernel is not None:  # numba: the same bits as _gelu_erf32_block, 3-5x faster

@@ -182,6 +182,12 @@ def _remembered(cache, key, make):
     return cache[key]
 
 
+def _taps_last(w, cache):
+    """w (M, C, kh, kw) as C-ordered (kh, kw, C, M), remembered: the shifted-GEMM and
+    patch-row kernels' weights, a (C, M) matrix per tap."""
+    return _remembered(cache, "taps-last", lambda: np.ascontiguousarray(w.transpose(2, 3, 1, 0)))
+
+
 def _windows(xp, padded, kernel, strides, dilations, outs):
     """Read-only view (N, C, *kernel, *outs) of the padded input `padded` (N, C, *spatial)."""
     n = len(kernel)
@@ -551,8 +557,7 @@ def _conv_shifted(x, w, kernel, begin, end, outs, bias, cache):
     M = w.shape[0]
     (kh, kw), (Ho, Wo) = kernel, outs
     Hp, Wp = Ho + kh - 1, Wo + kw - 1
-    taps = _remembered(cache, "shifted", lambda: np.ascontiguousarray(
-        w.transpose(2, 3, 1, 0)).reshape(kh * kw, C, M))
+    taps = _taps_last(w, cache).reshape(kh * kw, C, M)
     offsets = [i * Wp + j for i in range(kh) for j in range(kw)]
     rows = Ho * Wp
     # the padded image, plus kw - 1 zero rows that the last tap reads past its end
@@ -598,8 +603,7 @@ def _conv_patch_rows(x, w, kernel, strides, dilations, begin, outs, bias, cache)
     N, C, H, W = x.shape
     M = w.shape[0]
     (kh, kw), (sh, sw), (dh, dw), (Ho, Wo) = kernel, strides, dilations, outs
-    taps = _remembered(cache, "patch-rows", lambda: np.ascontiguousarray(
-        w.transpose(2, 3, 1, 0)).reshape(kh * kw * C, M))
+    taps = _taps_last(w, cache).reshape(kh * kw * C, M)
     # tall and wide enough for every window (the padding, and what ceil-like sizes reach)
     Hp = max(begin[0] + H, (Ho - 1) * sh + (kh - 1) * dh + 1)
     Wp = max(begin[1] + W, (Wo - 1) * sw + (kw - 1) * dw + 1)

@@ -70,11 +70,7 @@ def activate_in_place(xp, y, name: str, params: list[float]) -> None:
         xp.clip(gate, 0, 1, out=gate)
         y *= gate
     elif name == "Gelu":
-        tanh = bool(params and params[0])
-        if y.flags.c_contiguous:
-            gelu(xp, y, tanh=tanh, out=y)
-        else:  # gelu writes C-ordered memory: a channels-last y would get a reshaped copy
-            y[...] = gelu(xp, y, tanh=tanh)
+        gelu(xp, y, tanh=bool(params and params[0]), out=y)
     else:
         raise ValueError(f"unknown fused activation {name!r}")
 
@@ -134,7 +130,8 @@ def _epilogue_whole(xp, y, bias, z, activation, params):
 # GELU's tanh form, whose float32 tanh (ops/_compiled.py) is within 2 ulp of numpy's.
 
 _EPILOGUE_CODES = {"": 0, "Relu": 1, "LeakyRelu": 2, "Clip": 3, "HardSigmoid": 4,
-                   "HardSwish": 5, "Gelu": 6}   # 7: Gelu's tanh approximation
+                   "HardSwish": 5}
+_GELU_CODES = (6, 7)     # GELU's erf form, its tanh approximation: float32 only
 _GELU_NS = 1.5           # GELU's own time per element (float32)
 _EPILOGUE_MIN = 1 << 14  # elements; below, numpy's passes are as fast as a compiled call
 _EPILOGUE_NS = 0.3       # its time per element, ~0.15-0.35 ns measured here (split_rows)
@@ -146,13 +143,9 @@ def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels
     `row`, into y by the compiled kernel where it applies: a float32 / float64 `y` of at least
     _EPILOGUE_MIN elements, C-ordered or channels-last, an activation it knows; `row` (over
     y's last axis) only on a C-ordered y. Returns whether it ran."""
-    code = _EPILOGUE_CODES.get(activation)
+    code = _epilogue_code(activation, params, y.dtype)
     if code is None or y.size < _EPILOGUE_MIN or y.dtype.type not in _EPILOGUE_EMPTY:
         return False
-    if activation == "Gelu":
-        if y.dtype != np.float32:
-            return False  # the kernel has GELU's float32 forms only
-        code = 7 if params and params[0] else 6
     if code == 0 and row is None and channels is None and z is None:
         return True                            # nothing to do
     kernel = _compiled.jit(_epilogue_loops)
@@ -181,10 +174,18 @@ def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels
         z = _in_layout_of(y, z)
     residual = no_residual if z is None else z.transpose(order).reshape(rows.shape)
     p0, p1 = (_with_defaults(activation, params) + [0.0, 0.0])[:2]   # (unused ones: 0)
-    ns = _EPILOGUE_NS + (_GELU_NS if code >= 6 else 0.0)
+    ns = _EPILOGUE_NS + (_GELU_NS if code in _GELU_CODES else 0.0)
     _compiled.split_rows(kernel, rows.shape[0], rows, bias, per_row, residual, code, t(p0), t(p1),
                          ns_per_row=ns * rows.shape[1])
     return True
+
+
+def _epilogue_code(activation: str, params: list[float], dtype) -> int | None:
+    """The kernel's code for `activation` (_EPILOGUE_CODES, _GELU_CODES), or None where the
+    kernel does not have it."""
+    if activation == "Gelu":
+        return None if dtype != np.float32 else _GELU_CODES[bool(params and params[0])]
+    return _EPILOGUE_CODES.get(activation)
 
 
 def _row_length(shape) -> int:
@@ -210,7 +211,7 @@ def _in_layout_of(y, z):
 def _epilogue_loops(y, bias, bias_per_row, z, code, p0, p1, row0, row1):  # pragma: no cover
     """Rows [row0, row1) of y (rows, C) in place: y + bias if given, along each row (bias
     (C,)) or, with `bias_per_row`, bias[i % bias.size] over all of row i; + z (rows, C) if
-    given; then activation `code` (_EPILOGUE_CODES) with parameters p0, p1. Each step rounded
+    given; then activation `code` (_epilogue_code) with parameters p0, p1. Each step rounded
     as numpy's in-place ufuncs round it (activate_in_place). One loop per step over a row,
     which is in L1 by then: branch-free loops that LLVM vectorises (numba)."""
     C = y.shape[1]

@@ -202,9 +202,12 @@ def _windows(xp, padded, kernel, strides, dilations, outs):
 # forward convolution core
 
 
-def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, cache=None):
+def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, cache=None,
+            clamp=None):
     """Cross-correlation of x (N, C, *sp) with w (M, C/group, *kernel), plus `bias` (M,) if
     given; returns a fresh (N, M, *outs) array in x's dtype (float32 or float64 here).
+    `clamp` (lo, hi) clips the result to [lo, hi]: only where `clamps_in_pass` says so, in the
+    same pass.
 
     `cache` is a dict the caller keeps for as long as w and bias stay the same constants; the
     bias-augmented weight matrix is remembered there.
@@ -241,7 +244,8 @@ def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, 
         return out.reshape(N, M, *outs)
 
     if xp is np and _depthwise_fast(x, w, group, kernel, begin, end):
-        return _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache)
+        return _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp)
+    assert clamp is None, "a clamp only where clamps_in_pass"
 
     if K == 1 and not any(begin) and not any(end):
         if xp is np and _channels_last(x):
@@ -332,6 +336,12 @@ def _channels_last(x):
     return x.transpose(0, *range(2, x.ndim), 1).flags.c_contiguous
 
 
+def clamps_in_pass(xp, x, w, group, kernel, begin, end) -> bool:
+    """Whether conv_nd can clip this convolution's result (`clamp`) in its own pass over the
+    output: the depthwise kernels' (with bias, the whole of a ReLU6 block's Conv + Clip)."""
+    return xp is np and _depthwise_fast(x, w, group, kernel, begin, end)
+
+
 def _depthwise_fast(x, w, group, kernel, begin, end):
     """Whether the channels-last depthwise kernel runs this convolution: 2-D, one output
     channel per input channel (C > 1), no negative pads, float32 / float64."""
@@ -340,7 +350,7 @@ def _depthwise_fast(x, w, group, kernel, begin, end):
             and min(begin) >= 0 and min(end) >= 0 and x.dtype in (np.float32, np.float64))
 
 
-def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache):
+def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp=None):
     N, C, H, W = x.shape
     (kh, kw), (sh, sw), (dh, dw), (Oh, Ow) = kernel, strides, dilations, outs
     compiled = _numba_depthwise3x3() if kh == kw == 3 else _numba_depthwise()
@@ -352,7 +362,8 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache):
             w.reshape(C, kh, kw).transpose(1, 2, 0)))
         out = np.empty((N, Oh, Ow, C), x.dtype)
         b = np.zeros(C, x.dtype) if bias is None else np.ascontiguousarray(bias)
-        _run_depthwise(compiled, xt, wt, b, out, begin[0], begin[1], sh, sw, dh, dw)
+        lo, hi = (x.dtype.type(v) for v in (clamp or (-np.inf, np.inf)))
+        _run_depthwise(compiled, xt, wt, b, out, begin[0], begin[1], sh, sw, dh, dw, lo, hi)
         return out.transpose(0, 3, 1, 2)
     # Width tap j reads padded column sw*ow + j*dw = sw*(ow + dj) + ph: the padded input is
     # split by column phase ph (Q[ph][:, :, q] = padded column sw*q + ph, channels last), so
@@ -389,6 +400,8 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache):
     out = np.einsum("iabnhx,iabx->nhx", win, wt).reshape(N, Oh, Ow, C)
     if bias is not None:
         out += bias
+    if clamp is not None:
+        np.clip(out, *clamp, out=out)
     return out.transpose(0, 3, 1, 2)
 
 
@@ -400,7 +413,8 @@ _DEPTHWISE_TAP_NS = 0.12  # time per tap of an output value: 0.08-0.15 ns here (
 
 
 def _numba_depthwise3x3():
-    """The compiled 3x3 kernel (x, w, b, out, ph, pw, sh, sw, dh, dw, row0, row1), or None."""
+    """The compiled 3x3 kernel (x, w, b, out, ph, pw, sh, sw, dh, dw, lo, hi, row0, row1),
+    or None."""
     return _compiled.jit(_depthwise3x3_rows, fastmath={"contract"})
 
 
@@ -416,77 +430,87 @@ def _run_depthwise(kernel, x, w, b, out, *geometry):
                          ns_per_row=_DEPTHWISE_TAP_NS * taps * N * Ow * C)
 
 
-def _depthwise3x3_rows(x, w, b, out, ph, pw, sh, sw, dh, dw, row0, row1):  # pragma: no cover
-    """Output rows [row0, row1): out[n, oh, ow, c] = b[c] + sum over taps of x[n, r, q, c] *
-    w[i, j, c], channels last (x (N, H, W, C), w (3, 3, C), out (N, Oh, Ow, C)), r = oh*sh -
-    ph + i*dh and q = ow*sw - pw + j*dw, taps outside x skipped. Pixels whose nine taps all
-    lie inside x sum them in one expression (the channel loop vectorises, the sums stay in
-    registers); the border pixels loop over their valid taps."""
-    N, H, W, C = x.shape
-    Ow = out.shape[2]
+def _depthwise3x3_rows(x4, w3, b, out4, ph, pw, sh, sw, dh, dw, lo, hi,
+                       row0, row1):  # pragma: no cover
+    """Output rows [row0, row1): out[n, oh, ow, c] = (sum over taps of x[n, r, q, c] *
+    w[i, j, c]) + b[c], clamped to [lo, hi], channels last (x (N, H, W, C), w (3, 3, C), out
+    (N, Oh, Ow, C)), r = oh*sh - ph + i*dh and q = ow*sw - pw + j*dw, taps outside x skipped.
+    Pixels whose nine taps all lie inside x sum them in one expression over flat offsets
+    (the channel loop vectorises and the sums stay in registers: with 19 separate row views
+    LLVM gave up on the aliasing checks and the loop ran scalar, 1.2-1.6x slower; offsets are
+    unsigned so that no negative-index wraparound hides the contiguous loads); the border
+    pixels add their valid taps one at a time."""
+    N, H, W, C = x4.shape
+    Oh, Ow = out4.shape[1], out4.shape[2]
+    x, w, out = x4.reshape(-1), w3.reshape(-1), out4.reshape(-1)
+    uC = np.uint64(C)
     for n in range(N):
         for oh in range(row0, row1):
             r0 = oh * sh - ph
-            if r0 >= 0 and r0 + 2 * dh < H:
-                a = x[n, r0]
-                m = x[n, r0 + dh]
-                z = x[n, r0 + 2 * dh]
-                for ow in range(Ow):
-                    q0 = ow * sw - pw
-                    if q0 < 0 or q0 + 2 * dw >= W:
-                        continue  # a border pixel: below
-                    q1 = q0 + dw
-                    q2 = q1 + dw
-                    o = out[n, oh, ow]
-                    for c in range(C):
-                        o[c] = (b[c] + a[q0, c] * w[0, 0, c] + a[q1, c] * w[0, 1, c]
-                                + a[q2, c] * w[0, 2, c] + m[q0, c] * w[1, 0, c]
-                                + m[q1, c] * w[1, 1, c] + m[q2, c] * w[1, 2, c]
-                                + z[q0, c] * w[2, 0, c] + z[q1, c] * w[2, 1, c]
-                                + z[q2, c] * w[2, 2, c])
             for ow in range(Ow):
                 q0 = ow * sw - pw
+                o = np.uint64(((n * Oh + oh) * Ow + ow) * C)
                 if r0 >= 0 and r0 + 2 * dh < H and q0 >= 0 and q0 + 2 * dw < W:
-                    continue  # done above
-                o = out[n, oh, ow]
-                for c in range(C):
-                    o[c] = b[c]
-                for i in range(3):
-                    r = r0 + i * dh
-                    if r < 0 or r >= H:
-                        continue
-                    for j in range(3):
-                        q = q0 + j * dw
-                        if q < 0 or q >= W:
-                            continue
-                        for c in range(C):
-                            o[c] += x[n, r, q, c] * w[i, j, c]
+                    a0 = np.uint64(((n * H + r0) * W + q0) * C)   # taps (0, 0), (1, 0), (2, 0)
+                    m0 = a0 + np.uint64(dh * W * C)
+                    z0 = m0 + np.uint64(dh * W * C)
+                    step = np.uint64(dw * C)                      # to the next column tap
+                    a1, m1, z1 = a0 + step, m0 + step, z0 + step
+                    a2, m2, z2 = a1 + step, m1 + step, z1 + step
+                    for c in range(uC):
+                        v = (x[a0 + c] * w[c] + x[a1 + c] * w[uC + c]
+                             + x[a2 + c] * w[2 * uC + c] + x[m0 + c] * w[3 * uC + c]
+                             + x[m1 + c] * w[4 * uC + c] + x[m2 + c] * w[5 * uC + c]
+                             + x[z0 + c] * w[6 * uC + c] + x[z1 + c] * w[7 * uC + c]
+                             + x[z2 + c] * w[8 * uC + c]) + b[c]
+                        v = lo if v < lo else v
+                        out[o + c] = hi if v > hi else v
+                    continue
+                _pixel_by_taps(x, w, b, out, o, n, r0, q0, dh, dw, lo, hi, x4.shape, 3, 3)
 
 
-def _depthwise_rows(x, w, b, out, ph, pw, sh, sw, dh, dw, row0, row1):  # pragma: no cover
+@_compiled.kernel_math
+def _pixel_by_taps(x, w, b, out, o, n, r0, q0, dh, dw, lo, hi, shape, kh, kw):  # pragma: no cover
+    """One output pixel of a depthwise kernel, at flat offset o of out: its taps inside the
+    image (N, H, W, C) = `shape` added one at a time (x, w, out flat, as in
+    `_depthwise3x3_rows`), then the bias and the clamp."""
+    N, H, W, C = shape
+    uC = np.uint64(C)
+    for c in range(uC):
+        out[o + c] = 0
+    for i in range(kh):
+        r = r0 + i * dh
+        if r < 0 or r >= H:
+            continue
+        for j in range(kw):
+            q = q0 + j * dw
+            if q < 0 or q >= W:
+                continue
+            at = np.uint64(((n * H + r) * W + q) * C)
+            tap = np.uint64((i * kw + j) * C)
+            for c in range(uC):
+                out[o + c] += x[at + c] * w[tap + c]
+    for c in range(uC):
+        v = out[o + c] + b[c]
+        v = lo if v < lo else v
+        out[o + c] = hi if v > hi else v
+
+
+def _depthwise_rows(x4, w3, b, out4, ph, pw, sh, sw, dh, dw, lo, hi,
+                    row0, row1):  # pragma: no cover
     """As `_depthwise3x3_rows`, for any kh x kw window (w (kh, kw, C)): each output pixel's
-    channels start at the bias and take its valid taps one at a time (ConvNeXt's 7x7: 2-6x
-    faster than the einsum kernel here)."""
-    N, H, W, C = x.shape
-    kh, kw = w.shape[0], w.shape[1]
-    Ow = out.shape[2]
+    channels take its valid taps one at a time, then the bias and the clamp (ConvNeXt's 7x7:
+    2-6x faster than the einsum kernel here)."""
+    N, H, W, C = x4.shape
+    kh, kw = w3.shape[0], w3.shape[1]
+    Oh, Ow = out4.shape[1], out4.shape[2]
+    x, w, out = x4.reshape(-1), w3.reshape(-1), out4.reshape(-1)
     for n in range(N):
         for oh in range(row0, row1):
             for ow in range(Ow):
-                o = out[n, oh, ow]
-                for c in range(C):
-                    o[c] = b[c]
-                for i in range(kh):
-                    r = oh * sh - ph + i * dh
-                    if r < 0 or r >= H:
-                        continue
-                    for j in range(kw):
-                        q = ow * sw - pw + j * dw
-                        if q < 0 or q >= W:
-                            continue
-                        xv, wv = x[n, r, q], w[i, j]
-                        for c in range(C):
-                            o[c] += xv[c] * wv[c]
+                o = np.uint64(((n * Oh + oh) * Ow + ow) * C)
+                _pixel_by_taps(x, w, b, out, o, n, oh * sh - ph, ow * sw - pw, dh, dw, lo, hi,
+                               x4.shape, kh, kw)
 
 
 def _pointwise_cl(x, w, group, strides, outs, bias, cache):
@@ -722,18 +746,19 @@ class _ConvBase(OpImpl):
 
 @register("Conv", versions=[1, 11, 22])
 class Conv(_ConvBase):
-    def run(self, x, w, b=None):
+    def run(self, x, w, b=None, clamp=None):
+        """The convolution; `clamp` (lo, hi) clips the result where `clamps_in_pass` allows."""
         xp = self.xp
         kernel, strides, dilations, begin, end = self.geometry(x, w)
         dt = compute_dtype(x.dtype)
         # a bias computed at run time (writable; constants are read-only, and device arrays
         # don't say) is added afterwards: folding it into the weight matrix, conv_nd's way
         # with a constant bias, would copy the whole weight on every run
-        late_bias = b is not None and getattr(b.flags, "writeable", True)
+        late_bias = b is not None and getattr(b.flags, "writeable", True) and clamp is None
         wc, cache = self.cached_weight(w, lambda a: (xp.ascontiguousarray(a, dtype=dt), {}),
                                        None if late_bias else b)
         out = conv_nd(xp, x.astype(dt, copy=False), wc, self.group, kernel, strides, dilations,
-                      begin, end, bias=None if late_bias else b, cache=cache)
+                      begin, end, bias=None if late_bias else b, cache=cache, clamp=clamp)
         if late_bias:
             out = _add_bias(out, b.astype(dt, copy=False))
         return out.astype(x.dtype, copy=False)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ember.ops import _compiled
-from ember.ops.conv import Conv, _channels_last
+from ember.ops.conv import Conv, _channels_last, clamps_in_pass
 from ember.ops.activations import gelu, gelu_erf_float32, gelu_tanh_float32
 from ember.ops.linalg import Gemm7, matmul
 from ember.ops.registry import OpImpl, register
@@ -285,8 +285,18 @@ class FusedConv(Conv, _Activated):
     def setup(self):
         super().setup()
         self._activation_setup()
+        # the activation as a clip to [lo, hi] (none, ReLU, ReLU6): a depthwise kernel then
+        # adds the bias and clips in its own pass, with no epilogue pass after it
+        name, params = self.activation_name, _with_defaults(self.activation_name,
+                                                            self.activation_args)
+        self._clamp = {"": (-np.inf, np.inf), "Relu": (0.0, np.inf),
+                       "Clip": tuple(params[:2])}.get(name)
 
     def run(self, x, w, b=None, z=None):
+        if self._clamp is not None and z is None:
+            kernel, _, _, begin, end = self.geometry(x, w)
+            if clamps_in_pass(self.xp, x, w, self.group, kernel, begin, end):
+                return super().run(x, w, b, clamp=self._clamp)
         if b is not None and self.xp is np and x.dtype in (np.float32, np.float64) \
                 and b.size == w.shape[0] and x.ndim >= 3:
             # the epilogue's pass adds the bias: the convolution then neither copies its

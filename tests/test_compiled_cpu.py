@@ -134,6 +134,7 @@ def test_rows_split_among_threads_give_the_same_bits(kernel, window, stride, dil
     ow = (19 + 2 * pad - (kw - 1) * dilation - 1) // stride + 1
     a, c = np.empty((2, oh, ow, 40), np.float32), np.empty((2, oh, ow, 40), np.float32)
     args = (pad, pad, stride, stride, dilation, dilation)
+    args += (np.float32(0), np.float32(6))  # bias and clamp (ReLU6) in the same pass
     compiled(x, w, b, a, *args, 0, oh)
     for i in range(0, oh, 3):  # uneven pieces, in any order
         compiled(x, w, b, c, *args, i, min(oh, i + 3))
@@ -417,7 +418,8 @@ def test_conv_add_relu_fused_matches_onnxruntime_with_the_compiled_epilogue():
 
 # Conv(bias) -> activation, one case per CPU convolution kernel: (input channels, output
 # channels, image size, kernel, group, stride, activation). The bias reaches FusedConv's
-# epilogue, over channels-first or channels-last results. "channels-last" puts a depthwise
+# epilogue, over channels-first or channels-last results, or with an activation that is a
+# clip (none, ReLU, ReLU6) the depthwise kernel's own pass. "channels-last" puts a depthwise
 # convolution first, whose channels-last result the pointwise one keeps.
 BIASED_CONVS = {
     "im2col": (3, 32, 40, 3, 1, 2, "Relu"),
@@ -425,6 +427,8 @@ BIASED_CONVS = {
     "pointwise, channels-last": (24, 48, 30, 1, 1, 1, "Relu"),
     "pointwise strided": (24, 16, 30, 1, 1, 2, "HardSwish"),
     "depthwise": (40, 40, 30, 3, 40, 1, "Clip"),
+    "depthwise 5x5": (24, 24, 30, 5, 24, 2, "Relu"),
+    "depthwise, epilogue": (40, 40, 30, 3, 40, 1, "HardSwish"),
     "shifted": (16, 24, 70, 3, 1, 1, "LeakyRelu"),
     "grouped": (32, 64, 20, 3, 4, 1, "Relu"),
 }

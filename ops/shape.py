@@ -180,6 +180,10 @@ class Transpose(OpImpl):
             # already laid out so (a channels-last kernel's result taken to NHWC): a view,
             # as Reshape's results are
             return y
+        if self.xp is np and _channels_last(y):
+            # NHWC taken back to NCHW (ConvNeXt's blocks): the channels-last view the CPU
+            # convolutions return and take as they are, and elementwise ops keep
+            return y
         if x.ndim >= 2 and perm == list(range(x.ndim - 2)) + [x.ndim - 1, x.ndim - 2]:
             return swap_last_axes(self.xp, x)
         return y.copy()  # copy() keeps 0-d arrays 0-d

@@ -150,6 +150,58 @@ def test_upsampling_and_skip_concat_match_onnxruntime(batch, with_bias):
                                    atol=1e-4 * float(np.abs(expected).max()))
 
 
+def test_convnext_blocks_through_channels_last_transposes_match_onnxruntime():
+    """Two ConvNeXt blocks: depthwise 7x7 -> Transpose to NHWC -> LayerNorm -> MatMul -> Gelu
+    -> MatMul -> Transpose back to NCHW -> + residual. The Transpose back hands on a
+    channels-last view (ops/shape.py), which the residual Add and the next depthwise
+    convolution take as it is; the second block's output is the session's, C-ordered. A
+    session shared by threads gives the sequential run's bits."""
+    t, c = TensorProto.FLOAT, 32
+    x = rand(2, c, 28, 28)
+    inits, nodes, source = {}, [], "x"
+    for k in range(2):
+        inits.update({f"dw{k}": rand(c, 1, 7, 7) / 7, f"db{k}": rand(c), f"g{k}": rand(c),
+                      f"be{k}": rand(c), f"w1{k}": rand(c, 4 * c) / c,
+                      f"w2{k}": rand(4 * c, c) / (4 * c)})
+        nodes += [helper.make_node("Conv", [source, f"dw{k}", f"db{k}"], [f"d{k}"], group=c,
+                                   pads=[3] * 4),
+                  helper.make_node("Transpose", [f"d{k}"], [f"t{k}"], perm=[0, 2, 3, 1]),
+                  helper.make_node("LayerNormalization", [f"t{k}", f"g{k}", f"be{k}"],
+                                   [f"n{k}"], axis=-1),
+                  helper.make_node("MatMul", [f"n{k}", f"w1{k}"], [f"h{k}"]),
+                  helper.make_node("Gelu", [f"h{k}"], [f"a{k}"]),
+                  helper.make_node("MatMul", [f"a{k}", f"w2{k}"], [f"m{k}"]),
+                  helper.make_node("Transpose", [f"m{k}"], [f"b{k}"], perm=[0, 3, 1, 2]),
+                  helper.make_node("Add", [f"b{k}", source], ["y" if k else f"r{k}"])]
+        source = f"r{k}"
+    graph = helper.make_graph(nodes, "convnext", [helper.make_tensor_value_info(
+        "x", t, list(x.shape))], [helper.make_tensor_value_info("y", t, None)],
+        [numpy_helper.from_array(v, n) for n, v in inits.items()])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    want = ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    sess = ember.load(proto)
+    got = sess.run({"x": x})["y"]
+    assert got.flags.c_contiguous
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    with ThreadPoolExecutor(4) as pool:
+        for result in pool.map(lambda _: sess.run({"x": x})["y"], range(8)):
+            np.testing.assert_array_equal(result, got)
+
+
+def test_transpose_back_to_nchw_is_a_view_on_the_cpu():
+    """NHWC -> NCHW returns the channels-last view (no copy); other layouts are copied."""
+    from ember.ops.shape import Transpose
+    x = rand(2, 5, 6, 7)
+    op = Transpose.__new__(Transpose)   # no node needed: run reads only xp and perm
+    op.xp, op.perm = np, [0, 3, 1, 2]
+    y = op.run(x)
+    assert np.shares_memory(y, x) and np.array_equal(y, x.transpose(0, 3, 1, 2))
+    op.perm = [0, 2, 1, 3]
+    y = op.run(x)
+    assert not np.shares_memory(y, x) and y.flags.c_contiguous
+
+
 PATCH_ROWS_CASES = [  # batch, channels in, size, channels out, kernel, strides, dilations, pads
     (1, 64, 28, 64, [3, 3], [1, 1], [1, 1], [1, 1, 1, 1]),      # ResNet-50's, 28x28
     (2, 32, 30, 48, [3, 3], [2, 2], [1, 1], [1, 1, 1, 1]),      # strided

@@ -20,7 +20,7 @@ import numpy as np
 from ember.ops import _compiled
 from ember.ops.conv import Conv, _channels_last, clamps_in_pass
 from ember.ops.activations import gelu, gelu_erf_float32, gelu_tanh_float32
-from ember.ops.linalg import Gemm7, matmul
+from ember.ops.linalg import CachedPack, Gemm7, matmul
 from ember.ops.registry import OpImpl, register
 
 DOMAIN = "ai.ember"
@@ -322,9 +322,11 @@ class FusedGemm(Gemm7, _Activated):
 class FusedMatMul(_Activated):
     def setup(self):
         self._activation_setup()
+        self._transposed = CachedPack()  # of a constant B, for products of a few rows
 
     def run(self, a, b, bias=None, z=None):
         if a.ndim == 0 or b.ndim == 0 or a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
             raise self.fail(f"shapes {a.shape} and {b.shape} are not aligned")
         xp = self.xp
-        return self.finish(xp.asarray(matmul(xp, a, b)), bias, z)  # vector . vector: a scalar
+        y = matmul(xp, a, b, self._transposed if 1 in self.constant_inputs else None)
+        return self.finish(xp.asarray(y), bias, z)  # vector . vector: a scalar

@@ -52,7 +52,7 @@ class OpImpl:
     _reserved = frozenset({"run", "setup", "node", "n_inputs", "n_outputs", "domain", "op_type",
                            "versions", "backend", "version", "attrs", "dtypes", "host_inputs",
                            "run_on_cpu", "fail", "refuses", "device", "xp",
-                           "shape_inputs", "defaults"})
+                           "shape_inputs", "defaults", "constant_inputs"})
     # Attribute defaults of ops that have no ONNX schema (com.microsoft contrib ops), as the
     # op's documentation gives them; ops with a schema take its defaults.
     defaults: dict[str, Any] = {}
@@ -63,6 +63,10 @@ class OpImpl:
     # wants as host numpy arrays (shapes, axes, pads...) rather than device arrays.
     dtypes: frozenset | None = None
     host_inputs: tuple[int, ...] = ()
+    # Indices of inputs that are constants of the graph (initialisers a caller cannot
+    # override), set by the planner after binding: a kernel may keep work derived from such
+    # an input (a transposed weight) from one run to the next.
+    constant_inputs: frozenset[int] = frozenset()
 
     def __init__(self, node: Node, attrs: dict[str, Any], device: Any = None):
         # The backend instance a device kernel runs on (its context, queue, allocator), bound

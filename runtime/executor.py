@@ -202,9 +202,13 @@ class Plan:
                 inputs = [resident(n, device and i not in host_inputs)
                           for i, n in enumerate(node.inputs)]
             scope = tuple((n, slot(resident(n, False))) for n in node.implicit_inputs)
+            kernel = self._bind(node, impl)
+            kernel.constant_inputs = frozenset(
+                i for i, n in enumerate(inputs)
+                if n in graph.initializers and n not in self.input_names)
             steps.append(Step(
                 node=node,
-                kernel=self._bind(node, impl),
+                kernel=kernel,
                 inputs=tuple(slot(n) if n else _OMITTED for n in inputs),
                 outputs=tuple(slot(n) if n else _DISCARD for n in node.outputs),
                 frees=(),

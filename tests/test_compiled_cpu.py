@@ -27,7 +27,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ember
-from ember.ops import (_compiled, activations, conv, fused, normalization, pool,
+from ember.ops import (_compiled, activations, conv, fused, linalg, normalization, pool,
                        reduction, rnn)
 from ember.runtime import threads
 
@@ -644,3 +644,112 @@ def test_layernorm_rows_give_the_same_bits_however_split(monkeypatch):
     # and the numpy kernel agrees to float32 rounding
     numpy_kernel = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + 1e-5)
     np.testing.assert_allclose(whole, numpy_kernel * scale, rtol=1e-5, atol=1e-5)
+
+
+def _decoder_mlp(rows: int, k: int, n: int, weight_is_input: bool = False):
+    """x [rows, 1, k] -> MatMul by a constant [k, n] weight (-> y), and x times another
+    weight + bias -> Gelu (-> g, fused into a FusedMatMul): a decoder step's shapes."""
+    rng = np.random.default_rng(rows + k + n)
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+    w2 = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]),
+             helper.make_node("MatMul", ["x", "w2"], ["m"]),
+             helper.make_node("Add", ["m", "b"], ["a"]),
+             helper.make_node("Gelu", ["a"], ["g"], approximate="tanh")]
+    inputs = [helper.make_tensor_value_info("x", F, [rows, 1, k])]
+    if weight_is_input:  # an initialiser a caller may override: not a constant
+        inputs.append(helper.make_tensor_value_info("w", F, [k, n]))
+    graph = helper.make_graph(nodes, "mlp", inputs,
+                              [helper.make_tensor_value_info(v, F, None) for v in "yg"],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w2, "w2"),
+                               numpy_helper.from_array(b, "b")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    return proto.SerializeToString(), w
+
+
+def _spy_dot_columns(monkeypatch) -> list:
+    """The products linalg._dot_columns took (not None) during the test."""
+    taken = []
+    original = linalg._dot_columns
+
+    def spy(a, b, weight):
+        y = original(a, b, weight)
+        if y is not None:
+            taken.append((a.shape, b.shape))
+        return y
+
+    monkeypatch.setattr(linalg, "_dot_columns", spy)
+    return taken
+
+
+@pytest.mark.parametrize("rows, k, n", [(4, 768, 1367), (5, 2048, 513), (8, 768, 3072),
+                                        (12, 1024, 1025)])
+def test_few_rows_by_a_constant_weight_match_onnxruntime(rows, k, n, monkeypatch):
+    """4-12 rows by a large constant weight run as dot products with its transpose (odd
+    column counts included), plain and fused with bias and GELU; within 1e-6 of
+    sum_k |x_k| |w_kn| of the float64 product, and close to onnxruntime."""
+    pytest.importorskip("numba")
+    taken = _spy_dot_columns(monkeypatch)
+    proto, w = _decoder_mlp(rows, k, n)
+    x = np.random.default_rng(7).standard_normal((rows, 1, k)).astype(np.float32)
+    session = ember.load(proto)
+    assert [op for _, op, _ in session.placement] == ["MatMul", "FusedMatMul"]
+    got = session.run({"x": x})
+    assert len(taken) == 2  # both products, with the kernel
+    exact = x.astype(np.float64) @ w
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
+    assert np.all(np.abs(got["y"] - exact) <= 1e-6 * scale)
+    want = ort.InferenceSession(proto, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(got["y"], want[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["g"], want[1], rtol=1e-4, atol=1e-5)
+
+
+def test_few_rows_by_a_constant_weight_same_bits_on_threads(monkeypatch):
+    """The columns split among the session's threads: a session shared by 4 threads gives the
+    bits of sequential runs, and 1 thread gives the same bits as 2."""
+    pytest.importorskip("numba")
+    monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)  # split even small products
+    taken = _spy_dot_columns(monkeypatch)
+    proto, _ = _decoder_mlp(8, 768, 1537)
+    rng = np.random.default_rng(8)
+    feeds = [{"x": rng.standard_normal((8, 1, 768)).astype(np.float32)} for _ in range(6)]
+    session = ember.load(proto, threads=2)
+    sequential = [session.run(f) for f in feeds]
+    one_thread = ember.load(proto, threads=1)
+    for f, want in zip(feeds, sequential):
+        got = one_thread.run(f)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
+    results = [None] * len(feeds)
+
+    def work(i):
+        for _ in range(3):
+            results[i] = session.run(feeds[i])
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(len(feeds))]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert taken
+    for want, got in zip(sequential, results):
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_an_overridable_weight_is_not_kept(monkeypatch):
+    """A weight the caller may feed (an initialiser listed among the inputs) is no constant:
+    its product goes to BLAS, and each run multiplies by the weight it was given."""
+    pytest.importorskip("numba")
+    taken = _spy_dot_columns(monkeypatch)
+    proto, w = _decoder_mlp(8, 1024, 1024, weight_is_input=True)
+    session = ember.load(proto)
+    reference = ort.InferenceSession(proto, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(9).standard_normal((8, 1, 1024)).astype(np.float32)
+    for weight in (w, -2 * w, w):
+        got = session.run({"x": x, "w": weight})
+        want = reference.run(None, {"x": x, "w": weight})
+        np.testing.assert_allclose(got["y"], want[0], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got["g"], want[1], rtol=1e-4, atol=1e-5)
+    assert len(taken) == 3  # only the product by the constant w2, once a run

@@ -61,12 +61,13 @@ import numpy as np
 from ember.ops import contrib_attention as CA
 from ember.ops import contrib_fused as CF
 from ember.ops import contrib_lowbit as CL
+from ember.ops.linalg import CachedPack
 from ember.ops.opencl._common import (
     FLOAT_TYPES, cached_table, c_type, contiguous, kernel, launch)
 from ember.ops.opencl.attention import _copy4d, _softmax_source, _strides
 from ember.ops.opencl.elementwise import ew
 from ember.ops.opencl.linalg import (
-    CachedPack, activation_source, block_n, gemm_packed, pack_a, pack_b)
+    activation_source, block_n, gemm_packed, pack_a, pack_b)
 from ember.ops.opencl.normalization import rownorm
 from ember.ops.opencl.reduction import local_size
 from ember.ops.registry import register

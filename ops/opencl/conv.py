@@ -22,8 +22,9 @@ import math
 import numpy as np
 
 from ember.ops.conv import Conv, ConvTranspose, out_size
+from ember.ops.linalg import CachedPack
 from ember.ops.opencl._common import FLOAT_TYPES, c_type, kernel, launch
-from ember.ops.opencl.linalg import (NO_ACTIVATION, RM, CachedPack, activation_source, block_n,
+from ember.ops.opencl.linalg import (NO_ACTIVATION, RM, activation_source, block_n,
                                      gemm_packed, pack_a, pack_b, scratch)
 from ember.ops.registry import register
 

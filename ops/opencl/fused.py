@@ -21,9 +21,10 @@ from __future__ import annotations
 import numpy as np
 
 from ember.ops.fused import DOMAIN, FusedConv, FusedGemm, FusedMatMul
+from ember.ops.linalg import CachedPack
 from ember.ops.opencl._common import FLOAT_TYPES
 from ember.ops.opencl.conv import conv_device
-from ember.ops.opencl.linalg import CachedPack, _GemmCL, _matmul_device, activation_code
+from ember.ops.opencl.linalg import _GemmCL, _matmul_device, activation_code
 from ember.ops.registry import register
 
 

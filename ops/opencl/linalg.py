@@ -32,7 +32,7 @@ from functools import lru_cache
 import numpy as np
 
 from ember.ops.elementwise import _ERF32_P, _ERF32_Q
-from ember.ops.linalg import Gemm1, Gemm7, MatMul
+from ember.ops.linalg import CachedPack, Gemm1, Gemm7, MatMul
 from ember.ops.opencl._common import FLOAT_TYPES, c_type, cached_table, kernel, launch
 from ember.ops.registry import register
 
@@ -323,24 +323,6 @@ def gemm_packed(be, ap, bp, M, N, K, aidx, bidx, dtype, out=None, alpha=1.0, c=N
            np.int32(c is not None), np.int64(out_row_stride or N),
            z if z is not None else ap, np.int32(z is not None), tp(p0), tp(p1))
     return out
-
-
-class CachedPack:
-    """Remembers a packed operand while its source is the same (constant) device array.
-
-    The three facts live in one tuple replaced in one assignment, so a thread never sees the
-    source of one pack with the value of another."""
-
-    def __init__(self):
-        self._entry = (None, None, None)  # (source array, key, packed value)
-
-    def get(self, src, key, make):
-        cached_src, cached_key, value = self._entry
-        if cached_src is src and cached_key == key:
-            return value
-        value = make()
-        self._entry = (src, key, value)
-        return value
 
 
 NO_ACTIVATION = ("", 0.0, 0.0)

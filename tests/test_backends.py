@@ -29,6 +29,22 @@ def test_unavailable_backend_names_what_is_missing():
             assert "install" in reason or "driver" in reason or "device" in reason, reason
 
 
+@pytest.mark.parametrize("version, cpu, bits", [
+    ("OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-znver3", True, 256),  # Zen 4 too
+    ("OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-haswell", True, 256),
+    ("OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-sapphirerapids", True, 512),
+    ("OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-znver4", True, 512),
+    ("OpenCL 3.0 CUDA", False, 512),
+    ("OpenCL 3.0 (Build 0)", True, 512),  # a CPU driver other than PoCL: as before
+])
+def test_gemm_vectors_fit_the_cpu_pocl_compiles_for(version, cpu, bits):
+    """PoCL 3.0's LLVM 14 compiles for "znver3" on an AVX-512 Zen 4 and aborted the process on
+    16-float vectors: the OpenCL kernels' vectors are as wide as the CPU PoCL targets."""
+    from ember.runtime.backends.opencl import gemm_vector_bits
+
+    assert gemm_vector_bits(version, cpu) == bits
+
+
 @needs_opencl
 def test_same_user_code_any_backend():
     feeds = {"image": np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)}

@@ -116,15 +116,17 @@ def _bias_pass(vw: int, mask: int, qk_mode: int) -> str:
 
 
 @lru_cache(maxsize=None)
-def _softmax_source(ctype: str, acc: str, mask: int, qk_mode: int, ls: int) -> str:
+def _softmax_source(ctype: str, acc: str, mask: int, qk_mode: int, ls: int,
+                    vector_bits: int = 512) -> str:
     """Kernel `attn_softmax` over the score rows (b, h, i) of length n.
 
-    ls == 1 (CPU devices): one work-item per row, in vectors of VW elements (vload/vstore and
+    ls == 1 (CPU devices): one work-item per row, in vectors of VW elements (`vector_bits`
+    wide: the backend's `vector_bits`; vload/vstore and
     a vector exp: PoCL calls a builtin per use, so one call per vector instead of per element
     makes the row ~3x faster), with a scalar tail. ls > 1: one work-group of ls work-items
     per row striding it, combining max and sum by trees in local memory (GPUs)."""
     wide = "double" in (ctype, acc)
-    vw = 8 if wide else 16
+    vw = vector_bits // (64 if wide else 32)
     int_t = "long" if ctype == "double" else "int"  # same width as T: vector compares give it
     mtype = "uchar" if mask == _MASK_BOOL else "T"
     to_acc = (lambda x, w: x) if acc == ctype else \
@@ -411,8 +413,8 @@ class _AttentionCL:
         qk_mode = self.mode if qk is not None else -1
         be = self.device
         ls = local_size(be, n)
-        knl = kernel(be, _softmax_source(c_type(dtype), c_type(acc), kind, qk_mode, ls),
-                     "attn_softmax")
+        knl = kernel(be, _softmax_source(c_type(dtype), c_type(acc), kind, qk_mode, ls,
+                                         be.vector_bits), "attn_softmax")
         if mask is not None:
             mask = contiguous(mask)
         tp = dtype.type

@@ -311,8 +311,8 @@ def _softmax_rows(be, scores, rows, n, q_len, heads, *, mask=None, mask_strides=
     ls = local_size(be, n)
     kind = _MASK_FLOAT if mask is not None else _MASK_NONE
     mode = qk_mode if qk is not None else -1
-    knl = kernel(be, _softmax_source(c_type(dtype), c_type(dtype), kind, mode, ls),
-                 "attn_softmax")
+    knl = kernel(be, _softmax_source(c_type(dtype), c_type(dtype), kind, mode, ls,
+                                     be.vector_bits), "attn_softmax")
     tp = dtype.type
     launch(be, knl, rows * ls, scores, qk if qk is not None else scores,
            contiguous(mask) if mask is not None else scores, _i64(rows), _i64(n), _i64(q_len),
@@ -994,7 +994,7 @@ class MatMulNBitsCL(CL.MatMulNBits):
     def _dequantize(self, b, scales, zero_points, g_idx):
         be = self.device
         n, k, kb = self.n, self.k, self.k_blocks
-        rn = block_n(_F32)
+        rn = block_n(be, _F32)
         nb = -(-n // rn)
         panels = be.empty((nb * k * rn,), _F32)
         gidx = None

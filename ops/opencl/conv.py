@@ -158,7 +158,7 @@ __kernel void conv_direct(const int C, const int M, const int Cg, const int Mg,
 
 
 def _conv_kernel(be, name, dtype, kernel_, strides, dilations):
-    src = (f"typedef {c_type(dtype)} T;\n#define RN {block_n(dtype)}\n"
+    src = (f"typedef {c_type(dtype)} T;\n#define RN {block_n(be, dtype)}\n"
            + _defines(kernel_, strides, dilations) + _IM2COL)
     return kernel(be, src, name)
 
@@ -241,7 +241,7 @@ def conv_device(op, x, w, b=None, z=None, act=NO_ACTIVATION):
                b if b is not None else w, np.int32(b is not None), y,
                z if z is not None else w, np.int32(z is not None), tp(p0), tp(p1))
         return y
-    RN = block_n(dt)
+    RN = block_n(be, dt)
     CK = Cg * K
     Lb = -(-L // RN)
     bp = scratch(be, "B", N * G * Lb * CK * RN, dt)

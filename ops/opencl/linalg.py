@@ -17,6 +17,8 @@ The GEMM is register blocked over packed panels (the layout BLAS micro-kernels u
 Measured on PoCL (2-core AVX-512 CPU, 1024^3 float32, idle machine): this kernel with RM=8,
 VN=16, NV=2 (8x32 blocks) ~180 GFLOP/s, numpy ~270; 6x32 160, 12x32 / 4x64 / 8x48 ~180 (8x32
 pads small N least); an unrolled k loop no better; fixed 16x1 or 4x4 work-groups ~140.
+VN follows the backend's `vector_bits`: 8 floats where PoCL compiles for a CPU it does not
+model with AVX-512 (its LLVM 14 aborted on 16-float vectors for a Zen 4 it calls "znver3").
 PoCL does *not* inline builtins such as fma()/mad()/vload16() here (each is a call in the hot
 loop: 30 GFLOP/s), so the inner loop uses vector pointer loads and `c += a * b` (contracted to
 FMA). A classic local-memory tiled kernel (16x16 / 32x32 tiles, 2x2 or 4x4 per work-item,
@@ -39,14 +41,15 @@ from ember.ops.registry import register
 RM = 8  # rows of A per work-item block
 
 
-def vec_width(dtype) -> int:
-    """Width of the vectors the GEMM accumulates in (one 512-bit register)."""
-    return 16 if np.dtype(dtype) == np.float32 else 8
+def vec_width(be, dtype) -> int:
+    """Width of the vectors the GEMM accumulates in on backend `be`: one register of
+    `be.vector_bits` (float32 or float64; float16 is computed as float32)."""
+    return be.vector_bits // (32 if np.dtype(dtype) == np.float32 else 64)
 
 
-def block_n(dtype) -> int:
-    """Columns of B per work-item block (RN)."""
-    return 2 * vec_width(dtype)
+def block_n(be, dtype) -> int:
+    """Columns of B per work-item block (RN) on backend `be`."""
+    return 2 * vec_width(be, dtype)
 
 
 # Activation code -> body of `X act(X x, T p0, T p1)`, for X the scalar type T or a vector type:
@@ -119,10 +122,10 @@ def activation_code(name: str, params) -> tuple[str, float, float]:
 
 
 @lru_cache(maxsize=None)
-def _gemm_source(dtype, act: str = "") -> str:
-    """The GEMM kernel with activation `act` in its epilogue (packA/packB: `_pack_source`)."""
+def _gemm_source(dtype, act: str, VN: int) -> str:
+    """The GEMM kernel with activation `act` in its epilogue, accumulating in vectors of VN
+    elements (packA/packB: `_pack_source`)."""
     T = c_type(dtype)
-    VN = vec_width(dtype)
     NV = 2
     RN = VN * NV
     V = f"{T}{VN}"
@@ -206,10 +209,10 @@ __kernel void gemm(const int M, const int N, const int K,
 
 
 @lru_cache(maxsize=None)
-def _pack_source(dtype) -> str:
+def _pack_source(dtype, RN: int) -> str:
     return f"""
 #define RM {RM}
-#define RN {block_n(dtype)}
+#define RN {RN}
 typedef {c_type(dtype)} T;
 
 __kernel void packA(const int M, const int K, const long sm, const long sk, const long sb,
@@ -246,9 +249,9 @@ __kernel void packB(const int N, const int K, const long sk, const long sn, cons
 def gemm_kernels(be, dtype, act: str = ""):
     """packA, packB, and the GEMM with activation code `act` (a program per activation used),
     for backend `be`."""
-    pack = _pack_source(dtype)
+    pack = _pack_source(dtype, block_n(be, dtype))
     return (kernel(be, pack, "packA"), kernel(be, pack, "packB"),
-            kernel(be, _gemm_source(dtype, act), "gemm"))
+            kernel(be, _gemm_source(dtype, act, vec_width(be, dtype)), "gemm"))
 
 
 def pack_a(be, a, M, K, sm, sk, batches=1, sb=0, role=None):
@@ -266,7 +269,7 @@ def pack_a(be, a, M, K, sm, sk, batches=1, sb=0, role=None):
 def pack_b(be, b, N, K, sk, sn, batches=1, sb=0, role=None):
     """Panels of RN columns of B (element strides sk, sn; `batches` matrices sb apart)."""
     _, kB, _ = gemm_kernels(be, b.dtype)
-    RN = block_n(b.dtype)
+    RN = block_n(be, b.dtype)
     Nb = -(-N // RN)
     n = batches * Nb * K * RN
     bp = scratch(be, role, n, b.dtype) if role else be.empty((n,), b.dtype)
@@ -315,7 +318,7 @@ def gemm_packed(be, ap, bp, M, N, K, aidx, bidx, dtype, out=None, alpha=1.0, c=N
     batches = len(aidx)
     if out is None:
         out = be.empty((batches, M, N), dtype)
-    RN = block_n(dtype)
+    RN = block_n(be, dtype)
     tp = np.dtype(dtype).type
     launch(be, kG, (-(-M // RM), -(-N // RN), batches), np.int32(M), np.int32(N), np.int32(K),
            index_table(be, aidx), index_table(be, bidx), ap, bp, out, tp(alpha),

@@ -37,6 +37,27 @@ DEVICE_DTYPES = frozenset(np.dtype(t) for t in (
 CPU_MAX_GROUP_ITEMS = 256
 
 
+# CPUs that LLVM (PoCL's compiler) models with AVX-512, by the names PoCL's device version
+# gives its target ("... HSTR: pthread-x86_64-unknown-linux-gnu-<cpu>").
+_AVX512_TARGETS = frozenset({
+    "knl", "knm", "skylake-avx512", "skx", "cascadelake", "cooperlake", "cannonlake",
+    "icelake-client", "icelake-server", "tigerlake", "rocketlake", "sapphirerapids",
+    "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids", "znver4", "znver5",
+    "x86-64-v4"})
+
+
+def gemm_vector_bits(device_version: str, cpu_device: bool) -> int:
+    """The width of the vectors ember's GEMM kernels accumulate in: 512 bits, or 256 on a
+    PoCL CPU device whose compiler targets a CPU it does not model with AVX-512. PoCL 3.0
+    (LLVM 14) names an AVX-512 Zen 4 "znver3" yet reports 16-float native vectors, and its
+    code generator then aborted the whole process ("LLVM ERROR: Do not know how to scalarize
+    this operator's operand!") on the 16-float GEMM; 8-float vectors compile and run."""
+    if not cpu_device or "HSTR:" not in device_version:
+        return 512
+    target = device_version.rsplit("-", 1)[-1].strip().lower()
+    return 512 if target in _AVX512_TARGETS else 256
+
+
 def default_cache_dir() -> str:
     root = os.environ.get("EMBER_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ember")
@@ -72,6 +93,7 @@ class OpenCLBackend(Backend):
         # ops/opencl/_common.capped_local_size); None leaves the choice to the driver.
         self.cpu_device = bool(self.device.type & cl.device_type.CPU)
         self.max_group_items = CPU_MAX_GROUP_ITEMS if self.cpu_device else None
+        self.vector_bits = gemm_vector_bits(self.device.version, self.cpu_device)
         self.launch_lock = threading.Lock()
         self.typed_kernels: set = set()  # kernel objects whose scalar argument types are set
         self.cache_dir = cache_dir or default_cache_dir()

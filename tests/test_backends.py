@@ -34,6 +34,8 @@ def test_unavailable_backend_names_what_is_missing():
     ("OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-haswell", True, 256),
     ("OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-sapphirerapids", True, 512),
     ("OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-znver4", True, 512),
+    ("OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-skylake-avx512", True, 512),
+    ("OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-icelake-server", True, 512),
     ("OpenCL 3.0 CUDA", False, 512),
     ("OpenCL 3.0 (Build 0)", True, 512),  # a CPU driver other than PoCL: as before
 ])

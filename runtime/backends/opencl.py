@@ -54,8 +54,8 @@ def gemm_vector_bits(device_version: str, cpu_device: bool) -> int:
     this operator's operand!") on the 16-float GEMM; 8-float vectors compile and run."""
     if not cpu_device or "HSTR:" not in device_version:
         return 512
-    target = device_version.rsplit("-", 1)[-1].strip().lower()
-    return 512 if target in _AVX512_TARGETS else 256
+    hstr = device_version.split("HSTR:", 1)[1].strip().lower()  # ...-linux-gnu-<cpu>
+    return 512 if any(hstr.endswith("-" + cpu) for cpu in _AVX512_TARGETS) else 256
 
 
 def default_cache_dir() -> str:

@@ -117,7 +117,7 @@ def _bias_pass(vw: int, mask: int, qk_mode: int) -> str:
 
 @lru_cache(maxsize=None)
 def _softmax_source(ctype: str, acc: str, mask: int, qk_mode: int, ls: int,
-                    vector_bits: int = 512) -> str:
+                    vector_bits: int) -> str:
     """Kernel `attn_softmax` over the score rows (b, h, i) of length n.
 
     ls == 1 (CPU devices): one work-item per row, in vectors of VW elements (`vector_bits`

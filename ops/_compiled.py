@@ -11,10 +11,21 @@ numba's import) instead of compiling it again (a few seconds). Kernels release t
 compute each output element with the same expression whatever the split, so a run gives the
 same bits on one thread or several.
 
-Threads: `split_rows` cuts the rows into one piece per thread of the run in flight
-(ember.runtime.threads) and runs them on a small pool of ours. numba's own `parallel=True`
-loops were slower here: numba's workers and OpenBLAS's competed for the cores from one node
-to the next. The pool's idle threads wait on a queue and use no CPU.
+Threads: `split_rows` cuts the rows into two pieces per thread of the run in flight
+(ember.runtime.threads), which the caller and a small pool of ours take in turn. numba's own
+`parallel=True` loops were slower here: numba's workers and OpenBLAS's competed for the cores
+from one node to the next. The pool's idle threads wait on a queue and use no CPU.
+
+Steps in lockstep: `run_in_lockstep` runs a loop of dependent steps (a recurrence's time
+steps) on several threads with no Python between the steps: each step's units (hidden units)
+are cut into one chunk per thread; a thread takes a chunk with an atomic exchange
+(`take_chunk`, its own chunk first, so each thread's share of the weights stays in its core's
+cache), counts it done (`chunk_done`), and waits until the step is complete (`wait_step`)
+before the next. The calling thread runs the whole loop; a pool thread joins whenever it
+starts and finds only the chunks not taken yet, so a late or busy helper (a loaded machine,
+a session shared by threads) never holds the caller up, and nothing waits for it to start.
+Waiting spins with the CPU's pause for a few microseconds, then yields the core
+(sched_yield); no thread spins once the last step is complete.
 
 Math for kernels: `exp_float32` and `tanh_float32` are float32 functions that LLVM inlines
 and vectorises in a kernel's loop (the C library's expf / tanhf are scalar calls, 5-30 ns each
@@ -26,8 +37,10 @@ below 2**-124 (x < -86) to zero. Other modules declare such functions with `kern
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -71,22 +84,50 @@ MIN_PIECE_NS = 60_000
 
 
 def split_rows(kernel: Callable, rows: int, *args: Any, ns_per_row: float) -> None:
-    """kernel(*args, row0, row1) over rows [0, rows): one piece per thread of the run in
-    flight, but no more pieces than leave each MIN_PIECE_NS of work by the estimate
-    `ns_per_row` (the kernel's time per row on one core, roughly); the calling thread does
-    the first piece."""
-    parts = max(1, min(_run_threads(), int(rows * ns_per_row // MIN_PIECE_NS)))
-    if parts == 1:  # most calls: no lists, no pool
+    """kernel(*args, row0, row1) over rows [0, rows): on up to one thread per thread of the
+    run in flight, but no more than leave each MIN_PIECE_NS of work by the estimate
+    `ns_per_row` (the kernel's time per row on one core, roughly). The rows are cut into two
+    pieces per thread, taken in turn by the calling thread and by the pool's threads as they
+    start: a helper that is slow to start (its core busy) leaves its pieces to the others
+    instead of holding the call up, and one not started by the end is cancelled."""
+    threads = max(1, min(_run_threads(), int(rows * ns_per_row // MIN_PIECE_NS)))
+    if threads == 1:  # most calls: no lists, no pool
         kernel(*args, 0, rows)
         return
-    bounds = [rows * i // parts for i in range(parts + 1)]
-    jobs = [_thread_pool().submit(kernel, *args, bounds[i], bounds[i + 1])
-            for i in range(1, parts)]
-    kernel(*args, bounds[0], bounds[1])
+    pieces = min(rows, 2 * threads)
+    bounds = [rows * i // pieces for i in range(pieces + 1)]
+    take = itertools.count().__next__  # atomic under the GIL
+
+    def work() -> None:
+        while (piece := take()) < pieces:
+            kernel(*args, bounds[piece], bounds[piece + 1])
+
+    jobs = [_thread_pool().submit(work) for _ in range(threads - 1)]
+    work()
     for job in jobs:
-        job.result()
+        if not job.cancel():
+            job.result()
 
 
+def run_in_lockstep(kernel: Callable, units: int, steps: int, *args: Any, min_units: int,
+                    align: int = 16) -> int:
+    """kernel(*args, cuts, rank, sync) for `steps` steps over `units` units, on up to one
+    thread per core of the run in flight with at least `min_units` units each: `cuts`
+    bounds the chunks (multiples of `align`), `rank` is the thread's own chunk, `sync` the
+    steps' claims and counts (see take_chunk). Returns the number of threads asked."""
+    threads = max(1, min(_run_threads(), _CPUS, units // max(1, min_units)))
+    cuts = np.array([units * k // threads // align * align for k in range(threads)] + [units],
+                    np.int64)
+    sync = np.zeros(steps * (threads + 1), np.int64)
+    helpers = [_thread_pool().submit(kernel, *args, cuts, rank, sync)
+               for rank in range(1, threads)]
+    kernel(*args, cuts, 0, sync)
+    for helper in helpers:  # not waited for: a running one finds nothing left to take
+        helper.cancel()
+    return threads
+
+
+_CPUS = os.cpu_count() or 1
 _threads: Any = None  # ember.runtime.threads
 
 
@@ -154,16 +195,75 @@ def tanh_float32(x):
     return small if a < np.float32(0.625) else large
 
 
+# ------------------------------------------------------------------ steps in lockstep
+# In Python these are plain reads and writes; compiled, atomic loads and read-modify-writes
+# (acquire / acquire-release), x86's pause and sched_yield (see `_register_barrier`).
+def load_acquire(a, i):
+    return a[i]
+
+
+def cpu_pause():
+    pass
+
+
+def os_yield():
+    time.sleep(0)
+
+
+def fetch_add(a, i, v):
+    old = a[i]
+    a[i] += v
+    return old
+
+
+def exchange(a, i, v):
+    old = a[i]
+    a[i] = v
+    return old
+
+
+SPINS_BEFORE_YIELD = 1000  # pauses (~10-40 ns each) before a waiting thread yields its core
+
+
+def take_chunk(sync, step, chunk, chunks):
+    """Whether this thread is the first to take `chunk` of `step` (see run_in_lockstep):
+    sync holds, per step, one claim per chunk, then the count of chunks done."""
+    return exchange(sync, step * (chunks + 1) + chunk, 1) == 0
+
+
+def chunk_done(sync, step, chunks):
+    """Count one chunk of `step` done: what it wrote is visible to whoever sees the count."""
+    fetch_add(sync, step * (chunks + 1) + chunks, 1)
+
+
+def wait_step(sync, step, chunks):
+    """Wait until every chunk of `step` is done."""
+    at = step * (chunks + 1) + chunks
+    spins = 0
+    while load_acquire(sync, at) < chunks:
+        spins += 1
+        if spins < SPINS_BEFORE_YIELD:
+            cpu_pause()
+        else:
+            os_yield()
+
+
 _math_registered = False
-_kernel_math: list[Callable] = [exp_float32, tanh_float32]  # callable from kernels
+# callable from kernels, each with the numba options it is compiled with
+_kernel_math: list[tuple[Callable, dict]] = [
+    (exp_float32, {}), (tanh_float32, {}), (take_chunk, {}), (chunk_done, {}), (wait_step, {})]
 _kernel_math_registered: set[Callable] = set()
 
 
-def kernel_math(fn: Callable) -> Callable:
+def kernel_math(fn: Callable | None = None, **options: Any) -> Any:
     """Declare the plain Python function `fn` callable from compiled kernels (as exp_float32
-    is); it stays callable from Python. numba learns it before it compiles the next kernel."""
+    is), compiled with numba `options` (fastmath=...) whatever its caller's; it stays
+    callable from Python. numba learns it before it compiles the next kernel. Used as
+    `@kernel_math` or `@kernel_math(fastmath=...)`."""
+    if fn is None:
+        return lambda f: kernel_math(f, **options)
     with _lock:
-        _kernel_math.append(fn)
+        _kernel_math.append((fn, options))
     return fn
 
 
@@ -187,8 +287,80 @@ def _register_math(numba: Any) -> None:
             def _float32_from_bits(bits):
                 return lambda bits: bitcast_int32_float32(np.int32(bits))
 
+            _register_barrier(numba, ir, intrinsic, overload)
             _math_registered = True
-        for fn in _kernel_math:
+        for fn, options in _kernel_math:
             if fn not in _kernel_math_registered:
-                register_jitable(fn)
+                if options:
+                    register_jitable(**options)(fn)
+                else:
+                    register_jitable(fn)
                 _kernel_math_registered.add(fn)
+
+
+def _register_barrier(numba: Any, ir: Any, intrinsic: Any, overload: Any) -> None:
+    """Compiled forms of load_acquire, fetch_add, exchange, cpu_pause and os_yield."""
+    import ctypes
+    import platform
+
+    import llvmlite.binding as llvm
+    from numba.core import cgutils
+    types = numba.types
+
+    def element_pointer(context, builder, array_type, array, index):
+        ary = context.make_array(array_type)(context, builder, array)
+        return cgutils.get_item_pointer(context, builder, array_type, ary, [index])
+
+    @intrinsic
+    def atomic_load(typingctx, a, i):
+        def codegen(context, builder, signature, args):
+            ptr = element_pointer(context, builder, signature.args[0], *args)
+            return builder.load_atomic(ptr, "acquire", 8)
+        return types.int64(a, i), codegen
+
+    def read_modify_write(op):
+        @intrinsic
+        def rmw(typingctx, a, i, v):
+            def codegen(context, builder, signature, args):
+                ptr = element_pointer(context, builder, signature.args[0], args[0], args[1])
+                return builder.atomic_rmw(op, ptr, args[2], "acq_rel")
+            return types.int64(a, i, types.int64), codegen
+        return rmw
+
+    atomic_add, atomic_exchange = read_modify_write("add"), read_modify_write("xchg")
+
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+    @intrinsic
+    def pause(typingctx):
+        def codegen(context, builder, signature, args):
+            if x86:  # elsewhere: a plain spin (LLVM has no portable pause)
+                fn = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+                builder.call(fn, [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    # sched_yield, resolved by address (numba's JIT links against registered symbols)
+    try:
+        libc_yield = getattr(ctypes.CDLL(None), "sched_yield", None)
+    except (OSError, TypeError):  # no C library to open by None (Windows)
+        libc_yield = None
+    if libc_yield is not None:
+        llvm.add_symbol("sched_yield", ctypes.cast(libc_yield, ctypes.c_void_p).value)
+
+    @intrinsic
+    def yield_core(typingctx):
+        def codegen(context, builder, signature, args):
+            if libc_yield is not None:  # elsewhere: keep spinning
+                fn = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+                builder.call(fn, [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    overload(load_acquire)(lambda a, i: lambda a, i: atomic_load(a, i))
+    overload(fetch_add)(lambda a, i, v: lambda a, i, v: atomic_add(a, i, np.int64(v)))
+    overload(exchange)(lambda a, i, v: lambda a, i, v: atomic_exchange(a, i, np.int64(v)))
+    overload(cpu_pause)(lambda: lambda: pause())
+    overload(os_yield)(lambda: lambda: yield_core())

@@ -80,7 +80,8 @@ _DOT_ROWS = range(4, 13)
 _DOT_MIN_KN = 1 << 20
 
 
-def _dot_columns_loops(a, bt, out, n0, n1):
+@_compiled.kernel_math(fastmath={"reassoc", "contract"}, error_model="numpy")  # rnn's too
+def dot_columns_loops(a, bt, out, n0, n1):
     """out[:, n] = a @ bt[n] for the columns n in [n0, n1), float32: two columns by four rows
     at a time (each load of a row of `a` serves two products), so each row of bt is read from
     memory once. An odd last column is computed twice, in both slots: the same expression."""
@@ -141,7 +142,7 @@ def _transpose(b):
 
 
 def _dot_columns(a, b, weight: CachedPack):
-    """a @ b by `_dot_columns_loops`, or None where it does not apply (or numba is absent);
+    """a @ b by `dot_columns_loops`, or None where it does not apply (or numba is absent);
     b's transpose is kept in `weight`, the first time a product of a few rows needs it (a
     model only ever run on many rows never pays its memory)."""
     m, k = a.shape
@@ -149,7 +150,7 @@ def _dot_columns(a, b, weight: CachedPack):
     if m not in _DOT_ROWS or k * n < _DOT_MIN_KN or a.dtype != np.float32 \
             or b.dtype != np.float32:
         return None
-    kernel = _compiled.jit(_dot_columns_loops, fastmath={"reassoc", "contract"})
+    kernel = _compiled.jit(dot_columns_loops, fastmath={"reassoc", "contract"})
     if kernel is None:
         return None
     bt = weight.get(b, None, lambda: _transpose(b))

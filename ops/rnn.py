@@ -18,18 +18,24 @@ each step is then one matmul into a preallocated gate buffer plus a dozen in-pla
 (`out=`) on fixed views, writing h straight into Y. Other activations and clip take the
 general per-step driver (`_run_all`).
 
-With numba (ops/_compiled.py), a float32 LSTM or GRU on the CPU without sequence_lens,
-peepholes or coupled gates computes each step's gates in one compiled pass after the matmul
-(`_lstm_cell_loops`, `_gru_*_loops`) instead of a dozen ufunc calls, with _compiled's
-vectorised exp and tanh: on a batch-1 step at hidden 256 the ufunc calls cost as much as the
-matmul.
+With numba (ops/_compiled.py), a float32 LSTM, or GRU with linear_before_reset (what PyTorch
+exports), on the CPU without sequence_lens, peepholes or coupled gates runs each direction as
+one compiled call (`_lstm_steps_loops`, `_gru_lbr_steps_loops`) on a team of threads that
+split the hidden units and wait for one another after each step: no Python and no hand-off to
+a pool between steps, and each thread's share of R stays in its core's cache. With hidden 256
+on 2 cores (Zen 4), a step took 22 us at batch 1 and 116 us at batch 8 as BLAS's matmul plus
+a compiled cell per step, and takes 10 and 42 us so (onnxruntime's LSTM: 12-14 and 47 us a
+step, its input projection included; ours is one GEMM before the loop). A GRU without
+linear_before_reset computes each step's gates in compiled passes (`_gru_*_loops`) between
+BLAS's two products, with _compiled's vectorised exp and tanh.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ember.ops import _compiled, _xp
-from ember.ops._compiled import exp_float32, tanh_float32
+from ember.ops._compiled import chunk_done, exp_float32, tanh_float32, take_chunk, wait_step
+from ember.ops.linalg import dot_columns_loops
 from ember.ops.registry import OpImpl, register
 
 
@@ -72,36 +78,98 @@ def _make_activation(xp, fn, alpha, beta, dtype):
     return act
 
 
-# ---------------------------------------------------------------- compiled cells (numba)
-# One pass over a float32 step's gates after its matmul. The sigmoid gates' columns arrive
-# negated (see `_prepared`), so a sigmoid is 1 / (1 + exp(g)). `h` (the previous state) is read
-# only; the new one goes to `y` (a step of Y), so the two never overlap.
-def _lstm_cell_loops(G, XWt, c, y):  # pragma: no cover - numba
-    """G = h R (batch, 4H: i o f c), XWt this step's input projection; c updated in place."""
+# ---------------------------------------------------------------- compiled recurrences (numba)
+# A whole direction of a float32 LSTM, or GRU with linear_before_reset, is one compiled call,
+# run by threads in lockstep (_compiled.run_in_lockstep): a thread takes a chunk of hidden
+# units [u0, u1), computes their gate columns of h R as dot products with the rows of R
+# (linalg's few-row kernel), updates their cells, and waits for every chunk before the next
+# step reads the new h. The sigmoid gates' rows of R and columns of XW arrive negated (see
+# `_prepared`), so a sigmoid is 1 / (1 + exp(g)). Each element is computed by the same
+# expression whichever thread takes its chunk: one thread or several give the same bits.
+@_compiled.kernel_math(fastmath={"contract"}, error_model="numpy")
+def _lstm_cell_units(G, xw, c, y, u0, u1):  # pragma: no cover - numba
+    """G = h R (batch, 4H: i o f c), xw this step's input projection; the units [u0, u1) of
+    c updated in place and of the new h written to y. (Row slices, not offset indices: LLVM
+    vectorises the loop over them.)"""
     batch, H = c.shape
     for b in range(batch):
-        for j in range(H):
-            i = np.float32(1) / (np.float32(1) + exp_float32(G[b, j] + XWt[b, j]))
-            o = np.float32(1) / (np.float32(1) + exp_float32(G[b, H + j] + XWt[b, H + j]))
-            f = np.float32(1) / (np.float32(1) + exp_float32(G[b, 2 * H + j]
-                                                             + XWt[b, 2 * H + j]))
-            g = tanh_float32(G[b, 3 * H + j] + XWt[b, 3 * H + j])
-            cn = f * c[b, j] + i * g
-            c[b, j] = cn
-            y[b, j] = o * tanh_float32(cn)
+        gi, go, gf, gc = (G[b, u0:u1], G[b, H + u0:H + u1], G[b, 2 * H + u0:2 * H + u1],
+                          G[b, 3 * H + u0:3 * H + u1])
+        xi, xo, xf, xc = (xw[b, u0:u1], xw[b, H + u0:H + u1], xw[b, 2 * H + u0:2 * H + u1],
+                          xw[b, 3 * H + u0:3 * H + u1])
+        cb, yb = c[b, u0:u1], y[b, u0:u1]
+        for j in range(u1 - u0):
+            i = np.float32(1) / (np.float32(1) + exp_float32(gi[j] + xi[j]))
+            o = np.float32(1) / (np.float32(1) + exp_float32(go[j] + xo[j]))
+            f = np.float32(1) / (np.float32(1) + exp_float32(gf[j] + xf[j]))
+            g = tanh_float32(gc[j] + xc[j])
+            cn = f * cb[j] + i * g
+            cb[j] = cn
+            yb[j] = o * tanh_float32(cn)
 
 
-def _gru_lbr_cell_loops(G, XWt, Rbn, h, y):  # pragma: no cover - numba
-    """linear_before_reset: G = h R (batch, 3H: z r n); n = tanh(xn + r (hRn + Rbn))."""
+@_compiled.kernel_math(fastmath={"contract"}, error_model="numpy")
+def _gru_lbr_cell_units(G, xw, Rbn, h, y, u0, u1):  # pragma: no cover - numba
+    """linear_before_reset: G = h R (batch, 3H: z r n); n = tanh(xn + r (hRn + Rbn)),
+    y = n + z (h - n) for the units [u0, u1)."""
     batch, H = h.shape
+    rb = Rbn[u0:u1]
     for b in range(batch):
-        for j in range(H):
-            z = np.float32(1) / (np.float32(1) + exp_float32(G[b, j] + XWt[b, j]))
-            r = np.float32(1) / (np.float32(1) + exp_float32(G[b, H + j] + XWt[b, H + j]))
-            n = tanh_float32(XWt[b, 2 * H + j] + r * (G[b, 2 * H + j] + Rbn[j]))
-            y[b, j] = n + z * (h[b, j] - n)
+        gz, gr, gn = G[b, u0:u1], G[b, H + u0:H + u1], G[b, 2 * H + u0:2 * H + u1]
+        xz, xr, xn = xw[b, u0:u1], xw[b, H + u0:H + u1], xw[b, 2 * H + u0:2 * H + u1]
+        hb, yb = h[b, u0:u1], y[b, u0:u1]
+        for j in range(u1 - u0):
+            z = np.float32(1) / (np.float32(1) + exp_float32(gz[j] + xz[j]))
+            r = np.float32(1) / (np.float32(1) + exp_float32(gr[j] + xr[j]))
+            n = tanh_float32(xn[j] + r * (gn[j] + rb[j]))
+            yb[j] = n + z * (hb[j] - n)
 
 
+def _lstm_steps_loops(XW, R, Y, h0, c, G, reverse, cuts, rank, sync):  # pragma: no cover
+    """Every step of one direction: XW (seq, batch, 4H), R (4H, H), Y (seq, batch, H)
+    written, h0 the initial h, c the cell state (updated), G scratch; the hidden units cut
+    into chunks at `cuts`, taken by the threads in lockstep (_compiled.run_in_lockstep)."""
+    seq, H, chunks = XW.shape[0], c.shape[1], cuts.size - 1
+    for i in range(seq):
+        t = seq - 1 - i if reverse else i
+        h = h0 if i == 0 else Y[t + 1 if reverse else t - 1]
+        for k in range(chunks):
+            chunk = (rank + k) % chunks  # this thread's own first
+            if take_chunk(sync, i, chunk, chunks):
+                u0, u1 = cuts[chunk], cuts[chunk + 1]
+                for g in range(4):
+                    dot_columns_loops(h, R, G, g * H + u0, g * H + u1)
+                _lstm_cell_units(G, XW[t], c, Y[t], u0, u1)
+                chunk_done(sync, i, chunks)
+        wait_step(sync, i, chunks)
+
+
+def _gru_lbr_steps_loops(XW, R, Rbn, Y, h0, G, reverse, cuts, rank, sync):  # pragma: no cover
+    """As `_lstm_steps_loops`, for a GRU with linear_before_reset (R (3H, H))."""
+    seq, H, chunks = XW.shape[0], h0.shape[1], cuts.size - 1
+    for i in range(seq):
+        t = seq - 1 - i if reverse else i
+        h = h0 if i == 0 else Y[t + 1 if reverse else t - 1]
+        for k in range(chunks):
+            chunk = (rank + k) % chunks
+            if take_chunk(sync, i, chunk, chunks):
+                u0, u1 = cuts[chunk], cuts[chunk + 1]
+                for g in range(3):
+                    dot_columns_loops(h, R, G, g * H + u0, g * H + u1)
+                _gru_lbr_cell_units(G, XW[t], Rbn, h, Y[t], u0, u1)
+                chunk_done(sync, i, chunks)
+        wait_step(sync, i, chunks)
+
+
+# A step is split among threads only where each gets at least this many multiply-adds of
+# h R: below it, waiting for one another costs more than the split saves (~1 us a step).
+_TEAM_MIN_MACS = 1 << 16
+
+
+# ---------------------------------------------------------------- compiled cells (numba)
+# Without linear_before_reset, a GRU step is two products with the reset gate between them:
+# each step is BLAS's matmul plus these compiled passes. `h` (the previous state) is read
+# only; the new one goes to `y` (a step of Y), so the two never overlap.
 def _gru_gates_loops(Gzr, XWt, h, rh):  # pragma: no cover - numba
     """Without linear_before_reset, before the candidate's matmul: z and r into Gzr (in
     place), r * h into rh."""
@@ -324,10 +392,10 @@ class _RecurrentBase(OpImpl):
         return Rt
 
     def _prepared(self, W, R, B, cdt, H):
-        """(Wt, bias, Rts, Rbs): the input projection (input, dirs*ng*H) and its bias (the
-        folded Rb included), per direction R transposed (H, ng*H), and the unfolded part of Rb
-        (or None); sigmoid gate columns negated. Cached while W, R, B are the same read-only
-        numpy constants."""
+        """(Wt, bias, Rs, Rts, Rbs): the input projection (input, dirs*ng*H) and its bias (the
+        folded Rb included), per direction R (ng*H, H), R transposed (H, ng*H) and the unfolded
+        part of Rb (or None); sigmoid gate rows and columns negated. Cached while W, R, B are
+        the same read-only numpy constants."""
         key = (W, R, B, np.dtype(cdt))
         if self._prep_key is not None and all(a is b for a, b in zip(key, self._prep_key)):
             return self._prep_val
@@ -340,12 +408,12 @@ class _RecurrentBase(OpImpl):
         sign = xp.asarray(sign)
         Wt = xp.empty((W.shape[2], D * G), cdt)
         bias = xp.zeros(D * G, cdt)
-        Rts, Rbs = [], []
+        Rs, Rts, Rbs = [], [], []
         fold = self._rb_folded(H)
         for d in range(D):
             Wt[:, d * G:(d + 1) * G] = (xp.asarray(W[d], dtype=cdt) * sign[:, None]).T
-            Rts.append(self._recurrence_weights(
-                xp, xp.ascontiguousarray((xp.asarray(R[d], dtype=cdt) * sign[:, None]).T), H))
+            Rs.append(xp.asarray(R[d], dtype=cdt) * sign[:, None])
+            Rts.append(self._recurrence_weights(xp, xp.ascontiguousarray(Rs[d].T), H))
             if B is not None:
                 Bd = xp.asarray(B[d], dtype=cdt)
                 b = Bd[:G].copy()
@@ -356,7 +424,7 @@ class _RecurrentBase(OpImpl):
                 Rbs.append(None if fold == slice(0, G) else rest * sign)
             else:
                 Rbs.append(None if fold == slice(0, G) else xp.zeros(G, cdt))
-        value = (Wt, bias, Rts, Rbs)
+        value = (Wt, bias, Rs, Rts, Rbs)
         # (device arrays have no read-only flag: recomputed on each run there)
         if xp is np and all(not a.flags.writeable for a in key[:3] if a is not None):
             self._prep_key, self._prep_val = key, value
@@ -368,10 +436,13 @@ class _RecurrentBase(OpImpl):
         xp = self.xp
         seq, batch, _ = X.shape
         D, G = self.num_directions, self.n_gates * H
-        Wt, bias, Rts, Rbs = self._prepared(W, R, B, cdt, H)
+        Wt, bias, Rs, Rts, Rbs = self._prepared(W, R, B, cdt, H)
         XW = xp.matmul(X.reshape(seq * batch, X.shape[2]), Wt).reshape(seq, batch, D * G)
         XW += bias
-        Y = (xp.empty if lens is None else xp.zeros)((seq, D, batch, H), cdt)
+        # each direction's steps contiguous (seq, batch, H), seen as (seq, dirs, batch, H)
+        Y = (xp.empty if lens is None else xp.zeros)((D, seq, batch, H), cdt).transpose(
+            1, 0, 2, 3)
+        team_kernel = self._team_kernel(cdt, lens is None, extra)
         lens_x = None if lens is None else xp.asarray(lens)
         masks = None if lens is None else (xp.arange(seq)[:, None] < lens_x[None, :])[:, :, None]
         finals = [[] for _ in range(len(states))]
@@ -389,15 +460,50 @@ class _RecurrentBase(OpImpl):
                     XWd = XWd[order, xp.arange(batch)[None, :]]
                     Yd = xp.zeros((seq, batch, H), cdt)
             init = [None if s is None else s[d] for s in states]
-            args = (d, XWd, Yd, ts, init, Rts[d], Rbs[d], masks, H, cdt, extra)
-            # on BLAS's own threading: one thread was never faster for these products on an
-            # idle machine (batch 1-16, hidden 128-1024; 3x slower at batch 16)
-            final = self._recur(*args)
+            if team_kernel is not None:
+                final = self._recur_team(team_kernel, XWd, Yd, reverse, init, Rs[d], Rbs[d])
+            else:
+                # on BLAS's own threading: one thread was never faster for these products
+                # on an idle machine (batch 1-16, hidden 128-1024; 3x slower at batch 16)
+                final = self._recur(d, XWd, Yd, ts, init, Rts[d], Rbs[d], masks, H, cdt,
+                                    extra)
             if order is not None:
                 Y[:, d] = Yd[order, xp.arange(batch)[None, :]]  # the permutation is an involution
             for i, f in enumerate(final):
                 finals[i].append(f)
         return Y, [xp.stack(f, axis=0) for f in finals]
+
+    # The compiled whole-direction kernel (see `_lstm_steps_loops`), where the op has one.
+    team_loops = None
+
+    def _team_kernel(self, cdt, no_masks, extra):
+        """`team_loops` compiled, where it serves (numba, the CPU, float32, no sequence_lens,
+        `_team_applies`); else None."""
+        if self.team_loops is None or not self._team_applies(extra):
+            return None
+        return self._compiled_cell(self.team_loops, cdt, no_masks)
+
+    def _team_applies(self, extra) -> bool:
+        return True
+
+    @staticmethod
+    def _team_start(XW, init, H):
+        """XW contiguous (one direction of a bidirectional op: a copy) and the initial h."""
+        h0 = init[0]
+        h0 = np.zeros((XW.shape[1], H), np.float32) if h0 is None else np.ascontiguousarray(h0)
+        return np.ascontiguousarray(XW), h0
+
+    @staticmethod
+    def _team_run(kernel, XW, H, *args):
+        seq, batch, G = XW.shape
+        _compiled.run_in_lockstep(kernel, H, seq, XW, *args,
+                                  min_units=-(-_TEAM_MIN_MACS // (batch * G)))
+
+    @staticmethod
+    def _last_h(Y, h0, reverse):
+        if Y.shape[0] == 0:
+            return h0
+        return Y[0] if reverse else Y[-1]
 
     def _compiled_cell(self, loops, cdt, applicable):
         """`loops` compiled, where it serves: numba installed, the CPU, float32/float64, and
@@ -508,6 +614,17 @@ class _GRU(_RecurrentBase):
         return self._finish(Ys, finals, out_dtype)
 
     sigmoid_gates = (0, 1)  # z, r
+    team_loops = staticmethod(_gru_lbr_steps_loops)
+
+    def _team_applies(self, extra) -> bool:
+        return self._lbr()  # without it, two products a step: `_recur_compiled`
+
+    def _recur_team(self, kernel, XW, Y, reverse, init, R, Rb):
+        H = R.shape[1]
+        XW, h0 = self._team_start(XW, init, H)
+        G = np.empty(XW.shape[1:], np.float32)
+        self._team_run(kernel, XW, H, R, np.ascontiguousarray(Rb[2 * H:]), Y, h0, G, reverse)
+        return (self._last_h(Y, h0, reverse),)
 
     def _lbr(self):
         return bool(getattr(self, "linear_before_reset", 0))
@@ -527,8 +644,8 @@ class _GRU(_RecurrentBase):
         xp = self.xp
         batch = XW.shape[1]
         lbr = self._lbr()
-        first = _gru_lbr_cell_loops if lbr else _gru_gates_loops
-        if masks is None and self._compiled_cell(first, cdt, True) is not None:
+        if not lbr and masks is None \
+                and self._compiled_cell(_gru_gates_loops, cdt, True) is not None:
             h = xp.zeros((batch, H), cdt) if init[0] is None else init[0]
             return self._recur_compiled(XW, Y, ts, h, Rt, Rb, H, cdt)
         matmul, add, subtract, multiply = xp.matmul, xp.add, xp.subtract, xp.multiply
@@ -581,17 +698,9 @@ class _GRU(_RecurrentBase):
 
 
     def _recur_compiled(self, XW, Y, ts, h, Rt, Rb, H, cdt):
-        """`_recur` without masks, each step's gates in compiled passes."""
+        """`_recur` without linear_before_reset or masks, each step's gates in compiled
+        passes."""
         matmul, batch = np.matmul, XW.shape[1]
-        if self._lbr():
-            cell = self._compiled_cell(_gru_lbr_cell_loops, cdt, True)
-            G, Rbn = np.empty((batch, 3 * H), cdt), Rb[2 * H:]
-            for t in ts:
-                matmul(h, Rt, out=G)
-                y = Y[t]
-                cell(G, XW[t], Rbn, h, y)
-                h = y
-            return (h,)
         gates = self._compiled_cell(_gru_gates_loops, cdt, True)
         out = self._compiled_cell(_gru_out_loops, cdt, True)
         (Rzr, Rn), Gzr = Rt, np.empty((batch, 2 * H), cdt)
@@ -662,6 +771,19 @@ class _LSTM(_RecurrentBase):
         return self._finish(Ys, finals, out_dtype)
 
     sigmoid_gates = (0, 1, 2)  # i, o, f
+    team_loops = staticmethod(_lstm_steps_loops)
+
+    def _team_applies(self, extra) -> bool:
+        negP, couple = extra
+        return negP is None and not couple
+
+    def _recur_team(self, kernel, XW, Y, reverse, init, R, Rb):
+        H = R.shape[1]
+        XW, h0 = self._team_start(XW, init, H)
+        c = self._state(np, init[1], XW.shape[1], H, np.float32)
+        G = np.empty(XW.shape[1:], np.float32)
+        self._team_run(kernel, XW, H, R, Y, h0, c, G, reverse)
+        return (self._last_h(Y, h0, reverse), c)
 
     def _recur(self, d, XW, Y, ts, init, Rt, Rb, masks, H, cdt, extra):
         """Gates i, o, f = sigmoid(.) (negated pre-activations), g = tanh(.),
@@ -690,15 +812,6 @@ class _LSTM(_RecurrentBase):
             add(v, 1, out=v)
             reciprocal(v, out=v)
 
-        cell = self._compiled_cell(_lstm_cell_loops, cdt, masks is None and negP is None
-                                   and not couple)
-        if cell is not None:
-            for t in ts:
-                matmul(h, Rt, out=G)
-                y = Y[t]
-                cell(G, XW[t], c, y)
-                h = y
-            return (h, c)
         with np.errstate(over="ignore"):  # exp(-x) -> inf: the sigmoid's limit 0, exactly
             for t in ts:
                 matmul(h, Rt, out=G)

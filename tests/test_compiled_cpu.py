@@ -10,6 +10,9 @@ its numpy kernel and onnxruntime:
 * LSTM and GRU steps (the gates in one compiled pass) and the last-axis Softmax (also the
   attention ops' masked one), against onnxruntime, with numba and without, rows split among
   threads giving the same bits;
+* steps in lockstep (each recurrent step's hidden units split between threads inside one
+  compiled loop): every chunk taken once and each step seeing the whole last one; LSTM and
+  GRU at hidden 256 against onnxruntime, with one thread's bits, shared by threads;
 * the fused ops' epilogue (bias, residual and activation in one pass), which must give the
   numpy epilogue's bits, and a Conv + Add + activation chain fused by the simplifier against
   onnxruntime;
@@ -20,6 +23,7 @@ its numpy kernel and onnxruntime:
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -98,6 +102,26 @@ def test_depthwise_matches_onnxruntime(kernel, case, batch, pointwise_first):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_split_rows_leaves_a_helper_that_does_not_start_out(monkeypatch):
+    """A pool thread that cannot start (its core busy: here, the pool's only thread blocked)
+    holds nothing up: the caller takes every piece and the helper's job is cancelled."""
+    monkeypatch.setattr(threads, "run_threads", lambda: 2)
+    blocker = threading.Event()
+    monkeypatch.setattr(_compiled, "_pool", None)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # a pool of one thread
+    busy = _compiled._thread_pool().submit(blocker.wait)
+    pieces = []
+    try:
+        _compiled.split_rows(lambda r0, r1: pieces.append((r0, r1, threading.get_ident())),
+                             100, ns_per_row=_compiled.MIN_PIECE_NS / 40)
+    finally:
+        blocker.set()
+        busy.result()
+        _compiled._pool.shutdown()
+    assert sorted(p[:2] for p in pieces) == [(0, 25), (25, 50), (50, 75), (75, 100)]
+    assert {p[2] for p in pieces} == {threading.get_ident()}
+
+
 def test_split_rows_hands_out_pieces_only_where_each_has_enough_work(monkeypatch):
     """Pieces go to the pool only with MIN_PIECE_NS of work each (a piece handed over right
     after a GEMM waits for OpenBLAS's spinning workers): small jobs stay on the caller."""
@@ -111,7 +135,7 @@ def test_split_rows_hands_out_pieces_only_where_each_has_enough_work(monkeypatch
     assert pieces == [(0, 100)]
     pieces.clear()
     _compiled.split_rows(record, 100, ns_per_row=_compiled.MIN_PIECE_NS / 40)
-    assert sorted(pieces) == [(0, 50), (50, 100)]
+    assert sorted(pieces) == [(0, 25), (25, 50), (50, 75), (75, 100)]  # two per thread
 
 
 @pytest.mark.parametrize("window", [(3, 3), (7, 5)])
@@ -245,7 +269,7 @@ def test_compiled_exp_and_tanh_are_within_2_ulp(name, monkeypatch):
 @pytest.fixture(params=["numpy", "numba"])
 def recurrent_cells(request, monkeypatch):
     """Which LSTM / GRU step runs: numpy's ufunc calls, or the compiled cells."""
-    cells = (rnn._lstm_cell_loops, rnn._gru_lbr_cell_loops, rnn._gru_gates_loops,
+    cells = (rnn._lstm_steps_loops, rnn._gru_lbr_steps_loops, rnn._gru_gates_loops,
              rnn._gru_out_loops)
     for cell in cells:
         if request.param == "numpy":
@@ -288,6 +312,141 @@ def test_recurrent_steps_match_onnxruntime(recurrent_cells, op, lbr, direction, 
     got = ember.load(proto).run(feeds)
     for name, w in zip(["y", "h"], want):
         np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=2e-6, err_msg=name)
+
+
+def _prefix_steps_loops(out, spin, owner, cuts, rank, sync):  # pragma: no cover - numba
+    """A recurrence to test run_in_lockstep with: out[i, u] = sum(out[i - 1]) % 1009 + u, a
+    step needing every unit of the last; `spin` iterations of busy work per chunk, so that
+    the helper joins; owner[i, chunk] = the rank that took it."""
+    steps, units = out.shape
+    chunks = cuts.size - 1
+    for i in range(steps):
+        for k in range(chunks):
+            chunk = (rank + k) % chunks
+            if _compiled.take_chunk(sync, i, chunk, chunks):
+                owner[i, chunk] = rank
+                total = 0
+                if i > 0:
+                    for u in range(units):
+                        total += out[i - 1, u]
+                busy = 0
+                for j in range(spin):
+                    busy = (busy * 31 + j + total) % 65521
+                for u in range(cuts[chunk], cuts[chunk + 1]):
+                    out[i, u] = total % 1009 + u + (busy == -1)  # kept: never true
+                _compiled.chunk_done(sync, i, chunks)
+        _compiled.wait_step(sync, i, chunks)
+
+
+def test_steps_in_lockstep_take_each_chunk_once_and_see_the_last_step(monkeypatch):
+    """Two threads in lockstep: every chunk of every step taken once, the helper taking
+    some, and each step reading all of the last (any stale read changes the sums)."""
+    pytest.importorskip("numba")
+    monkeypatch.setattr(threads, "run_threads", lambda: 2)
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: no helper thread")
+    kernel = _compiled.jit(_prefix_steps_loops)
+    steps, units = 300, 64
+    want = np.zeros((steps, units), np.int64)
+    for i in range(steps):
+        want[i] = (int(want[i - 1].sum()) % 1009 if i else 0) + np.arange(units)
+    for _ in range(3):
+        out = np.full((steps, units), -1, np.int64)
+        owner = np.full((steps, 2), -1, np.int64)
+        asked = _compiled.run_in_lockstep(kernel, units, steps, out, 20_000, owner,
+                                          min_units=16)
+        assert asked == 2
+        np.testing.assert_array_equal(out, want)
+        assert np.all(owner >= 0) and np.any(owner == 1)
+
+
+def _big_recurrent_model(op, direction, batch, seq, hidden=256, features=96):
+    """LSTM / GRU (linear_before_reset) at a real size, with initial states: a step's
+    product large enough to be split between two threads."""
+    rng = np.random.default_rng(hidden + batch + len(direction))
+    gates = {"LSTM": 4, "GRU": 3}[op]
+    dirs = 2 if direction == "bidirectional" else 1
+    scale = 1 / np.sqrt(hidden)
+    inits = [numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32),
+                                     name) for name, shape in [
+        ("W", (dirs, gates * hidden, features)), ("R", (dirs, gates * hidden, hidden)),
+        ("B", (dirs, 2 * gates * hidden))]]
+    attrs = dict(hidden_size=hidden, direction=direction)
+    inputs = ["x", "W", "R", "B", "", "h0"] + (["c0"] if op == "LSTM" else [])
+    if op == "GRU":
+        attrs["linear_before_reset"] = 1
+    node = helper.make_node(op, inputs, ["y", "h"], **attrs)
+    states = [helper.make_tensor_value_info(n, F, [dirs, batch, hidden]) for n in inputs[5:]]
+    graph = helper.make_graph([node], "rnn", [helper.make_tensor_value_info(
+        "x", F, [seq, batch, features]), *states],
+        [helper.make_tensor_value_info("y", F, None), helper.make_tensor_value_info("h", F, None)],
+        inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
+    feeds = {"x": (rng.standard_normal((seq, batch, features)) * 2).astype(np.float32)}
+    for name in inputs[5:]:
+        feeds[name] = rng.standard_normal((dirs, batch, hidden)).astype(np.float32)
+    return proto.SerializeToString(), feeds
+
+
+def _spy_lockstep(monkeypatch):
+    asked = []
+    run = _compiled.run_in_lockstep
+
+    def spy(*args, **kwargs):
+        asked.append(run(*args, **kwargs))
+        return asked[-1]
+
+    monkeypatch.setattr(_compiled, "run_in_lockstep", spy)
+    return asked
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_recurrence_in_lockstep_matches_onnxruntime_and_one_thread(op, direction, batch,
+                                                                   monkeypatch):
+    """Hidden 256: each step split between two threads, against onnxruntime and against one
+    thread's bits."""
+    pytest.importorskip("numba")
+    monkeypatch.delenv("EMBER_NUMBA", raising=False)
+    asked = _spy_lockstep(monkeypatch)
+    proto, feeds = _big_recurrent_model(op, direction, batch, seq=24)
+    want = ort.InferenceSession(proto, providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = ember.load(proto, threads=2).run(feeds)
+    assert asked and set(asked) == {2}
+    for name, w in zip(["y", "h"], want):
+        np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-5, err_msg=name)
+    one = ember.load(proto, threads=1).run(feeds)
+    assert asked[-1] == 1
+    for name in ("y", "h"):
+        np.testing.assert_array_equal(one[name], got[name])
+
+
+def test_a_recurrence_shared_by_threads_gives_sequential_bits(monkeypatch):
+    pytest.importorskip("numba")
+    asked = _spy_lockstep(monkeypatch)
+    proto, _ = _big_recurrent_model("LSTM", "forward", 2, seq=32)
+    session = ember.load(proto, threads=2)
+    rng = np.random.default_rng(11)
+    feeds = [{"x": rng.standard_normal((32, 2, 96)).astype(np.float32),
+              "h0": rng.standard_normal((1, 2, 256)).astype(np.float32),
+              "c0": rng.standard_normal((1, 2, 256)).astype(np.float32)} for _ in range(6)]
+    sequential = [session.run(f) for f in feeds]
+    results = [None] * len(feeds)
+
+    def work(i):
+        for _ in range(3):
+            results[i] = session.run(feeds[i])
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(len(feeds))]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert 2 in asked
+    for want, got in zip(sequential, results):
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
 
 
 def _softmax_model(shape, masked_rows):

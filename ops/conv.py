@@ -555,12 +555,15 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
 # away), a sum over taps (i, j) of P's rows [i*Wp + j, i*Wp + j + Ho*Wp) as a (Ho*Wp, C)
 # matrix, a contiguous slice of P, times the tap's (C, M) weights. So no patch matrix is
 # built: im2col writes and reads C*kh*kw values per pixel, this reads the image kh*kw times
-# from cache. The taps accumulate over chunks of _SHIFTED_CHUNK output pixels, so the partial
-# sums stay in cache. Measured here (one thread): 1.4-1.9x faster than im2col on 64x64 to
-# 128x128 images with 16-128 channels (UNet 128x128: 1.25x faster in all); slower with more
-# channels (bigger GEMMs, where im2col's one large GEMM wins) or fewer (K = C too short for
-# BLAS); no clear gain on ResNet-50's 56x56 and 28x28 layers, which keep im2col.
-_SHIFTED_CHUNK = 2048
+# from cache. The taps accumulate over chunks of _SHIFTED_CHUNK output pixels. Measured here
+# (one thread): 1.4-1.9x faster than im2col on 64x64 to 128x128 images with 16-128 channels
+# (UNet 128x128: 1.25x faster in all); slower with more channels (bigger GEMMs, where im2col's
+# one large GEMM wins) or fewer (K = C too short for BLAS); no clear gain on ResNet-50's 56x56
+# and 28x28 layers, which keep im2col. Chunks of 2048 pixels, to keep the partial sums in
+# cache, lost on 2 threads to whole images (one GEMM per tap instead of 8 small ones, whose
+# BLAS calls each start and stop both threads): 32 -> 32 channels at 128x128 4.1 -> 2.8 ms,
+# UNet at batch 1 0.89x (Zen 4, paired runs).
+_SHIFTED_CHUNK = 1 << 15
 _SHIFTED_CHANNELS = (16, 128)   # input channels it runs for
 _SHIFTED_MIN_PIXELS = 4096      # output pixels per image (64x64) it runs from
 

@@ -634,7 +634,7 @@ def _conv_patch_rows(x, w, kernel, strides, dilations, begin, outs, bias, cache)
     # tall and wide enough for every window (the padding, and what ceil-like sizes reach)
     Hp = max(begin[0] + H, (Ho - 1) * sh + (kh - 1) * dh + 1)
     Wp = max(begin[1] + W, (Wo - 1) * sw + (kw - 1) * dw + 1)
-    padded = np.zeros((Hp, Wp, C), x.dtype)
+    padded = _zero_border(np.empty((Hp, Wp, C), x.dtype), begin, (H, W))
     st = padded.strides
     windows = np.lib.stride_tricks.as_strided(
         padded, (Ho, Wo, kh, kw, C), (st[0] * sh, st[1] * sw, st[0] * dh, st[1] * dw, st[2]),
@@ -648,6 +648,17 @@ def _conv_patch_rows(x, w, kernel, strides, dilations, begin, outs, bias, cache)
     if bias is not None:
         out += bias
     return out.transpose(0, 3, 1, 2)
+
+
+def _zero_border(padded, begin, size):
+    """`padded` (Hp, Wp, C) with zeros around the (H, W) interior at `begin`, which the
+    caller fills (zeroing all of it was 1.6 of ResNet-50's 86 ms at batch 1)."""
+    (top, left), (H, W) = begin, size
+    padded[:top] = 0
+    padded[top + H:] = 0
+    padded[top:top + H, :left] = 0
+    padded[top:top + H, left + W:] = 0
+    return padded
 
 
 def _fill_cols(xp, cols, win, ones_row):

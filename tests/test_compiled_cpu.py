@@ -168,23 +168,30 @@ def test_rows_split_among_threads_give_the_same_bits(kernel, window, stride, dil
     np.testing.assert_array_equal(a, split)
 
 
-def test_a_session_shared_by_threads_gives_sequential_bits(kernel):
-    proto, _ = _model(*CASES[1], True, 2)
-    session = ember.load(proto)
-    rng = np.random.default_rng(5)
-    feeds = [{"x": rng.standard_normal((2, 24, 17, 17)).astype(np.float32)} for _ in range(8)]
-    sequential = [session.run(f)["y"] for f in feeds]
+def _run_from_threads(session, feeds, repeats=3):
+    """One thread per feed, each running `session` on it `repeats` times at once with the
+    others: the last result of each."""
     results = [None] * len(feeds)
 
     def work(i):
-        for _ in range(3):
-            results[i] = session.run(feeds[i])["y"]
+        for _ in range(repeats):
+            results[i] = session.run(feeds[i])
 
     workers = [threading.Thread(target=work, args=(i,)) for i in range(len(feeds))]
     for t in workers:
         t.start()
     for t in workers:
         t.join()
+    return results
+
+
+def test_a_session_shared_by_threads_gives_sequential_bits(kernel):
+    proto, _ = _model(*CASES[1], True, 2)
+    session = ember.load(proto)
+    rng = np.random.default_rng(5)
+    feeds = [{"x": rng.standard_normal((2, 24, 17, 17)).astype(np.float32)} for _ in range(8)]
+    sequential = [session.run(f)["y"] for f in feeds]
+    results = [r["y"] for r in _run_from_threads(session, feeds)]
     for want, got in zip(sequential, results):
         np.testing.assert_array_equal(got, want)
 
@@ -282,7 +289,9 @@ def recurrent_cells(request, monkeypatch):
     return request.param
 
 
-def _recurrent_model(op, hidden, features, direction, lbr, batch, seq):
+def _recurrent_model(op, hidden, features, direction, lbr, batch, seq, states=False):
+    """One LSTM / GRU node with W, R and B as initialisers; with `states`, the initial states
+    as inputs too (fed random)."""
     rng = np.random.default_rng(hidden + batch)
     gates = {"LSTM": 4, "GRU": 3}[op]
     dirs = 2 if direction == "bidirectional" else 1
@@ -294,13 +303,20 @@ def _recurrent_model(op, hidden, features, direction, lbr, batch, seq):
     attrs = dict(hidden_size=hidden, direction=direction)
     if op == "GRU":
         attrs["linear_before_reset"] = lbr
-    node = helper.make_node(op, ["x", "W", "R", "B"], ["y", "h"], **attrs)
+    inputs = ["x", "W", "R", "B"]
+    if states:
+        inputs += ["", "h0"] + (["c0"] if op == "LSTM" else [])
+    node = helper.make_node(op, inputs, ["y", "h"], **attrs)
+    fed = [helper.make_tensor_value_info(n, F, [dirs, batch, hidden]) for n in inputs[5:]]
     graph = helper.make_graph([node], "rnn", [helper.make_tensor_value_info(
-        "x", F, [seq, batch, features])], [helper.make_tensor_value_info("y", F, None),
-                                           helper.make_tensor_value_info("h", F, None)], inits)
+        "x", F, [seq, batch, features]), *fed], [helper.make_tensor_value_info("y", F, None),
+                                                 helper.make_tensor_value_info("h", F, None)],
+        inits)
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
-    x = (rng.standard_normal((seq, batch, features)) * 2).astype(np.float32)
-    return proto.SerializeToString(), {"x": x}
+    feeds = {"x": (rng.standard_normal((seq, batch, features)) * 2).astype(np.float32)}
+    for name in inputs[5:]:
+        feeds[name] = rng.standard_normal((dirs, batch, hidden)).astype(np.float32)
+    return proto.SerializeToString(), feeds
 
 
 @pytest.mark.parametrize("op, lbr", [("LSTM", 0), ("GRU", 0), ("GRU", 1)])
@@ -360,32 +376,10 @@ def test_steps_in_lockstep_take_each_chunk_once_and_see_the_last_step(monkeypatc
         assert np.all(owner >= 0) and np.any(owner == 1)
 
 
-def _big_recurrent_model(op, direction, batch, seq, hidden=256, features=96):
-    """LSTM / GRU (linear_before_reset) at a real size, with initial states: a step's
-    product large enough to be split between two threads."""
-    rng = np.random.default_rng(hidden + batch + len(direction))
-    gates = {"LSTM": 4, "GRU": 3}[op]
-    dirs = 2 if direction == "bidirectional" else 1
-    scale = 1 / np.sqrt(hidden)
-    inits = [numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32),
-                                     name) for name, shape in [
-        ("W", (dirs, gates * hidden, features)), ("R", (dirs, gates * hidden, hidden)),
-        ("B", (dirs, 2 * gates * hidden))]]
-    attrs = dict(hidden_size=hidden, direction=direction)
-    inputs = ["x", "W", "R", "B", "", "h0"] + (["c0"] if op == "LSTM" else [])
-    if op == "GRU":
-        attrs["linear_before_reset"] = 1
-    node = helper.make_node(op, inputs, ["y", "h"], **attrs)
-    states = [helper.make_tensor_value_info(n, F, [dirs, batch, hidden]) for n in inputs[5:]]
-    graph = helper.make_graph([node], "rnn", [helper.make_tensor_value_info(
-        "x", F, [seq, batch, features]), *states],
-        [helper.make_tensor_value_info("y", F, None), helper.make_tensor_value_info("h", F, None)],
-        inits)
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
-    feeds = {"x": (rng.standard_normal((seq, batch, features)) * 2).astype(np.float32)}
-    for name in inputs[5:]:
-        feeds[name] = rng.standard_normal((dirs, batch, hidden)).astype(np.float32)
-    return proto.SerializeToString(), feeds
+def _big_recurrent_model(op, direction, batch, seq):
+    """LSTM / GRU (linear_before_reset) at a real size, hidden 256, with initial states: a
+    step's product large enough to be split between two threads."""
+    return _recurrent_model(op, 256, 96, direction, 1, batch, seq, states=True)
 
 
 def _spy_lockstep(monkeypatch):
@@ -432,17 +426,7 @@ def test_a_recurrence_shared_by_threads_gives_sequential_bits(monkeypatch):
               "h0": rng.standard_normal((1, 2, 256)).astype(np.float32),
               "c0": rng.standard_normal((1, 2, 256)).astype(np.float32)} for _ in range(6)]
     sequential = [session.run(f) for f in feeds]
-    results = [None] * len(feeds)
-
-    def work(i):
-        for _ in range(3):
-            results[i] = session.run(feeds[i])
-
-    workers = [threading.Thread(target=work, args=(i,)) for i in range(len(feeds))]
-    for t in workers:
-        t.start()
-    for t in workers:
-        t.join()
+    results = _run_from_threads(session, feeds)
     assert 2 in asked
     for want, got in zip(sequential, results):
         for key in want:
@@ -880,17 +864,7 @@ def test_few_rows_by_a_constant_weight_same_bits_on_threads(monkeypatch):
         got = one_thread.run(f)
         for key in want:
             np.testing.assert_array_equal(got[key], want[key])
-    results = [None] * len(feeds)
-
-    def work(i):
-        for _ in range(3):
-            results[i] = session.run(feeds[i])
-
-    workers = [threading.Thread(target=work, args=(i,)) for i in range(len(feeds))]
-    for t in workers:
-        t.start()
-    for t in workers:
-        t.join()
+    results = _run_from_threads(session, feeds)
     assert taken
     for want, got in zip(sequential, results):
         for key in want:

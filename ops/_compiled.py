@@ -84,8 +84,8 @@ MIN_PIECE_NS = 60_000
 
 
 def split_rows(kernel: Callable, rows: int, *args: Any, ns_per_row: float) -> None:
-    """kernel(*args, row0, row1) over rows [0, rows): on up to one thread per thread of the
-    run in flight, but no more than leave each MIN_PIECE_NS of work by the estimate
+    """kernel(*args, row0, row1) over rows [0, rows): on up to as many threads as the run in
+    flight has, but no more than leave each MIN_PIECE_NS of work by the estimate
     `ns_per_row` (the kernel's time per row on one core, roughly). The rows are cut into two
     pieces per thread, taken in turn by the calling thread and by the pool's threads as they
     start: a helper that is slow to start (its core busy) leaves its pieces to the others

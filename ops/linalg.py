@@ -78,9 +78,10 @@ def _rows_faster(a, b) -> bool:
 # the LM head 18 -> 11 ms, 768 x 3072 1.1 -> 0.8 ms, the step 0.80x (paired runs).
 _DOT_ROWS = range(4, 13)
 _DOT_MIN_KN = 1 << 20
+_DOT_FASTMATH = {"reassoc", "contract"}  # the sums over k reassociated: vectorised
 
 
-@_compiled.kernel_math(fastmath={"reassoc", "contract"}, error_model="numpy")  # rnn's too
+@_compiled.kernel_math(fastmath=_DOT_FASTMATH, error_model="numpy")  # rnn's kernels call it
 def dot_columns_loops(a, bt, out, n0, n1):
     """out[:, n] = a @ bt[n] for the columns n in [n0, n1), float32: two columns by four rows
     at a time (each load of a row of `a` serves two products), so each row of bt is read from
@@ -150,7 +151,7 @@ def _dot_columns(a, b, weight: CachedPack):
     if m not in _DOT_ROWS or k * n < _DOT_MIN_KN or a.dtype != np.float32 \
             or b.dtype != np.float32:
         return None
-    kernel = _compiled.jit(dot_columns_loops, fastmath={"reassoc", "contract"})
+    kernel = _compiled.jit(dot_columns_loops, fastmath=_DOT_FASTMATH)
     if kernel is None:
         return None
     bt = weight.get(b, None, lambda: _transpose(b))

@@ -506,7 +506,7 @@ class _RecurrentBase(OpImpl):
         return Y[0] if reverse else Y[-1]
 
     def _compiled_cell(self, loops, cdt, applicable):
-        """`loops` compiled, where it serves: numba installed, the CPU, float32/float64, and
+        """`loops` compiled, where it serves: numba installed, the CPU, float32, and
         `applicable` (no masks, peepholes or coupled gates); else None. (fastmath: only
         multiply-adds contracted into FMAs.)"""
         if not applicable or self.xp is not np or np.dtype(cdt) != np.float32:

@@ -203,6 +203,8 @@ class Plan:
                           for i, n in enumerate(node.inputs)]
             scope = tuple((n, slot(resident(n, False))) for n in node.implicit_inputs)
             kernel = self._bind(node, impl)
+            # by resident name: a device kernel's input is an uploaded copy (another name),
+            # and its CPU fallback gets a fresh host copy each run, nothing worth keeping
             kernel.constant_inputs = frozenset(
                 i for i, n in enumerate(inputs)
                 if n in graph.initializers and n not in self.input_names)

@@ -67,10 +67,24 @@ def jit(loops: Callable, **options: Any) -> Any:
             except ImportError:
                 numba = None
             if numba is not None:
+                _load_numba_blas(numba)
                 _register_math(numba)
                 kernel = numba.njit(**_OPTIONS, **options)(loops)
         _compiled[loops] = kernel
     return _compiled[loops]
+
+
+def _load_numba_blas(numba: Any) -> None:
+    """Load now the BLAS numba's CPU target loads on its first compilation (scipy's OpenBLAS,
+    where scipy is installed: numba.np.arraymath calls ensure_blas on import), and have the
+    runs in flight set its thread count (ember.runtime.threads): otherwise it would appear in
+    the middle of a run, unmanaged until the next one."""
+    try:
+        from numba.np.linalg import ensure_blas
+        ensure_blas()
+    except ImportError:
+        return
+    _blas_threads().adopt_new_libraries()
 
 
 # A kernel is split among threads only where each piece has at least this much work. Below
@@ -131,12 +145,16 @@ _CPUS = os.cpu_count() or 1
 _threads: Any = None  # ember.runtime.threads
 
 
-def _run_threads() -> int:
+def _blas_threads() -> Any:
     global _threads
     if _threads is None:  # imported on first use: ember.runtime imports the ops
         from ember.runtime import threads
         _threads = threads
-    return _threads.run_threads()
+    return _threads
+
+
+def _run_threads() -> int:
+    return _blas_threads().run_threads()
 
 
 def _thread_pool() -> ThreadPoolExecutor:

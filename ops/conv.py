@@ -537,7 +537,10 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
         out = np.matmul(xa, wa)
         return out.reshape(N, *outs, M).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
     if group == 1:
-        out = np.matmul(xt.reshape(L, C), w.reshape(M, C).T)
+        # the weights as a C-ordered (C, M) matrix: BLAS runs short products (7x7, 14x14
+        # images) 1.1-1.4x faster from it than from the transposed view of w (M, C)
+        wt = _remembered(cache, "pw-cl", lambda: np.ascontiguousarray(w.reshape(M, C).T))
+        out = np.matmul(xt.reshape(L, C), wt)
     else:
         Cg, Mg = C // group, M // group
         xg = xt.reshape(L, group, Cg).transpose(1, 0, 2)          # (G, L, Cg)

@@ -25,7 +25,11 @@ Three things, all on the host (they matter to the CPU kernels and to host fallba
   (`blas_thread_shutdown_`, the call OpenBLAS itself makes before every fork; the workers come
   back on the next parallel call and read the new timeout then). This happens once, when ember
   is imported, and is the process's setting from then on. Setting the thread count to 1 after
-  a run does not help: the workers spin on whatever the count is.
+  a run does not help: the workers spin on whatever the count is. A longer spin is a trade,
+  measured on 2 cores (Zen 4, paired runs): 2**20-2**21 made MobileNetV2 at batch 1 1.1-1.2x
+  faster (a worker asleep after a depthwise convolution takes tens of microseconds to wake
+  for the next 1x1 convolution), but an LSTM 1.15-1.2x slower (the spinning worker takes a
+  core from the threads of its compiled loop) and a decoder step 1.06x slower; kept at 18.
 
 * No product is sent to one thread: measured on this project's 2-core machine, BLAS's own
   threading threshold is already the crossover (see ops/linalg.py), also for the recurrences'
@@ -167,6 +171,23 @@ def leave() -> None:
                     lib.set(count)
             _saved.clear()
             _target = None
+
+
+def adopt_new_libraries() -> None:
+    """Look the BLAS libraries up again after something loaded one (numba's CPU target loads
+    scipy's OpenBLAS, and numba comes with the first compiled kernel, inside a run): one loaded
+    during runs in flight gets their thread count now, and its own back when they end."""
+    found = refresh()
+    with _lock:
+        if _active == 0:
+            return
+        known = {lib.controller.filepath for lib, _ in _saved}
+        for lib in found:
+            if lib.controller.filepath not in known:
+                count = lib.get()
+                _saved.append((lib, count))
+                if count != _target:
+                    lib.set(_target)
 
 
 def run_threads() -> int:

@@ -143,7 +143,7 @@ def test_threads_option_checked(bad):
 def _spy_matmul(monkeypatch) -> list[dict[str, int]]:
     """Record what threadpoolctl reports inside every MatMul / FusedMatMul kernel call (of the
     sessions loaded after this: plans bind their kernels' methods)."""
-    seen: list[list[int]] = []
+    seen: list[dict[str, int]] = []
     for cls in (linalg.MatMul, fused.FusedMatMul):
         def run(self, *args, _original=cls.run):
             seen.append(_blas_threads_reported())

@@ -61,30 +61,39 @@ def jit(loops: Callable, **options: Any) -> Any:
     installed or EMBER_NUMBA=0. Options beyond ember's defaults (fastmath=...) are numba's."""
     if loops not in _compiled:
         kernel = None
-        if enabled():
-            try:
-                import numba
-            except ImportError:
-                numba = None
-            if numba is not None:
-                _load_numba_blas(numba)
-                _register_math(numba)
-                kernel = numba.njit(**_OPTIONS, **options)(loops)
+        numba = _numba() if enabled() else None
+        if numba is not None:
+            _register_math(numba)
+            kernel = numba.njit(**_OPTIONS, **options)(loops)
         _compiled[loops] = kernel
     return _compiled[loops]
 
 
-def _load_numba_blas(numba: Any) -> None:
-    """Load now the BLAS numba's CPU target loads on its first compilation (scipy's OpenBLAS,
-    where scipy is installed: numba.np.arraymath calls ensure_blas on import), and have the
-    runs in flight set its thread count (ember.runtime.threads): otherwise it would appear in
-    the middle of a run, unmanaged until the next one."""
-    try:
-        from numba.np.linalg import ensure_blas
-        ensure_blas()
-    except ImportError:
-        return
-    _blas_threads().adopt_new_libraries()
+_numba_module: Any = None  # numba once imported, False where it is not installed
+
+
+def _numba() -> Any:
+    """numba, imported on the first call, or None. With it, the BLAS its CPU target loads on
+    its first compilation (scipy's OpenBLAS, where scipy is installed: numba.np.arraymath
+    calls ensure_blas on import) is loaded now, and the runs in flight set its thread count
+    (ember.runtime.threads): otherwise it would appear in the middle of a run, unmanaged
+    until the next one. Both once per process (looking the libraries up costs ~2 ms)."""
+    global _numba_module
+    if _numba_module is None:
+        try:
+            import numba
+        except ImportError:
+            _numba_module = False
+            return None
+        try:
+            from numba.np.linalg import ensure_blas
+            ensure_blas()
+        except ImportError:  # no scipy: numba loads no BLAS of its own
+            pass
+        else:
+            _blas_threads().adopt_new_libraries()
+        _numba_module = numba
+    return _numba_module or None
 
 
 # A kernel is split among threads only where each piece has at least this much work. Below

@@ -19,7 +19,10 @@ its numpy kernel and onnxruntime:
 * the 2-D MaxPool, over contiguous planes and over channels-last input, against onnxruntime
   and with the numpy kernel's bits (NaN included), its rows split among threads or not;
 * LayerNormalization (row statistics in float64), against onnxruntime over one or several
-  normalised axes, transposed input and broadcast parameters, the same bits however split.
+  normalised axes, transposed input and broadcast parameters, the same bits however split;
+* 2-D convolutions as register tiles (ops/_tiles.py), with a fused Relu / Clip and a
+  residual, against onnxruntime (and the numpy kernels against it too), every part-filled
+  tile, the same bits however split or shared by threads, a weight fed at run time.
 """
 from __future__ import annotations
 
@@ -886,3 +889,206 @@ def test_an_overridable_weight_is_not_kept(monkeypatch):
         np.testing.assert_allclose(got["y"], want[0], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(got["g"], want[1], rtol=1e-4, atol=1e-5)
     assert len(taken) == 3  # only the product by the constant w2, once a run
+
+
+# ------------------------------------------------------------------ convolutions as tiles
+from ember.ops import _tiles  # noqa: E402
+
+TILE_CASES = [  # batch, channels in, size, channels out, kernel, strides, dilations, pads
+    (1, 64, 14, 64, [3, 3], [1, 1], [1, 1], [1, 1, 1, 1]),    # ResNet-50's 3x3, 196 pixels
+    (2, 32, 13, 40, [3, 3], [2, 2], [1, 1], [1, 1, 1, 1]),    # a part-filled block of 32
+    (1, 3, 30, 16, [7, 7], [2, 2], [1, 1], [3, 3, 3, 3]),     # a stem: 3 channels, 7x7
+    (3, 16, 9, 7, [3, 5], [1, 2], [2, 1], [2, 0, 1, 3]),      # dilated, uneven pads
+    (1, 48, 7, 96, [1, 1], [1, 1], [1, 1], [0, 0, 0, 0]),     # 1x1: 49 pixels, 4 left over
+    (2, 40, 10, 33, [1, 1], [2, 2], [1, 1], [0, 0, 0, 0]),    # 1x1 strided
+    (1, 32, 6, 64, [1, 1], [1, 1], [1, 1], [1, 0, 0, 1]),     # 1x1 padded
+    (1, 8, 2, 5, [3, 3], [1, 1], [1, 1], [1, 1, 1, 1]),       # fewer pixels than a tile
+]
+
+
+@pytest.fixture(params=["tiles", "numpy"])
+def tiles(request, monkeypatch):
+    """Whether 2-D float32 convolutions run as register tiles (numba) or on the numpy
+    kernels; with tiles, the 1x1 convolutions here take them too (as `_tiled_fits` would
+    not: BLAS serves those), with and without padding."""
+    if request.param == "numpy":
+        monkeypatch.setitem(_compiled._compiled, _tiles.conv_tiles_loops, None)
+    else:
+        pytest.importorskip("numba")
+        monkeypatch.delitem(_compiled._compiled, _tiles.conv_tiles_loops, raising=False)
+        monkeypatch.delenv("EMBER_NUMBA", raising=False)
+        monkeypatch.setattr(conv, "_tiled_fits", _any_2d_float32_fits)
+        assert _tiles.kernel() is not None
+    return request.param
+
+
+def _any_2d_float32_fits(x, w, group, begin, end):
+    return (x.ndim == 4 and group == 1 and x.dtype == np.float32 and min(begin) >= 0
+            and min(end) >= 0)
+
+
+def _conv_model(case, activation, residual, weight_is_input=False, seed=0):
+    """Conv [+ Add of a residual] [+ Relu / Clip(0, 6)], as the simplifier fuses them."""
+    n, c, size, m, kernel, strides, dilations, pads = case
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c, size, size)).astype(np.float32)
+    w = (rng.standard_normal((m, c, *kernel)) / np.sqrt(c * np.prod(kernel))).astype(np.float32)
+    b = (4 * rng.standard_normal(m)).astype(np.float32)  # some results above ReLU6's 6
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=strides,
+                              dilations=dilations, pads=pads)]
+    inits = [numpy_helper.from_array(b, "b"), numpy_helper.from_array(np.float32(0), "lo"),
+             numpy_helper.from_array(np.float32(6), "hi")]
+    inputs, feeds = ["x"], {"x": x}
+    if weight_is_input:
+        inputs.append("w")
+        feeds["w"] = w
+    else:
+        inits.append(numpy_helper.from_array(w, "w"))
+    last = "c"
+    if residual:
+        out_shape = ember.load(helper.make_model(helper.make_graph(
+            nodes[:1], "probe", [helper.make_tensor_value_info("x", F, list(x.shape))],
+            [helper.make_tensor_value_info("c", F, None)], inits + [numpy_helper.from_array(
+                w, "w")]), opset_imports=[helper.make_opsetid("", 17)])).run({"x": x})["c"].shape
+        inputs.append("z")
+        feeds["z"] = rng.standard_normal(out_shape).astype(np.float32)
+        nodes.append(helper.make_node("Add", ["c", "z"], ["s"]))
+        last = "s"
+    if activation == "relu":
+        nodes.append(helper.make_node("Relu", [last], ["y"]))
+    elif activation == "relu6":
+        nodes.append(helper.make_node("Clip", [last, "lo", "hi"], ["y"]))
+    else:
+        nodes.append(helper.make_node("Identity", [last], ["y"]))
+    shapes = {"x": x.shape, "w": w.shape, "z": feeds.get("z", x).shape}
+    graph = helper.make_graph(
+        nodes, "conv", [helper.make_tensor_value_info(i, F, list(shapes[i])) for i in inputs],
+        [helper.make_tensor_value_info("y", F, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), feeds
+
+
+@pytest.mark.parametrize("activation, residual", [(None, False), ("relu", False),
+                                                  ("relu6", False), ("relu", True)])
+@pytest.mark.parametrize("case", TILE_CASES, ids=lambda c: "x".join(map(str, c[:4]))
+                         + f"-k{c[4][0]}{c[4][1]}s{c[5][0]}{c[5][1]}")
+def test_conv_matches_onnxruntime_as_tiles_and_on_numpy(tiles, case, activation, residual):
+    """Convolutions through the register tiles (bias and clip in the tiles' stores) and
+    through the numpy kernels, against onnxruntime: every part-filled tile (pixels left at
+    an image's end, output channels short of a block of 32), strides, dilations, pads."""
+    proto, feeds = _conv_model(case, activation, residual)
+    want = ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = ember.load(proto).run(feeds)["y"]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+def test_tiles_run_the_convolutions_they_fit(monkeypatch):
+    """The tiles do run where `_tiled_fits` says (a spy on the compiled kernel): every
+    window but 1x1, which stays with BLAS."""
+    pytest.importorskip("numba")
+    compiled = _tiles.kernel()
+    calls = []
+    monkeypatch.setitem(_compiled._compiled, _tiles.conv_tiles_loops,
+                        lambda *args: calls.append(args[-2:]) or compiled(*args))
+    for case in TILE_CASES:
+        proto, feeds = _conv_model(case, "relu", False)
+        calls.clear()
+        ember.load(proto).run(feeds)
+        assert bool(calls) == (case[4] != [1, 1]), case
+    monkeypatch.setattr(_tiles, "_wide_vectors", False)   # a CPU without AVX-512: BLAS
+    assert _tiles.kernel() is None
+    assert not conv._tiled_fits(np.ones((1, 8, 5, 5), np.float32),
+                                np.ones((8, 8, 3, 3), np.float32), 1, [1, 1], [1, 1])
+
+
+def test_tiles_give_the_same_bits_however_split(monkeypatch):
+    """A unit of the tiles computes its outputs in one order whatever the split: pieces in
+    any order, one thread or the pool's, give the same bits."""
+    pytest.importorskip("numba")
+    compiled = _tiles.kernel()
+    rng = np.random.default_rng(3)
+    n, c, hp, m, k = 2, 24, 17, 72, 3   # 15x15 outputs: 19 tiles an image, 3 blocks
+    image = rng.standard_normal((n, hp, hp, c)).astype(np.float32)
+    packed, bias = _tiles.pack(rng.standard_normal((k * k * c, m)).astype(np.float32),
+                               rng.standard_normal(m).astype(np.float32))
+    ho = hp - k + 1
+    pixels = ((np.arange(ho)[:, None] * hp + np.arange(ho)).reshape(-1) * c).astype(np.int64)
+    taps = ((np.arange(k)[:, None] * hp + np.arange(k)).reshape(-1) * c).astype(np.int64)
+    units = packed.shape[0] * n * -(-pixels.size // _tiles.ROWS)
+    args = (image.reshape(-1), hp * hp * c, pixels, taps, c, packed, bias, np.float32(0),
+            np.float32(np.inf))
+    whole = np.empty((n * pixels.size, m), np.float32)
+    compiled(*args, whole, n, 5, 0, units)
+    pieces = np.empty_like(whole)
+    for u in reversed(range(0, units, 7)):
+        compiled(*args, pieces, n, 5, u, min(units, u + 7))
+    np.testing.assert_array_equal(pieces, whole)
+    for band in (1, 2, 1000):   # the band changes the order units are taken in, not a bit
+        other = np.empty_like(whole)
+        compiled(*args, other, n, band, 0, units)
+        np.testing.assert_array_equal(other, whole)
+    monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
+    monkeypatch.setattr(threads, "run_threads", lambda: 3)
+    pooled = np.empty_like(whole)
+    _tiles.run(compiled, image.reshape(-1), hp * hp * c, pixels, taps, c, 1, packed, bias,
+               (0.0, np.inf), pooled, n)
+    np.testing.assert_array_equal(pooled, whole)
+    # and the documented semantics: the tiles in Python, with the numpy `tile`
+    python = np.empty_like(whole)
+    _tiles.conv_tiles_loops(*args, python, n, 5, 0, units)
+    np.testing.assert_allclose(python, whole, rtol=1e-5, atol=1e-5 * float(whole.max()))
+
+
+def test_tiles_shared_by_threads_and_with_a_weight_fed_at_run_time():
+    """A session shared by 4 threads gives its sequential runs' bits; a weight that is a
+    graph input is packed again on every run, not kept."""
+    pytest.importorskip("numba")
+    proto, _ = _conv_model(TILE_CASES[0], "relu", True)
+    session = ember.load(proto)
+    rng = np.random.default_rng(11)
+    feeds = [{"x": rng.standard_normal((1, 64, 14, 14)).astype(np.float32),
+              "z": rng.standard_normal((1, 64, 14, 14)).astype(np.float32)} for _ in range(8)]
+    sequential = [session.run(f)["y"] for f in feeds]
+    for want, got in zip(sequential, _run_from_threads(session, feeds)):
+        np.testing.assert_array_equal(got["y"], want)
+    proto, feeds = _conv_model(TILE_CASES[1], "relu", False, weight_is_input=True)
+    session = ember.load(proto)
+    reference = ort.InferenceSession(proto.SerializeToString(),
+                                     providers=["CPUExecutionProvider"])
+    w = feeds["w"]
+    for weight in (w, -2 * w, w):
+        feeds["w"] = weight
+        want = reference.run(None, feeds)[0]
+        np.testing.assert_allclose(session.run(feeds)["y"], want, rtol=1e-4,
+                                   atol=1e-4 * float(np.abs(want).max()))
+
+
+def test_tiles_read_a_channels_last_input_where_it_lies(monkeypatch):
+    """A 3x3 convolution's channels-last result, into an unpadded 2x2 stride-2 one (a
+    ConvNeXt downsampling): the second reads the first's memory without a copy."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 24, 16, 16)).astype(np.float32)
+    w1 = (rng.standard_normal((40, 24, 3, 3)) / 15).astype(np.float32)
+    w2 = (rng.standard_normal((48, 40, 2, 2)) / 12).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Conv", ["r", "w2"], ["y"], strides=[2, 2])]
+    graph = helper.make_graph(
+        nodes, "down", [helper.make_tensor_value_info("x", F, [2, 24, 16, 16])],
+        [helper.make_tensor_value_info("y", F, None)],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    images = []
+    real = conv._conv_tiled
+
+    def spy(x, *args):
+        images.append(conv._channels_last(x))
+        return real(x, *args)
+    monkeypatch.setattr(conv, "_conv_tiled", spy)
+    want = ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = ember.load(proto).run({"x": x})["y"]
+    assert images == [False, True]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))

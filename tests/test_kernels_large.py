@@ -68,6 +68,14 @@ def test_conv_with_a_bias_computed_at_run_time():
                         {"x": x, "w": w, "b": b})
 
 
+@pytest.fixture
+def numpy_conv_kernels(monkeypatch):
+    """The convolutions' numpy kernels (BLAS), as without numba: the register tiles
+    (ops/_tiles.py, tested in test_compiled_cpu.py) would take these float32 cases."""
+    from ember.ops import _compiled, _tiles
+    monkeypatch.setitem(_compiled._compiled, _tiles.conv_tiles_loops, None)
+
+
 SHIFTED_CASES = [  # batch, channels in, height, width, channels out, kernel, pads
     (1, 16, 64, 64, 32, [3, 3], [1, 1, 1, 1]),
     (2, 32, 69, 63, 20, [3, 5], [0, 2, 1, 0]),
@@ -78,7 +86,7 @@ SHIFTED_CASES = [  # batch, channels in, height, width, channels out, kernel, pa
 
 @pytest.mark.parametrize("case", SHIFTED_CASES, ids=lambda c: "x".join(map(str, c[:5])))
 @pytest.mark.parametrize("chained", [False, True], ids=["one", "chained-relu"])
-def test_conv_as_shifted_gemms_matches_onnxruntime(case, chained):
+def test_conv_as_shifted_gemms_matches_onnxruntime(case, chained, numpy_conv_kernels):
     """Stride-1 convolutions over large images with few channels take one GEMM per tap
     (ops/conv.py: _conv_shifted); chained, the second reads the first's channels-last result
     and the simplifier fuses the ReLUs into them."""
@@ -87,6 +95,7 @@ def test_conv_as_shifted_gemms_matches_onnxruntime(case, chained):
     begin, end = pads[:2], pads[2:]
     outs = conv.out_size((h, w_), kernel, (1, 1), (1, 1), begin, end)
     assert conv._shifted_fits(rand(1, c, 1, 1), 1, kernel, (1, 1), (1, 1), begin, end, outs)
+    assert not conv._tiled_fits(rand(1, c, 1, 1), rand(m, c, *kernel), 1, begin, end)
     x, w1, b1 = rand(n, c, h, w_), rand(m, c, *kernel) / c, rand(m)
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["y" if not chained else "c1"],
                               pads=pads)]
@@ -212,7 +221,7 @@ PATCH_ROWS_CASES = [  # batch, channels in, size, channels out, kernel, strides,
 
 @pytest.mark.parametrize("case", PATCH_ROWS_CASES, ids=lambda c: "x".join(map(str, c[:4])))
 @pytest.mark.parametrize("layout", ["channels-first", "channels-last"])
-def test_conv_over_patch_rows_matches_onnxruntime(case, layout):
+def test_conv_over_patch_rows_matches_onnxruntime(case, layout, numpy_conv_kernels):
     """2-D convolutions with 16 or more channels that the shifted GEMMs don't take run over
     channels-last patch rows (ops/conv.py: _conv_patch_rows), from a channels-first input
     or the channels-last result of a depthwise convolution, with a bias."""
@@ -221,6 +230,7 @@ def test_conv_over_patch_rows_matches_onnxruntime(case, layout):
     begin, end = pads[:2], pads[2:]
     outs = conv.out_size((size, size), kernel, strides, dilations, begin, end)
     assert conv._patch_rows_fit(rand(1, c, 1, 1), 1, begin, end)
+    assert not conv._tiled_fits(rand(1, c, 1, 1), rand(m, c, *kernel), 1, begin, end)
     assert not conv._shifted_fits(rand(1, c, 1, 1), 1, kernel, strides, dilations, begin, end,
                                   outs)
     x, w, b = rand(n, c, size, size), rand(m, c, *kernel) / c, rand(m)

@@ -22,7 +22,9 @@ its numpy kernel and onnxruntime:
   normalised axes, transposed input and broadcast parameters, the same bits however split;
 * 2-D convolutions as register tiles (ops/_tiles.py), with a fused Relu / Clip and a
   residual, against onnxruntime (and the numpy kernels against it too), every part-filled
-  tile, the same bits however split or shared by threads, a weight fed at run time.
+  tile, the same bits however split or shared by threads, a weight fed at run time;
+* few rows by a large constant weight, as tiles and as dot products with its transpose,
+  against onnxruntime and the float64 product, the same bits on one thread or several.
 """
 from __future__ import annotations
 
@@ -34,8 +36,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ember
-from ember.ops import (_compiled, activations, conv, fused, linalg, normalization, pool,
-                       reduction, rnn)
+from ember.ops import (_compiled, _tiles, activations, conv, fused, linalg, normalization,
+                       pool, reduction, rnn)
 from ember.runtime import threads
 
 ort = pytest.importorskip("onnxruntime")
@@ -814,10 +816,19 @@ def _decoder_mlp(rows: int, k: int, n: int, weight_is_input: bool = False):
     return proto.SerializeToString(), w
 
 
-def _spy_dot_columns(monkeypatch) -> list:
-    """The products linalg._dot_columns took (not None) during the test."""
+@pytest.fixture(params=["tiles", "dot_columns"])
+def few_rows(request, monkeypatch) -> tuple[range, list]:
+    """Which kernel runs few rows by a constant weight: the register tiles (AVX-512) or the
+    dot products with the weight's transpose (as on a CPU without AVX-512). Returns the
+    rows it takes and the list of products it took (a spy)."""
+    pytest.importorskip("numba")
+    if request.param == "dot_columns":
+        monkeypatch.setattr(_tiles, "_wide_vectors", False)
+    elif _tiles.kernel() is None:
+        pytest.skip("no AVX-512 here: the tiles are off")
+    name = "_tiled_product" if request.param == "tiles" else "_dot_columns"
     taken = []
-    original = linalg._dot_columns
+    original = getattr(linalg, name)
 
     def spy(a, b, weight):
         y = original(a, b, weight)
@@ -825,18 +836,19 @@ def _spy_dot_columns(monkeypatch) -> list:
             taken.append((a.shape, b.shape))
         return y
 
-    monkeypatch.setattr(linalg, "_dot_columns", spy)
-    return taken
+    monkeypatch.setattr(linalg, name, spy)
+    return (linalg._TILE_ROWS if request.param == "tiles" else linalg._DOT_ROWS), taken
 
 
-@pytest.mark.parametrize("rows, k, n", [(4, 768, 1367), (5, 2048, 513), (8, 768, 3072),
-                                        (12, 1024, 1025)])
-def test_few_rows_by_a_constant_weight_match_onnxruntime(rows, k, n, monkeypatch):
-    """4-12 rows by a large constant weight run as dot products with its transpose (odd
-    column counts included), plain and fused with bias and GELU; within 1e-6 of
-    sum_k |x_k| |w_kn| of the float64 product, and close to onnxruntime."""
-    pytest.importorskip("numba")
-    taken = _spy_dot_columns(monkeypatch)
+@pytest.mark.parametrize("rows, k, n", [(2, 768, 1367), (4, 768, 1367), (5, 2048, 513),
+                                        (8, 768, 3072), (12, 1024, 1025), (16, 512, 777)])
+def test_few_rows_by_a_constant_weight_match_onnxruntime(rows, k, n, few_rows):
+    """Few rows by a large constant weight (2-16 as tiles, 4-12 as dot products; odd column
+    counts included), plain and fused with bias and GELU; within 1e-6 of sum_k |x_k| |w_kn|
+    of the float64 product, and close to onnxruntime."""
+    kernel_rows, taken = few_rows
+    if rows not in kernel_rows:
+        pytest.skip("not a row count this kernel takes")
     proto, w = _decoder_mlp(rows, k, n)
     x = np.random.default_rng(7).standard_normal((rows, 1, k)).astype(np.float32)
     session = ember.load(proto)
@@ -851,12 +863,11 @@ def test_few_rows_by_a_constant_weight_match_onnxruntime(rows, k, n, monkeypatch
     np.testing.assert_allclose(got["g"], want[1], rtol=1e-4, atol=1e-5)
 
 
-def test_few_rows_by_a_constant_weight_same_bits_on_threads(monkeypatch):
+def test_few_rows_by_a_constant_weight_same_bits_on_threads(few_rows, monkeypatch):
     """The columns split among the session's threads: a session shared by 4 threads gives the
     bits of sequential runs, and 1 thread gives the same bits as 2."""
-    pytest.importorskip("numba")
     monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)  # split even small products
-    taken = _spy_dot_columns(monkeypatch)
+    _, taken = few_rows
     proto, _ = _decoder_mlp(8, 768, 1537)
     rng = np.random.default_rng(8)
     feeds = [{"x": rng.standard_normal((8, 1, 768)).astype(np.float32)} for _ in range(6)]
@@ -874,11 +885,10 @@ def test_few_rows_by_a_constant_weight_same_bits_on_threads(monkeypatch):
             np.testing.assert_array_equal(got[key], want[key])
 
 
-def test_an_overridable_weight_is_not_kept(monkeypatch):
+def test_an_overridable_weight_is_not_kept(few_rows):
     """A weight the caller may feed (an initialiser listed among the inputs) is no constant:
     its product goes to BLAS, and each run multiplies by the weight it was given."""
-    pytest.importorskip("numba")
-    taken = _spy_dot_columns(monkeypatch)
+    _, taken = few_rows
     proto, w = _decoder_mlp(8, 1024, 1024, weight_is_input=True)
     session = ember.load(proto)
     reference = ort.InferenceSession(proto, providers=["CPUExecutionProvider"])
@@ -892,8 +902,6 @@ def test_an_overridable_weight_is_not_kept(monkeypatch):
 
 
 # ------------------------------------------------------------------ convolutions as tiles
-from ember.ops import _tiles  # noqa: E402
-
 TILE_CASES = [  # batch, channels in, size, channels out, kernel, strides, dilations, pads
     (1, 64, 14, 64, [3, 3], [1, 1], [1, 1], [1, 1, 1, 1]),    # ResNet-50's 3x3, 196 pixels
     (2, 32, 13, 40, [3, 3], [2, 2], [1, 1], [1, 1, 1, 1]),    # a part-filled block of 32

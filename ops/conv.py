@@ -588,17 +588,27 @@ def _conv_tiled(x, w, kernel, strides, dilations, begin, outs, bias, cache, clam
         image = xt  # read where it lies: no padding, a channels-last input
     else:
         image = _zero_border(np.empty((N, Hp, Wp, C), np.float32), begin, (H, W))
-        image[:, begin[0]:begin[0] + H, begin[1]:begin[1] + W] = xt
+        interior = image[:, begin[0]:begin[0] + H, begin[1]:begin[1] + W]
+        if C <= _IMAGE_CHANNELS:  # an image's planes one by one: 4x faster for RGB
+            for c in range(C):
+                interior[..., c] = x[:, c]
+        else:
+            interior[...] = xt
+
+    # Undilated, a window row's kw taps are kw * C contiguous values of the image, in the
+    # packed weights' order: one tap of kw * C channels each (an image's 3 channels make
+    # runs of 21 values for a 7x7 window, not 7 runs of 3)
+    run = kw * C if dw == 1 else C
 
     def offsets():
         rows = np.arange(Ho, dtype=np.int64) * (sh * Wp)
         pixels = (rows[:, None] + np.arange(Wo, dtype=np.int64) * sw).reshape(-1) * C
-        taps = (np.arange(kh, dtype=np.int64)[:, None] * (dh * Wp)
-                + np.arange(kw, dtype=np.int64) * dw).reshape(-1) * C
+        columns = np.arange(kw if dw != 1 else 1, dtype=np.int64) * dw
+        taps = (np.arange(kh, dtype=np.int64)[:, None] * (dh * Wp) + columns).reshape(-1) * C
         return pixels, taps
     pixels, taps = _remembered(cache, ("tile-offsets", Hp, Wp, C, Ho, Wo), offsets)
     out = np.empty((N, Ho, Wo, M), np.float32)
-    _tiles.run(_tiles.kernel(), image.reshape(-1), Hp * Wp * C, pixels, taps, C, sh * sw,
+    _tiles.run(_tiles.kernel(), image.reshape(-1), Hp * Wp * C, pixels, taps, run, sh * sw,
                packed, packed_bias, clamp, out.reshape(N * Ho * Wo, M), N)
     return out.transpose(0, 3, 1, 2)
 

@@ -117,6 +117,66 @@ def _tile_at(image, image_size, pixels, taps, channels, weights, b, lo, hi, flat
             flat[at + r * M + j] = scratch[r * BLOCK + j]
 
 
+def depthwise_pixels(pixels, taps_count, image, start, step, taps, weights, bias, lo, hi,
+                     out, at, out_step, groups, rows, row_step, out_row_step):
+    """The depthwise kernel's semantics in numpy (compiled: the intrinsic below): in each of
+    `rows` rows (the i-th starting at start + i * row_step in the image, at + i *
+    out_row_step in out), `groups` groups of `pixels` consecutive output pixels, LANES
+    channels each; pixel q's value at out[at + q * out_step + lane] is clip(sum over the
+    taps t of image[start + q * step + taps[t] + lane] * weights[t, lane] + bias[lane], lo,
+    hi)."""
+    lanes = np.arange(LANES)
+    for i in range(rows):
+        for q in range(pixels * groups):
+            x = image[start + i * row_step + q * step + taps[:taps_count, None] + lanes]
+            y = (x * weights.reshape(-1, LANES)[:taps_count]).sum(axis=0) + bias[:LANES]
+            out[at + i * out_row_step + q * out_step + lanes] = np.clip(y, lo, hi)
+
+
+@_compiled.kernel_math
+def depthwise_segment(T, image, start, step, taps, w, b, lo, hi, out, at, out_step, pixels,
+                      rows, row_step, out_row_step):
+    """`pixels` consecutive output pixels in each of `rows` rows, one block of LANES
+    channels (as `depthwise_pixels`), DEPTHWISE_PIXELS at a time, then one by one; T (the
+    window's taps: 9, 25 or 49) picks the compiled intrinsic."""
+    if T == 9:
+        _depthwise_segment(9, image, start, step, taps, w, b, lo, hi, out, at, out_step,
+                           pixels, rows, row_step, out_row_step)
+    elif T == 25:
+        _depthwise_segment(25, image, start, step, taps, w, b, lo, hi, out, at, out_step,
+                           pixels, rows, row_step, out_row_step)
+    else:
+        _depthwise_segment(49, image, start, step, taps, w, b, lo, hi, out, at, out_step,
+                           pixels, rows, row_step, out_row_step)
+
+
+@_compiled.kernel_math
+def _depthwise_segment(T, image, start, step, taps, w, b, lo, hi, out, at, out_step, pixels,
+                       rows, row_step, out_row_step):
+    groups = pixels // DEPTHWISE_PIXELS
+    depthwise_pixels(DEPTHWISE_PIXELS, T, image, start, step, taps, w, b, lo, hi, out, at,
+                     out_step, groups, rows, row_step, out_row_step)
+    q = groups * DEPTHWISE_PIXELS
+    if q < pixels:
+        depthwise_pixels(1, T, image, start + q * step, step, taps, w, b, lo, hi, out,
+                         at + q * out_step, out_step, pixels - q, rows, row_step,
+                         out_row_step)
+
+
+DEPTHWISE_PIXELS = 4           # output pixels a depthwise step holds in registers
+DEPTHWISE_TAPS = (9, 25, 49)   # the windows compiled: 3x3, 5x5, 7x7
+
+
+def depthwise_kernel(loops):
+    """`loops` (a depthwise kernel calling depthwise_segment) compiled, or None (as
+    `kernel`)."""
+    numba = _compiled._numba() if _compiled.enabled() else None
+    if numba is None or not _has_wide_vectors():
+        return None
+    _register(numba)
+    return _compiled.jit(loops)
+
+
 _registered = False
 _wide_vectors: bool | None = None  # whether the CPU has AVX-512 (decided once)
 
@@ -125,17 +185,19 @@ def kernel():
     """conv_tiles_loops compiled, or None: without numba, or on a CPU without AVX-512 (the
     tile's 24 accumulators of 16 lanes are 24 of its 32 vector registers; with AVX2's 16
     registers of 8 lanes they would spill, and BLAS serves better)."""
-    global _wide_vectors
     numba = _compiled._numba() if _compiled.enabled() else None
-    if numba is None:
-        return None
-    if _wide_vectors is None:
-        import llvmlite.binding as llvm
-        _wide_vectors = bool(llvm.get_host_cpu_features().get("avx512f", False))
-    if not _wide_vectors:
+    if numba is None or not _has_wide_vectors():
         return None
     _register(numba)
     return _compiled.jit(conv_tiles_loops)
+
+
+def _has_wide_vectors() -> bool:
+    global _wide_vectors
+    if _wide_vectors is None:
+        import llvmlite.binding as llvm
+        _wide_vectors = bool(llvm.get_host_cpu_features().get("avx512f", False))
+    return _wide_vectors
 
 
 def _register(numba) -> None:
@@ -226,7 +288,90 @@ def _register(numba) -> None:
                     ldc: fma_tile(rows, image, base, taps, np.int64(channels), packed, bias,
                                   np.float32(lo), np.float32(hi), out, np.int64(at),
                                   np.int64(ldc)))
+
+        def emit_depthwise(Q, T, context, builder, sig, args):
+            (_, _, image, start, step, taps, weights, bias, lo, hi, out, at, out_step,
+             groups, rows, row_step, out_row_step) = args
+            arrays = {i: context.make_array(sig.args[i])(context, builder, args[i])
+                      for i in (2, 5, 6, 7, 10)}
+            image_p, taps_p, w_p = arrays[2].data, arrays[5].data, arrays[6].data
+            bias_p, out_p = arrays[7].data, arrays[10].data
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v16f32")
+            vptr = vec.as_pointer()
+
+            def load_vec(ptr, index):
+                return builder.load(builder.bitcast(builder.gep(ptr, [index]), vptr), align=4)
+
+            w = [load_vec(w_p, const(t * LANES)) for t in range(T)]
+            offsets = [builder.load(builder.gep(taps_p, [const(t)])) for t in range(T)]
+            b = load_vec(bias_p, const(0))
+            lo_v, hi_v = splat(builder, lo), splat(builder, hi)
+            with cgutils.for_range(builder, rows) as r:
+                row_in = builder.add(start, builder.mul(r.index, row_step))
+                row_out = builder.add(at, builder.mul(r.index, out_row_step))
+                with cgutils.for_range(builder, groups) as g:
+                    first = builder.mul(g.index, const(Q))
+                    src = builder.add(row_in, builder.mul(first, step))
+                    dst = builder.add(row_out, builder.mul(first, out_step))
+                    acc = [b] * Q
+                    for t in range(T):
+                        tap = builder.add(src, offsets[t])
+                        for q in range(Q):
+                            index = builder.add(tap, builder.mul(const(q), step))
+                            acc[q] = builder.call(fma, [load_vec(image_p, index), w[t],
+                                                        acc[q]])
+                    for q in range(Q):
+                        y = builder.select(builder.fcmp_ordered("<", acc[q], lo_v), lo_v,
+                                           acc[q])
+                        y = builder.select(builder.fcmp_ordered(">", y, hi_v), hi_v, y)
+                        index = builder.add(dst, builder.mul(const(q), out_step))
+                        builder.store(y, builder.bitcast(builder.gep(out_p, [index]), vptr),
+                                      align=4)
+            return context.get_dummy_value()
+
+        def depthwise_intrinsic(Q, T):
+            @intrinsic
+            def fma_depthwise(typingctx, pixels, taps_count, image, start, step, taps,
+                              weights, bias, lo, hi, out, at, out_step, groups, rows,
+                              row_step, out_row_step):
+                sig = types.void(pixels, taps_count, image, types.int64, types.int64, taps,
+                                 weights, bias, types.float32, types.float32, out,
+                                 types.int64, types.int64, types.int64, types.int64,
+                                 types.int64, types.int64)
+                return sig, (lambda context, builder, s, args:
+                             emit_depthwise(Q, T, context, builder, s, args))
+            return fma_depthwise
+
+        depthwise = {(Q, T): depthwise_intrinsic(Q, T)
+                     for Q in (DEPTHWISE_PIXELS, 1) for T in DEPTHWISE_TAPS}
+
+        @overload(depthwise_pixels)
+        def _depthwise_pixels(pixels, taps_count, image, start, step, taps, weights, bias, lo,
+                              hi, out, at, out_step, groups, rows, row_step, out_row_step):
+            key = (getattr(pixels, "literal_value", None),
+                   getattr(taps_count, "literal_value", None))
+            if key not in depthwise:
+                return None
+            fma_depthwise = depthwise[key]
+            return (lambda pixels, taps_count, image, start, step, taps, weights, bias, lo, hi,
+                    out, at, out_step, groups, rows, row_step, out_row_step: fma_depthwise(
+                        pixels, taps_count, image, np.int64(start), np.int64(step), taps,
+                        weights, bias, np.float32(lo), np.float32(hi), out, np.int64(at),
+                        np.int64(out_step), np.int64(groups), np.int64(rows),
+                        np.int64(row_step), np.int64(out_row_step)))
         _registered = True
+
+
+def empty(shape, dtype=np.float32) -> np.ndarray:
+    """np.empty(shape), its data aligned to a 64-byte cache line: a vector load that straddles
+    two lines costs two (numpy aligns to 16 bytes; the depthwise kernel ran 1.6x slower so on
+    56x56 and 112x112 images)."""
+    dtype = np.dtype(dtype)
+    n = math.prod(shape)
+    buffer = np.empty(n * dtype.itemsize + 64, np.uint8)
+    skip = -buffer.ctypes.data % 64
+    return buffer[skip:skip + n * dtype.itemsize].view(dtype).reshape(shape)
 
 
 def pack(w_taps_last: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -236,7 +381,8 @@ def pack(w_taps_last: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, 
     blocks = -(-M // BLOCK)
     padded = np.zeros((K, blocks * BLOCK), np.float32)
     padded[:, :M] = w_taps_last
-    packed = np.ascontiguousarray(padded.reshape(K, blocks, BLOCK).transpose(1, 0, 2))
+    packed = empty((blocks, K, BLOCK))
+    packed[...] = padded.reshape(K, blocks, BLOCK).transpose(1, 0, 2)
     b = np.zeros(blocks * BLOCK, np.float32)
     if bias is not None:
         b[:M] = bias

@@ -1100,3 +1100,61 @@ def test_tiles_read_a_channels_last_input_where_it_lies(monkeypatch):
     got = ember.load(proto).run({"x": x})["y"]
     assert images == [False, True]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+VECTOR_DEPTHWISE_CASES = [  # c, size, kernel, strides, dilations, pads
+    (32, 28, [3, 3], [1, 1], [1, 1], [1, 1, 1, 1]),
+    (48, 17, [3, 3], [2, 2], [1, 1], [1, 1, 1, 1]),
+    (16, 15, [3, 3], [1, 1], [2, 2], [2, 2, 2, 2]),
+    (64, 12, [3, 3], [2, 1], [1, 1], [0, 1, 1, 0]),
+    (16, 2, [3, 3], [1, 1], [1, 1], [1, 1, 1, 1]),     # no pixel away from the border
+    (32, 14, [5, 5], [2, 2], [1, 1], [2, 2, 2, 2]),
+    (96, 20, [7, 7], [1, 1], [1, 1], [3, 3, 3, 3]),    # ConvNeXt's
+    (16, 14, [7, 7], [1, 2], [1, 2], [2, 1, 4, 0]),
+]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("case", VECTOR_DEPTHWISE_CASES,
+                         ids=lambda c: f"c{c[0]}-{c[1]}-k{c[2][0]}s{c[3]}d{c[4]}")
+def test_depthwise_as_vector_code_matches_onnxruntime(case, batch, monkeypatch):
+    """Depthwise convolutions with channels a multiple of 16 and a 3x3, 5x5 or 7x7 window
+    take the vector kernel (its inner pixels) and `_pixel_by_taps` (the border), with the
+    bias and a ReLU6 in the same pass: against onnxruntime, after a channels-last 1x1."""
+    pytest.importorskip("numba")
+    compiled = _tiles.depthwise_kernel(conv._depthwise_vector_rows)
+    if compiled is None:
+        pytest.skip("no AVX-512 here: the vector kernel is off")
+    calls = []
+    monkeypatch.setitem(_compiled._compiled, conv._depthwise_vector_rows,
+                        lambda *args: calls.append(args[-2:]) or compiled(*args))
+    proto, feeds = _model(*case, True, batch)
+    want = ort.InferenceSession(proto, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = ember.load(proto).run(feeds)["y"]
+    assert calls
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_depthwise_vector_rows_give_the_same_bits_however_split(monkeypatch):
+    """The vector kernel's rows in uneven pieces, or over the pool, give one thread's bits."""
+    pytest.importorskip("numba")
+    compiled = _tiles.depthwise_kernel(conv._depthwise_vector_rows)
+    if compiled is None:
+        pytest.skip("no AVX-512 here: the vector kernel is off")
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 23, 19, 48)).astype(np.float32)
+    wt = rng.standard_normal((3, 3, 48)).astype(np.float32)
+    b = rng.standard_normal(48).astype(np.float32)
+    vectors, taps = conv._vector_weights(wt, 19, 1, 1, None)
+    a, c = (np.empty((2, 23, 19, 48), np.float32) for _ in range(2))
+    geometry = (1, 1, 1, 1, 1, 1, np.float32(0), np.float32(6))
+    compiled(x, vectors, taps, wt, b, a, *geometry, 0, 23)
+    for i in range(0, 23, 5):
+        compiled(x, vectors, taps, wt, b, c, *geometry, i, min(23, i + 5))
+    np.testing.assert_array_equal(a, c)
+    monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
+    monkeypatch.setattr(threads, "run_threads", lambda: 3)
+    pooled = np.empty_like(a)
+    _compiled.split_rows(compiled, 23, x, vectors, taps, wt, b, pooled, *geometry,
+                         ns_per_row=1.0)
+    np.testing.assert_array_equal(a, pooled)

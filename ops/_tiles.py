@@ -163,6 +163,66 @@ def _depthwise_segment(T, image, start, step, taps, w, b, lo, hi, out, at, out_s
                          out_row_step)
 
 
+def row_columns(rows, blocks, h, P, j, G):
+    """The recurrent product's semantics in numpy (compiled: the intrinsic below): for the
+    `rows` rows b of h (K,) each and the column blocks j .. j + blocks of P (N / LANES, K,
+    LANES), G[b, j * LANES:(j + blocks) * LANES] = h[b] @ those columns, the sum in k
+    order."""
+    for b in range(rows):
+        for v in range(blocks):
+            acc = np.zeros(LANES, np.float32)
+            for k in range(P.shape[1]):
+                acc += h[b, k] * P[j + v, k]
+            G[b, (j + v) * LANES:(j + v + 1) * LANES] = acc
+
+
+@_compiled.kernel_math
+def columns_from_blocks(h, P, G, n0, n1):
+    """G[:, n] = h @ W[:, n] for the columns n in [n0, n1), multiples of LANES, float32: h
+    (batch, K), W (K, N) packed in column blocks P (N / LANES, K, LANES) (`pack_columns`),
+    each block's K x LANES values read in order, 4 rows by 4 blocks in vector registers at
+    a time. Each output is the same sum in k order whichever block or thread computes it."""
+    batch = h.shape[0]
+    j1 = n1 // LANES
+    b = 0
+    while b < batch:
+        rows = 4 if b + 4 <= batch else 1
+        hb, Gb = h[b:b + rows], G[b:b + rows]
+        j = n0 // LANES
+        while j + 4 <= j1:
+            if rows == 4:
+                row_columns(4, 4, hb, P, j, Gb)
+            else:
+                row_columns(1, 4, hb, P, j, Gb)
+            j += 4
+        while j < j1:
+            if rows == 4:
+                row_columns(4, 1, hb, P, j, Gb)
+            else:
+                row_columns(1, 1, hb, P, j, Gb)
+            j += 1
+        b += rows
+
+
+def pack_columns(W: np.ndarray) -> np.ndarray:
+    """W (K, N), N a multiple of LANES, as column blocks (N / LANES, K, LANES), aligned."""
+    K, N = W.shape
+    P = empty((N // LANES, K, LANES))
+    P[...] = W.reshape(K, N // LANES, LANES).transpose(1, 0, 2)
+    return P
+
+
+def recurrence_by_rows(H: int) -> bool:
+    """Whether a recurrence of H hidden units takes `columns_from_blocks` (AVX-512, numba, H a
+    multiple of LANES, so each gate's chunk of units is whole blocks); registers the
+    intrinsic for the kernels that call it."""
+    numba = _compiled._numba() if _compiled.enabled() else None
+    if numba is None:
+        return False
+    _register(numba)  # compiled into the recurrences either way
+    return H % LANES == 0 and _has_wide_vectors()
+
+
 DEPTHWISE_PIXELS = 4           # output pixels a depthwise step holds in registers
 DEPTHWISE_TAPS = (9, 25, 49)   # the windows compiled: 3x3, 5x5, 7x7
 
@@ -360,6 +420,62 @@ def _register(numba) -> None:
                         weights, bias, np.float32(lo), np.float32(hi), out, np.int64(at),
                         np.int64(out_step), np.int64(groups), np.int64(rows),
                         np.int64(row_step), np.int64(out_row_step)))
+
+        def emit_row_columns(R, Q, context, builder, sig, args):
+            _, _, h, P, j, G = args
+            arrays = {i: context.make_array(sig.args[i])(context, builder, args[i])
+                      for i in (2, 3, 5)}
+            h_p, p_p, g_p = arrays[2].data, arrays[3].data, arrays[5].data
+            K = cgutils.unpack_tuple(builder, arrays[3].shape, 3)[1]  # C-ordered arrays
+            h_stride = cgutils.unpack_tuple(builder, arrays[2].shape, 2)[1]
+            g_stride = cgutils.unpack_tuple(builder, arrays[5].shape, 2)[1]
+            block = builder.mul(K, const(LANES))                    # one block's values
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v16f32")
+            vptr = vec.as_pointer()
+
+            def load_vec(ptr, index):
+                return builder.load(builder.bitcast(builder.gep(ptr, [index]), vptr), align=4)
+
+            zero = ir.Constant(vec, [0.0] * LANES)
+            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(R * Q)]
+            first = builder.mul(j, block)
+            with cgutils.for_range(builder, K) as k:
+                row = builder.add(first, builder.mul(k.index, const(LANES)))
+                w = [load_vec(p_p, builder.add(row, builder.mul(const(v), block)))
+                     for v in range(Q)]
+                for b in range(R):
+                    x = splat(builder, builder.load(builder.gep(
+                        h_p, [builder.add(builder.mul(const(b), h_stride), k.index)])))
+                    for v in range(Q):
+                        acc = accs[b * Q + v]
+                        builder.store(builder.call(fma, [x, w[v], builder.load(acc)]), acc)
+            for b in range(R):
+                for v in range(Q):
+                    index = builder.add(builder.mul(const(b), g_stride),
+                                        builder.mul(builder.add(j, const(v)), const(LANES)))
+                    builder.store(builder.load(accs[b * Q + v]),
+                                  builder.bitcast(builder.gep(g_p, [index]), vptr), align=4)
+            return context.get_dummy_value()
+
+        def row_columns_intrinsic(R, Q):
+            @intrinsic
+            def fma_row_columns(typingctx, rows, blocks, h, P, j, G):
+                sig = types.void(rows, blocks, h, P, types.int64, G)
+                return sig, (lambda context, builder, s, args:
+                             emit_row_columns(R, Q, context, builder, s, args))
+            return fma_row_columns
+
+        by_rows = {(R, Q): row_columns_intrinsic(R, Q) for R in (4, 1) for Q in (4, 1)}
+
+        @overload(row_columns)
+        def _row_columns(rows, blocks, h, P, j, G):
+            key = (getattr(rows, "literal_value", None), getattr(blocks, "literal_value", None))
+            if key not in by_rows:
+                return None
+            fma_row_columns = by_rows[key]
+            return lambda rows, blocks, h, P, j, G: fma_row_columns(rows, blocks, h, P,
+                                                                    np.int64(j), G)
         _registered = True
 
 

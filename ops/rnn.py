@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.ops import _compiled, _xp
+from ember.ops import _compiled, _tiles, _xp
 from ember.ops._compiled import chunk_done, exp_float32, tanh_float32, take_chunk, wait_step
+from ember.ops._tiles import columns_from_blocks
 from ember.ops.linalg import dot_columns_loops
 from ember.ops.registry import OpImpl, register
 
@@ -125,10 +126,23 @@ def _gru_lbr_cell_units(G, xw, Rbn, h, y, u0, u1):  # pragma: no cover - numba
             yb[j] = n + z * (hb[j] - n)
 
 
-def _lstm_steps_loops(XW, R, Y, h0, c, G, reverse, cuts, rank, sync):  # pragma: no cover
-    """Every step of one direction: XW (seq, batch, 4H), R (4H, H), Y (seq, batch, H)
-    written, h0 the initial h, c the cell state (updated), G scratch; the hidden units cut
-    into chunks at `cuts`, taken by the threads in lockstep (_compiled.run_in_lockstep)."""
+@_compiled.kernel_math
+def _recurrent_product(h, R, P, G, n0, n1):  # pragma: no cover - numba
+    """G[:, n0:n1] = h R^T: from R^T in column blocks P as vector code where the recurrence
+    takes it (`_tiles.recurrence_by_rows`: P given, else an empty array), else as dot
+    products with the rows of R (G, H)."""
+    if P.shape[0]:
+        columns_from_blocks(h, P, G, n0, n1)
+    else:
+        dot_columns_loops(h, R, G, n0, n1)
+
+
+def _lstm_steps_loops(XW, R, P, Y, h0, c, G, reverse, cuts, rank,
+                      sync):  # pragma: no cover
+    """Every step of one direction: XW (seq, batch, 4H), R (4H, H) and P (R^T in column
+    blocks, or empty: `_recurrent_product`), Y (seq, batch, H) written, h0 the initial h, c the cell
+    state (updated), G scratch; the hidden units cut into chunks at `cuts`, taken by the
+    threads in lockstep (_compiled.run_in_lockstep)."""
     seq, H, chunks = XW.shape[0], c.shape[1], cuts.size - 1
     for i in range(seq):
         t = seq - 1 - i if reverse else i
@@ -138,13 +152,14 @@ def _lstm_steps_loops(XW, R, Y, h0, c, G, reverse, cuts, rank, sync):  # pragma:
             if take_chunk(sync, i, chunk, chunks):
                 u0, u1 = cuts[chunk], cuts[chunk + 1]
                 for g in range(4):
-                    dot_columns_loops(h, R, G, g * H + u0, g * H + u1)
+                    _recurrent_product(h, R, P, G, g * H + u0, g * H + u1)
                 _lstm_cell_units(G, XW[t], c, Y[t], u0, u1)
                 chunk_done(sync, i, chunks)
         wait_step(sync, i, chunks)
 
 
-def _gru_lbr_steps_loops(XW, R, Rbn, Y, h0, G, reverse, cuts, rank, sync):  # pragma: no cover
+def _gru_lbr_steps_loops(XW, R, P, Rbn, Y, h0, G, reverse, cuts, rank,
+                         sync):  # pragma: no cover
     """As `_lstm_steps_loops`, for a GRU with linear_before_reset (R (3H, H))."""
     seq, H, chunks = XW.shape[0], h0.shape[1], cuts.size - 1
     for i in range(seq):
@@ -155,7 +170,7 @@ def _gru_lbr_steps_loops(XW, R, Rbn, Y, h0, G, reverse, cuts, rank, sync):  # pr
             if take_chunk(sync, i, chunk, chunks):
                 u0, u1 = cuts[chunk], cuts[chunk + 1]
                 for g in range(3):
-                    dot_columns_loops(h, R, G, g * H + u0, g * H + u1)
+                    _recurrent_product(h, R, P, G, g * H + u0, g * H + u1)
                 _gru_lbr_cell_units(G, XW[t], Rbn, h, Y[t], u0, u1)
                 chunk_done(sync, i, chunks)
         wait_step(sync, i, chunks)
@@ -461,7 +476,8 @@ class _RecurrentBase(OpImpl):
                     Yd = xp.zeros((seq, batch, H), cdt)
             init = [None if s is None else s[d] for s in states]
             if team_kernel is not None:
-                final = self._recur_team(team_kernel, XWd, Yd, reverse, init, Rs[d], Rbs[d])
+                final = self._recur_team(team_kernel, XWd, Yd, reverse, init, Rs[d], Rbs[d],
+                                         Rts[d])
             else:
                 # on BLAS's own threading: one thread was never faster for these products
                 # on an idle machine (batch 1-16, hidden 128-1024; 3x slower at batch 16)
@@ -492,6 +508,21 @@ class _RecurrentBase(OpImpl):
         h0 = init[0]
         h0 = np.zeros((XW.shape[1], H), np.float32) if h0 is None else np.ascontiguousarray(h0)
         return np.ascontiguousarray(XW), h0
+
+    def _by_rows(self, Rt, H):
+        """The recurrent weights in column blocks for the team's product
+        (`_recurrent_product`), kept while Rt (H, gates * H) is the same array, where the
+        vector code takes it; else an empty array."""
+        if not _tiles.recurrence_by_rows(H):
+            return np.empty((0, 0, 0), np.float32)
+        kept = getattr(self, "_column_blocks", ())  # ((Rt, blocks), ...), one a direction
+        for source, packed in kept:
+            if source is Rt:
+                return packed
+        packed = _tiles.pack_columns(Rt)
+        # replaced in one assignment: a thread sees whole pairs
+        self._column_blocks = (kept + ((Rt, packed),))[-self.num_directions:]
+        return packed
 
     @staticmethod
     def _team_run(kernel, XW, H, *args):
@@ -619,11 +650,12 @@ class _GRU(_RecurrentBase):
     def _team_applies(self, extra) -> bool:
         return self._lbr()  # without it, two products a step: `_recur_compiled`
 
-    def _recur_team(self, kernel, XW, Y, reverse, init, R, Rb):
+    def _recur_team(self, kernel, XW, Y, reverse, init, R, Rb, Rt):
         H = R.shape[1]
         XW, h0 = self._team_start(XW, init, H)
         G = np.empty(XW.shape[1:], np.float32)
-        self._team_run(kernel, XW, H, R, np.ascontiguousarray(Rb[2 * H:]), Y, h0, G, reverse)
+        self._team_run(kernel, XW, H, R, self._by_rows(Rt, H),
+                       np.ascontiguousarray(Rb[2 * H:]), Y, h0, G, reverse)
         return (self._last_h(Y, h0, reverse),)
 
     def _lbr(self):
@@ -777,12 +809,12 @@ class _LSTM(_RecurrentBase):
         negP, couple = extra
         return negP is None and not couple
 
-    def _recur_team(self, kernel, XW, Y, reverse, init, R, Rb):
+    def _recur_team(self, kernel, XW, Y, reverse, init, R, Rb, Rt):
         H = R.shape[1]
         XW, h0 = self._team_start(XW, init, H)
         c = self._state(np, init[1], XW.shape[1], H, np.float32)
         G = np.empty(XW.shape[1:], np.float32)
-        self._team_run(kernel, XW, H, R, Y, h0, c, G, reverse)
+        self._team_run(kernel, XW, H, R, self._by_rows(Rt, H), Y, h0, c, G, reverse)
         return (self._last_h(Y, h0, reverse), c)
 
     def _recur(self, d, XW, Y, ts, init, Rt, Rb, masks, H, cdt, extra):

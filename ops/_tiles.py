@@ -480,14 +480,20 @@ def _register(numba) -> None:
 
 
 def empty(shape, dtype=np.float32) -> np.ndarray:
-    """np.empty(shape), its data aligned to a 64-byte cache line: a vector load that straddles
-    two lines costs two (numpy aligns to 16 bytes; the depthwise kernel ran 1.6x slower so on
-    56x56 and 112x112 images)."""
+    """np.empty(shape), its data aligned to a 64-byte cache line where it is large: a vector
+    load that straddles two lines costs two (numpy aligns to 16 bytes; the depthwise kernel
+    ran 1.6x slower so on 56x56 and 112x112 images). Small arrays stay plain: there the
+    alignment saves less than it costs (a few us a call)."""
     dtype = np.dtype(dtype)
-    n = math.prod(shape)
-    buffer = np.empty(n * dtype.itemsize + 64, np.uint8)
-    skip = -buffer.ctypes.data % 64
-    return buffer[skip:skip + n * dtype.itemsize].view(dtype).reshape(shape)
+    size = math.prod(shape) * dtype.itemsize
+    if size < _ALIGN_FROM_BYTES:
+        return np.empty(shape, dtype)
+    buffer = np.empty(size + 64, np.uint8)
+    skip = -buffer.__array_interface__["data"][0] % 64
+    return buffer[skip:skip + size].view(dtype).reshape(shape)
+
+
+_ALIGN_FROM_BYTES = 64 << 10
 
 
 def pack(w_taps_last: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:

@@ -1,25 +1,35 @@
-"""Convolution (and any product by a constant weight) as register tiles: a compiled kernel
-whose inner loop is written as explicit AVX-512-width vector code.
+"""CPU kernels whose inner loops are written as explicit AVX-512-width vector code (LLVM IR
+through numba intrinsics), where numba's loops over scalars did not vectorise well.
 
-A tile is R output pixels by 32 output channels, held in 2R vector accumulators of 16 float32
-lanes. For each tap t of the kernel window and each input channel c, the tile loads the 32
-weights of (t, c), broadcasts each of its R pixels' input value x[pixel r + tap t, c], and
-adds the R x 32 products with fused multiply-adds; at the end it adds the bias, clips to
-[lo, hi] (ReLU, ReLU6) and stores the R rows of the channels-last output. The input is read
-where it lies, a channels-last image padded once, by an offset per output pixel (`pixels`,
-the window's origin) plus an offset per tap (`taps`): no patch matrix is built, and strides,
-dilations and pads are only offsets. The weights are packed once per constant weight:
-(M/32 blocks, T*C, 32), a block's rows read in order.
+* Register tiles (`conv_tiles_loops`, `tile`): a 2-D convolution, or a product of a few rows
+  by a constant weight. A tile is R output pixels by 32 output channels, held in 2R vector
+  accumulators of 16 float32 lanes. For each tap t of the window and each input channel c,
+  the tile loads the 32 weights of (t, c), broadcasts each of its R pixels' input value
+  x[pixel r + tap t, c], and adds the R x 32 products with fused multiply-adds; at the end
+  it adds the bias, clips to [lo, hi] (ReLU, ReLU6) and stores R rows of the channels-last
+  output. The input is read where it lies, a channels-last image padded once, by an offset
+  per output pixel (`pixels`, the window's origin) plus an offset per tap (`taps`): no patch
+  matrix is built, and strides, dilations and pads are only offsets. The weights are packed
+  once per constant weight: (M/32 blocks, T*C, 32), a block's rows read in order.
+* Depthwise pixels (`depthwise_pixels`): 4 output pixels by 16 channels, the window's 9, 25
+  or 49 weights held in registers.
+* Column blocks (`row_columns`, `columns_from_blocks`): h R for a recurrence's step, 4 rows
+  by 4 blocks of 16 columns of R packed in blocks, with no sum across a vector's lanes.
 
-Why written by hand: numba's loops over scalars did not vectorise this way (LLVM's SLP pass
-left a register-blocked form scalar, 5 GF/s), and OpenBLAS's GEMM on the patch matrix runs
-ResNet-50's and UNet's convolutions at 45-80% of this machine's peak, plus the patch copy. The
-tile is emitted as LLVM IR (`fma.v16f32`) through a numba intrinsic, so it is compiled and
-cached on disk with the kernel that calls it. Measured on one core of a Zen 4 EPYC: 108-119
-GF/s (the core's peak is ~118) on ResNet-50's 3x3 layers, UNet's 32-channel layers and 1x1
-convolutions, against OpenBLAS's 60-95 on the same patch matrices.
+Why written by hand: LLVM's SLP pass left a register-blocked loop scalar (5 GF/s), and
+OpenBLAS's GEMM on the patch matrix ran ResNet-50's and UNet's convolutions at 45-80% of
+this machine's peak, plus the patch copy. As intrinsics, the vector code is compiled and
+cached on disk with the kernel that calls it (numba checks only that kernel's file for
+changes: see ops/_compiled.py). Measured on one core of a Zen 4 EPYC: the tiles 108-119 GF/s
+(the core's peak is ~118) on ResNet-50's 3x3 layers and UNet's 32-channel layers, against
+OpenBLAS's 60-95 on the same patch matrices; the depthwise pixels 28-31 GFMA/s on aligned
+data, against 10-18 for the numba loops in ops/conv.py.
 
-The bits: each output is a sum over (t, c) in the same order, then + bias, whatever the tile
+The vector type is 16 float32 lanes; the kernels serve only on CPUs with AVX-512
+(`_has_wide_vectors`): elsewhere LLVM would split each vector in two and the tiles'
+accumulators would spill, and BLAS and the numba loops serve.
+
+The bits: each output is a sum in one fixed order, then + bias, whatever the tile or block
 it falls in or the thread that runs it; a run gives the same bits on one thread or several.
 """
 from __future__ import annotations
@@ -261,7 +271,9 @@ def _has_wide_vectors() -> bool:
 
 
 def _register(numba) -> None:
-    """`tile` compiled as an intrinsic for ROWS and SMALL_ROWS rows; once per process."""
+    """The vector code as numba intrinsics behind `tile` (ROWS and SMALL_ROWS rows),
+    `depthwise_pixels` (DEPTHWISE_PIXELS and 1 pixels by each of DEPTHWISE_TAPS) and
+    `row_columns` (4 or 1 rows by 4 or 1 blocks); once per process."""
     global _registered
     if _registered:
         return
@@ -284,47 +296,67 @@ def _register(numba) -> None:
             one = builder.insert_element(undef, scalar, ir.Constant(i32, 0))
             return builder.shuffle_vector(one, undef, splat_mask)
 
+        class Vectors:
+            """Vector IR for one intrinsic: `data(i)` the data pointer of array argument i,
+            loads and stores of LANES floats at an element index, fused multiply-add,
+            clip to [lo, hi] (a NaN stays NaN)."""
+
+            def __init__(self, context, builder, sig, args):
+                self.builder, self._context, self._sig, self._args = builder, context, sig, args
+                self._fma = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v16f32")
+
+            def array(self, i):
+                return self._context.make_array(self._sig.args[i])(
+                    self._context, self.builder, self._args[i])
+
+            def data(self, i):
+                return self.array(i).data
+
+            def _at(self, ptr, index):
+                return self.builder.bitcast(self.builder.gep(ptr, [index]), vec.as_pointer())
+
+            def load(self, ptr, index):
+                return self.builder.load(self._at(ptr, index), align=4)
+
+            def store(self, value, ptr, index):
+                self.builder.store(value, self._at(ptr, index), align=4)
+
+            def fma(self, a, b, c):
+                return self.builder.call(self._fma, [a, b, c])
+
+            def clip(self, y, lo_v, hi_v):
+                y = self.builder.select(self.builder.fcmp_ordered("<", y, lo_v), lo_v, y)
+                return self.builder.select(self.builder.fcmp_ordered(">", y, hi_v), hi_v, y)
+
         def emit(R, context, builder, sig, args):
-            _, image, base, taps, channels, packed, bias, lo, hi, out, at, ldc = args
-            arrays = {i: context.make_array(sig.args[i])(context, builder, args[i])
-                      for i in (1, 2, 3, 5, 6, 9)}
-            image_p, base_p, taps_p = arrays[1].data, arrays[2].data, arrays[3].data
-            packed_p, bias_p, out_p = arrays[5].data, arrays[6].data, arrays[9].data
-            fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v16f32")
-            vptr = vec.as_pointer()
-
-            def load_vec(ptr, index):
-                return builder.load(builder.bitcast(builder.gep(ptr, [index]), vptr), align=4)
-
+            _, _, _, _, channels, _, _, lo, hi, _, at, ldc = args
+            v = Vectors(context, builder, sig, args)
+            image_p, base_p, taps_p = v.data(1), v.data(2), v.data(3)
+            packed_p, bias_p, out_p = v.data(5), v.data(6), v.data(9)
             zero = ir.Constant(vec, [0.0] * LANES)
             accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2 * R)]
             origins = [builder.load(builder.gep(base_p, [const(r)])) for r in range(R)]
-            with cgutils.for_range(builder, arrays[3].nitems) as tap:
+            with cgutils.for_range(builder, v.array(3).nitems) as tap:
                 offset = builder.load(builder.gep(taps_p, [tap.index]))
                 starts = [builder.add(o, offset) for o in origins]
                 row0 = builder.mul(tap.index, builder.mul(channels, const(BLOCK)))
                 with cgutils.for_range(builder, channels) as ch:
                     row = builder.add(row0, builder.mul(ch.index, const(BLOCK)))
-                    w = [load_vec(packed_p, row),
-                         load_vec(packed_p, builder.add(row, const(LANES)))]
+                    w = [v.load(packed_p, row), v.load(packed_p, builder.add(row, const(LANES)))]
                     for r in range(R):
                         x = splat(builder, builder.load(
                             builder.gep(image_p, [builder.add(starts[r], ch.index)])))
-                        for v in range(2):
-                            acc = accs[2 * r + v]
-                            builder.store(builder.call(fma, [x, w[v], builder.load(acc)]), acc)
+                        for half in range(2):
+                            acc = accs[2 * r + half]
+                            builder.store(v.fma(x, w[half], builder.load(acc)), acc)
             lo_v, hi_v = splat(builder, lo), splat(builder, hi)
-            for v in range(2):
-                b = load_vec(bias_p, const(v * LANES))
+            for half in range(2):
+                b = v.load(bias_p, const(half * LANES))
                 for r in range(R):
-                    y = builder.fadd(builder.load(accs[2 * r + v]), b)
-                    y = builder.select(builder.fcmp_ordered("<", y, lo_v), lo_v, y)
-                    y = builder.select(builder.fcmp_ordered(">", y, hi_v), hi_v, y)
-                    index = builder.add(at, builder.add(builder.mul(const(r), ldc),
-                                                        const(v * LANES)))
-                    builder.store(y, builder.bitcast(builder.gep(out_p, [index]), vptr),
-                                  align=4)
+                    y = v.clip(builder.fadd(builder.load(accs[2 * r + half]), b), lo_v, hi_v)
+                    v.store(y, out_p, builder.add(at, builder.add(builder.mul(const(r), ldc),
+                                                                  const(half * LANES))))
             return context.get_dummy_value()
 
         def tile_intrinsic(R):
@@ -350,22 +382,13 @@ def _register(numba) -> None:
                                   np.int64(ldc)))
 
         def emit_depthwise(Q, T, context, builder, sig, args):
-            (_, _, image, start, step, taps, weights, bias, lo, hi, out, at, out_step,
-             groups, rows, row_step, out_row_step) = args
-            arrays = {i: context.make_array(sig.args[i])(context, builder, args[i])
-                      for i in (2, 5, 6, 7, 10)}
-            image_p, taps_p, w_p = arrays[2].data, arrays[5].data, arrays[6].data
-            bias_p, out_p = arrays[7].data, arrays[10].data
-            fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v16f32")
-            vptr = vec.as_pointer()
-
-            def load_vec(ptr, index):
-                return builder.load(builder.bitcast(builder.gep(ptr, [index]), vptr), align=4)
-
-            w = [load_vec(w_p, const(t * LANES)) for t in range(T)]
+            (_, _, _, start, step, _, _, _, lo, hi, _, at, out_step, groups, rows, row_step,
+             out_row_step) = args
+            v = Vectors(context, builder, sig, args)
+            image_p, taps_p, w_p, bias_p, out_p = (v.data(i) for i in (2, 5, 6, 7, 10))
+            w = [v.load(w_p, const(t * LANES)) for t in range(T)]
             offsets = [builder.load(builder.gep(taps_p, [const(t)])) for t in range(T)]
-            b = load_vec(bias_p, const(0))
+            b = v.load(bias_p, const(0))
             lo_v, hi_v = splat(builder, lo), splat(builder, hi)
             with cgutils.for_range(builder, rows) as r:
                 row_in = builder.add(start, builder.mul(r.index, row_step))
@@ -378,16 +401,11 @@ def _register(numba) -> None:
                     for t in range(T):
                         tap = builder.add(src, offsets[t])
                         for q in range(Q):
-                            index = builder.add(tap, builder.mul(const(q), step))
-                            acc[q] = builder.call(fma, [load_vec(image_p, index), w[t],
-                                                        acc[q]])
+                            x = v.load(image_p, builder.add(tap, builder.mul(const(q), step)))
+                            acc[q] = v.fma(x, w[t], acc[q])
                     for q in range(Q):
-                        y = builder.select(builder.fcmp_ordered("<", acc[q], lo_v), lo_v,
-                                           acc[q])
-                        y = builder.select(builder.fcmp_ordered(">", y, hi_v), hi_v, y)
-                        index = builder.add(dst, builder.mul(const(q), out_step))
-                        builder.store(y, builder.bitcast(builder.gep(out_p, [index]), vptr),
-                                      align=4)
+                        v.store(v.clip(acc[q], lo_v, hi_v), out_p,
+                                builder.add(dst, builder.mul(const(q), out_step)))
             return context.get_dummy_value()
 
         def depthwise_intrinsic(Q, T):
@@ -422,40 +440,31 @@ def _register(numba) -> None:
                         np.int64(row_step), np.int64(out_row_step)))
 
         def emit_row_columns(R, Q, context, builder, sig, args):
-            _, _, h, P, j, G = args
-            arrays = {i: context.make_array(sig.args[i])(context, builder, args[i])
-                      for i in (2, 3, 5)}
-            h_p, p_p, g_p = arrays[2].data, arrays[3].data, arrays[5].data
-            K = cgutils.unpack_tuple(builder, arrays[3].shape, 3)[1]  # C-ordered arrays
-            h_stride = cgutils.unpack_tuple(builder, arrays[2].shape, 2)[1]
-            g_stride = cgutils.unpack_tuple(builder, arrays[5].shape, 2)[1]
-            block = builder.mul(K, const(LANES))                    # one block's values
-            fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v16f32")
-            vptr = vec.as_pointer()
-
-            def load_vec(ptr, index):
-                return builder.load(builder.bitcast(builder.gep(ptr, [index]), vptr), align=4)
-
+            j = args[4]
+            v = Vectors(context, builder, sig, args)
+            h_p, p_p, g_p = v.data(2), v.data(3), v.data(5)
+            K = cgutils.unpack_tuple(builder, v.array(3).shape, 3)[1]  # C-ordered arrays
+            h_stride = cgutils.unpack_tuple(builder, v.array(2).shape, 2)[1]
+            g_stride = cgutils.unpack_tuple(builder, v.array(5).shape, 2)[1]
+            block = builder.mul(K, const(LANES))                        # one block's values
             zero = ir.Constant(vec, [0.0] * LANES)
             accs = [cgutils.alloca_once_value(builder, zero) for _ in range(R * Q)]
             first = builder.mul(j, block)
             with cgutils.for_range(builder, K) as k:
                 row = builder.add(first, builder.mul(k.index, const(LANES)))
-                w = [load_vec(p_p, builder.add(row, builder.mul(const(v), block)))
-                     for v in range(Q)]
+                w = [v.load(p_p, builder.add(row, builder.mul(const(q), block)))
+                     for q in range(Q)]
                 for b in range(R):
                     x = splat(builder, builder.load(builder.gep(
                         h_p, [builder.add(builder.mul(const(b), h_stride), k.index)])))
-                    for v in range(Q):
-                        acc = accs[b * Q + v]
-                        builder.store(builder.call(fma, [x, w[v], builder.load(acc)]), acc)
+                    for q in range(Q):
+                        acc = accs[b * Q + q]
+                        builder.store(v.fma(x, w[q], builder.load(acc)), acc)
             for b in range(R):
-                for v in range(Q):
-                    index = builder.add(builder.mul(const(b), g_stride),
-                                        builder.mul(builder.add(j, const(v)), const(LANES)))
-                    builder.store(builder.load(accs[b * Q + v]),
-                                  builder.bitcast(builder.gep(g_p, [index]), vptr), align=4)
+                for q in range(Q):
+                    v.store(builder.load(accs[b * Q + q]), g_p, builder.add(
+                        builder.mul(const(b), g_stride),
+                        builder.mul(builder.add(j, const(q)), const(LANES))))
             return context.get_dummy_value()
 
         def row_columns_intrinsic(R, Q):

@@ -928,6 +928,15 @@ TILE_CASES = [  # batch, channels in, size, channels out, kernel, strides, dilat
 ]
 
 
+def _tiles_or_skip():
+    """The compiled tiles, or a skip where they don't serve (no numba, no AVX-512)."""
+    pytest.importorskip("numba")
+    compiled = _tiles.kernel()
+    if compiled is None:
+        pytest.skip("no AVX-512 here: the vector kernels are off")
+    return compiled
+
+
 @pytest.fixture(params=["tiles", "numpy"])
 def tiles(request, monkeypatch):
     """Whether 2-D float32 convolutions run as register tiles (numba) or on the numpy
@@ -936,11 +945,9 @@ def tiles(request, monkeypatch):
     if request.param == "numpy":
         monkeypatch.setitem(_compiled._compiled, _tiles.conv_tiles_loops, None)
     else:
-        pytest.importorskip("numba")
-        monkeypatch.delitem(_compiled._compiled, _tiles.conv_tiles_loops, raising=False)
         monkeypatch.delenv("EMBER_NUMBA", raising=False)
+        _tiles_or_skip()
         monkeypatch.setattr(conv, "_tiled_fits", _any_2d_float32_fits)
-        assert _tiles.kernel() is not None
     return request.param
 
 
@@ -1008,8 +1015,7 @@ def test_conv_matches_onnxruntime_as_tiles_and_on_numpy(tiles, case, activation,
 def test_tiles_run_the_convolutions_they_fit(monkeypatch):
     """The tiles do run where `_tiled_fits` says (a spy on the compiled kernel): every
     window but 1x1, which stays with BLAS."""
-    pytest.importorskip("numba")
-    compiled = _tiles.kernel()
+    compiled = _tiles_or_skip()
     calls = []
     monkeypatch.setitem(_compiled._compiled, _tiles.conv_tiles_loops,
                         lambda *args: calls.append(args[-2:]) or compiled(*args))
@@ -1027,8 +1033,7 @@ def test_tiles_run_the_convolutions_they_fit(monkeypatch):
 def test_tiles_give_the_same_bits_however_split(monkeypatch):
     """A unit of the tiles computes its outputs in one order whatever the split: pieces in
     any order, one thread or the pool's, give the same bits."""
-    pytest.importorskip("numba")
-    compiled = _tiles.kernel()
+    compiled = _tiles_or_skip()
     rng = np.random.default_rng(3)
     n, c, hp, m, k = 2, 24, 17, 72, 3   # 15x15 outputs: 19 tiles an image, 3 blocks
     image = rng.standard_normal((n, hp, hp, c)).astype(np.float32)
@@ -1065,7 +1070,7 @@ def test_tiles_give_the_same_bits_however_split(monkeypatch):
 def test_tiles_shared_by_threads_and_with_a_weight_fed_at_run_time():
     """A session shared by 4 threads gives its sequential runs' bits; a weight that is a
     graph input is packed again on every run, not kept."""
-    pytest.importorskip("numba")
+    _tiles_or_skip()
     proto, _ = _conv_model(TILE_CASES[0], "relu", True)
     session = ember.load(proto)
     rng = np.random.default_rng(11)
@@ -1089,7 +1094,7 @@ def test_tiles_shared_by_threads_and_with_a_weight_fed_at_run_time():
 def test_tiles_read_a_channels_last_input_where_it_lies(monkeypatch):
     """A 3x3 convolution's channels-last result, into an unpadded 2x2 stride-2 one (a
     ConvNeXt downsampling): the second reads the first's memory without a copy."""
-    pytest.importorskip("numba")
+    _tiles_or_skip()
     rng = np.random.default_rng(12)
     x = rng.standard_normal((2, 24, 16, 16)).astype(np.float32)
     w1 = (rng.standard_normal((40, 24, 3, 3)) / 15).astype(np.float32)

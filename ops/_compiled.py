@@ -10,7 +10,8 @@ to its source, or in numba's user-wide cache directory): a later process loads i
 numba's import) instead of compiling it again (a few seconds). numba checks only the kernel's
 own file for changes: after editing a function it calls from another file (`kernel_math`, the
 vector code of ops/_tiles.py), delete ops/__pycache__/*.nbi and *.nbc, or it runs the old
-code. (An installed release writes every file anew, which clears them all.) Kernels release the GIL and
+code (an installed release writes every file anew, which clears them all). Kernels release
+the GIL and
 compute each output element with the same expression whatever the split, so a run gives the
 same bits on one thread or several.
 

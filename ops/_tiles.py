@@ -240,11 +240,7 @@ DEPTHWISE_TAPS = (9, 25, 49)   # the windows compiled: 3x3, 5x5, 7x7
 def depthwise_kernel(loops):
     """`loops` (a depthwise kernel calling depthwise_segment) compiled, or None (as
     `kernel`)."""
-    numba = _compiled._numba() if _compiled.enabled() else None
-    if numba is None or not _has_wide_vectors():
-        return None
-    _register(numba)
-    return _compiled.jit(loops)
+    return _with_vectors(loops)
 
 
 _registered = False
@@ -255,11 +251,16 @@ def kernel():
     """conv_tiles_loops compiled, or None: without numba, or on a CPU without AVX-512 (the
     tile's 24 accumulators of 16 lanes are 24 of its 32 vector registers; with AVX2's 16
     registers of 8 lanes they would spill, and BLAS serves better)."""
+    return _with_vectors(conv_tiles_loops)
+
+
+def _with_vectors(loops):
+    """`loops` compiled with the intrinsics registered, or None without numba or AVX-512."""
     numba = _compiled._numba() if _compiled.enabled() else None
     if numba is None or not _has_wide_vectors():
         return None
     _register(numba)
-    return _compiled.jit(conv_tiles_loops)
+    return _compiled.jit(loops)
 
 
 def _has_wide_vectors() -> bool:

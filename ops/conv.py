@@ -624,14 +624,14 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
 
 # A 2-D convolution (group 1, float32) as register tiles over a channels-last padded image
 # (ops/_tiles.py): no patch matrix, the bias and a clip (ReLU, ReLU6) in the tiles' own
-# stores, the result channels-last. Where numba is installed, it runs every such
-# convolution: on 2 cores of a Zen 4 EPYC it ran ResNet-50's 3x3 layers at 150-200 GF/s
-# where OpenBLAS's GEMM on the patch rows ran 60-130 (with the copies), the 7x7 stem 2.2x
-# faster than its patch matrix, UNet's 32-channel layers 2-3x faster than the shifted
-# GEMMs below. Without numba, the kernels below serve. 1x1 convolutions stay with BLAS: in
-# ResNet-50 at batch 8 the tiles ran them 10-30% slower than OpenBLAS's GEMM (with only
-# 64-1024 input channels a tile's loop is short, and its stores of 12 rows miss the cache),
-# and MobileNetV2's small ones no faster.
+# stores, the result channels-last. With numba on an AVX-512 CPU it runs every such
+# convolution with a window larger than 1x1 and no negative pads: on 2 cores of a Zen 4
+# EPYC, ResNet-50's 3x3 layers at 150-200 GF/s where OpenBLAS's GEMM on the patch rows ran
+# 60-130 (with the copies), the 7x7 stem at batch 1 2.2 -> 1.4 ms, UNet's 32-channel layers
+# 2-3x faster than the shifted GEMMs below. Elsewhere the kernels below serve. 1x1
+# convolutions stay with BLAS: in ResNet-50 at batch 8 the tiles ran them 10-30% slower
+# than OpenBLAS's GEMM (with only 64-1024 input channels a tile's loop is short, and its
+# stores of 12 rows miss the cache), and MobileNetV2 ran 1.17x slower with them.
 def _tiled_fits(x, w, group, begin, end):
     return (x.ndim == 4 and group == 1 and x.dtype == np.float32 and w.shape[2] * w.shape[3] > 1
             and min(begin) >= 0 and min(end) >= 0 and _tiles.kernel() is not None)

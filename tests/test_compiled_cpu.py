@@ -143,6 +143,27 @@ def test_split_rows_hands_out_pieces_only_where_each_has_enough_work(monkeypatch
     assert sorted(pieces) == [(0, 25), (25, 50), (50, 75), (75, 100)]  # two per thread
 
 
+
+@pytest.mark.skipif(_compiled._current_cpu is None or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs sched_getcpu and two CPUs to move between")
+def test_a_helper_woken_on_the_callers_cpu_works_on_another_and_keeps_its_cpu_set():
+    """A pool thread the scheduler woke on the caller's CPU (a loaded machine) moves off it
+    for the work, then gets its CPU set back; one woken elsewhere is left where it is."""
+    allowed = os.sched_getaffinity(0)
+    seen = []
+
+    def work(tag):
+        seen.append((tag, _compiled._current_cpu(), os.sched_getaffinity(0)))
+
+    here = _compiled._current_cpu()
+    _compiled._away_from(here, work, "same")
+    elsewhere = next(cpu for cpu in allowed if cpu != _compiled._current_cpu())
+    _compiled._away_from(elsewhere, work, "other")
+    assert os.sched_getaffinity(0) == allowed
+    (_, cpu, during), (_, _, untouched) = seen
+    assert cpu != here and here not in during and during == allowed - {here}
+    assert untouched == allowed
+
 @pytest.mark.parametrize("window", [(3, 3), (7, 5)])
 @pytest.mark.parametrize("stride, dilation, pad", [(1, 1, 1), (2, 1, 1), (1, 2, 2), (2, 1, 0)])
 def test_rows_split_among_threads_give_the_same_bits(kernel, window, stride, dilation, pad,

@@ -43,6 +43,7 @@ import os
 import threading
 from typing import Any, Sequence
 
+import numpy as np
 import threadpoolctl
 
 # log2 of the TSC cycles OpenBLAS workers spin before sleeping (OpenBLAS's default is 28)
@@ -140,6 +141,9 @@ def blas_libraries() -> tuple[_Lib, ...]:
 
 _lock = threading.Lock()
 _active = 0                    # runs in flight
+# runs in flight, read by compiled code: the kernel pool's helpers spin for the next job only
+# while it is above 0 (ember.ops._compiled)
+in_flight = np.zeros(1, np.int64)
 _saved: list[tuple[_Lib, Any]] = []  # each library's count before the first of them
 _target: int | None = None     # the count the runs in flight asked for
 
@@ -159,12 +163,14 @@ def enter(threads: int) -> None:
                 lib.set(threads)
         _target = threads
         _active += 1
+        in_flight[0] = _active
 
 
 def leave() -> None:
     global _active, _target
     with _lock:
         _active -= 1
+        in_flight[0] = _active
         if _active == 0:
             for lib, count in _saved:
                 if count is not None and count != _target:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -142,6 +143,60 @@ def test_split_rows_hands_out_pieces_only_where_each_has_enough_work(monkeypatch
     _compiled.split_rows(record, 100, ns_per_row=_compiled.MIN_PIECE_NS / 40)
     assert sorted(pieces) == [(0, 25), (25, 50), (50, 75), (75, 100)]  # two per thread
 
+
+
+def test_helpers_run_jobs_hand_errors_back_and_let_pending_ones_be_cancelled():
+    """The kernel pool: result() waits for a started job and re-raises what it raised; a
+    job still waiting is cancelled and never runs; shutdown ends the threads."""
+    helpers = _compiled._Helpers(1)
+    try:
+        started, release, ran = threading.Event(), threading.Event(), []
+
+        def slow():
+            started.set()
+            release.wait()
+            time.sleep(0.05)
+            ran.append("slow")
+
+        first = helpers.submit(slow)
+        queued = helpers.submit(ran.append, "queued")
+        assert started.wait(5)
+        assert queued.cancel() and not first.cancel()
+        release.set()
+        first.result()  # waits for the running job
+        assert ran == ["slow"]
+
+        def fail():
+            raise ValueError("from a helper")
+
+        with pytest.raises(ValueError, match="from a helper"):
+            helpers.submit(fail).result()
+    finally:
+        helpers.shutdown()
+    for thread in helpers.threads:
+        thread.join(5)
+        assert not thread.is_alive()
+    assert ran == ["slow"]  # the cancelled job never ran
+
+
+def test_compiled_wait_returns_on_a_change_on_the_end_of_runs_and_after_its_pauses():
+    """wait_while_equal: GIL released, it returns once another thread changes the value,
+    once no run is in flight, or after its pauses when it may not yield."""
+    pytest.importorskip("numba")
+    wait = _compiled.jit(_compiled.wait_while_equal)
+    flag, runs = np.zeros(1, np.int64), np.ones(1, np.int64)
+    wait(flag, 0, 1, runs, 10, -1)  # compiled; returns at once (the value differs)
+    timer = threading.Timer(0.05, lambda: flag.__setitem__(0, 1))
+    timer.start()
+    wait(flag, 0, 0, runs, 1000, -1)  # no end but the change
+    timer.join()
+    assert flag[0] == 1
+    timer = threading.Timer(0.05, lambda: runs.__setitem__(0, 0))
+    timer.start()
+    wait(flag, 0, 1, runs, 1000, -1)  # no end but the runs' end
+    timer.join()
+    runs[0] = 1
+    wait(flag, 0, 1, runs, 1000, 0)   # 1000 pauses, then no yield: it returns
 
 
 @pytest.mark.skipif(_compiled._current_cpu is None or len(os.sched_getaffinity(0)) < 2,

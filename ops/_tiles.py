@@ -35,6 +35,9 @@ it falls in or the thread that runs it; a run gives the same bits on one thread 
 from __future__ import annotations
 
 import math
+import os
+import sys
+import threading
 
 import numpy as np
 
@@ -493,14 +496,51 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
     """np.empty(shape), its data aligned to a 64-byte cache line where it is large: a vector
     load that straddles two lines costs two (numpy aligns to 16 bytes; the depthwise kernel
     ran 1.6x slower so on 56x56 and 112x112 images). Small arrays stay plain: there the
-    alignment saves less than it costs (a few us a call)."""
+    alignment saves less than it costs (a few us a call). Very large ones reuse a freed
+    buffer (`_buffer`)."""
     dtype = np.dtype(dtype)
     size = math.prod(shape) * dtype.itemsize
     if size < _ALIGN_FROM_BYTES:
         return np.empty(shape, dtype)
-    buffer = np.empty(size + 64, np.uint8)
+    buffer = _buffer(size + 64)
     skip = -buffer.__array_interface__["data"][0] % 64
     return buffer[skip:skip + size].view(dtype).reshape(shape)
+
+
+# From 32 MB, glibc maps every allocation afresh (its mmap threshold stops at 32 MB, where
+# ember.runtime.memory sets it) and unmaps it when freed, so each page faults again on its first write; with transparent huge
+# pages each fault clears 2 MB. MobileNetV2's 16 -> 96 channel layer at batch 8 (a 38 MB
+# output) spent ~5 ms a run in 211 page faults, onnxruntime none (its arena keeps memory).
+# So such buffers are kept, up to _KEEP_BUFFERS of them, and handed out again once nothing
+# refers to them (numpy views hold their base: a buffer is free when only this list does).
+KEEP_FROM_BYTES = 32 << 20
+_KEEP_BUFFERS = 4
+_kept: list[np.ndarray] = []
+_kept_lock = threading.Lock()
+
+
+def _keeping() -> bool:
+    """Off with EMBER_KEEP_MEMORY=0, as glibc's thresholds (ember.runtime.memory)."""
+    return os.environ.get("EMBER_KEEP_MEMORY", "1").lower() not in ("0", "", "false", "no")
+
+
+def _buffer(nbytes: int) -> np.ndarray:
+    """nbytes of uint8: a kept buffer no longer in use, of nbytes to 2 * nbytes, or a new
+    one (kept if large)."""
+    if nbytes < KEEP_FROM_BYTES or not _keeping():
+        return np.empty(nbytes, np.uint8)
+    with _kept_lock:
+        free = [i for i in range(len(_kept)) if sys.getrefcount(_kept[i]) == 2]  # list + arg
+        for i in free:
+            if nbytes <= _kept[i].size <= 2 * nbytes:
+                return _kept[i]
+        buffer = np.empty(nbytes, np.uint8)
+        if len(_kept) >= _KEEP_BUFFERS:
+            if not free:
+                return buffer  # all in use: this one is not kept
+            del _kept[free[0]]  # the oldest free one makes room
+        _kept.append(buffer)
+        return buffer
 
 
 _ALIGN_FROM_BYTES = 64 << 10

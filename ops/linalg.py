@@ -212,6 +212,12 @@ def _float_matmul(xp, a, b, weight: CachedPack | None = None):
         if (xp is np and a.ndim == 2 and 2 <= a.shape[0] <= 4 and b.ndim == 2
                 and b.shape[0] * b.shape[1] >= _BY_ROW_MIN_KN and _rows_faster(a, b)):
             y = _by_row(a, b)  # CPU: 2-4 rows, where one GEMV per row is faster
+        elif xp is np and a.ndim == 2 and b.ndim == 2 and (
+                a.shape[0] * b.shape[1] * a.itemsize >= _tiles.KEEP_FROM_BYTES):
+            # a product of 32 MB or more into a kept buffer (_tiles.empty): allocated afresh
+            # it page-faults at every run (ConvNeXt-T's MLP at batch 8: 211 faults each)
+            y = np.matmul(a, b, out=_tiles.empty((a.shape[0], b.shape[1]),
+                                                 np.result_type(a.dtype, b.dtype)))
         else:
             y = xp.matmul(a, b)
     return y if shape is None else y.reshape(shape)

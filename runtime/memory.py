@@ -10,7 +10,8 @@ output are 1.7 and 2 MB); UNet 128² ran 12% faster. onnxruntime keeps its memor
 for the same reason.
 
 So, when the first session is created, ember raises glibc's mmap threshold to its maximum
-(32 MiB; larger blocks are still mmap-ed) and keeps up to TRIM_THRESHOLD of free memory at the
+(32 MiB; larger blocks are still mmap-ed: the kernels' large outputs, from ops/_tiles.empty,
+reuse up to 4 such buffers once freed) and keeps up to TRIM_THRESHOLD of free memory at the
 top of the heap. The cost is memory: up to that much freed memory stays with the process. It
 is left alone where the user set glibc's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ /
 GLIBC_TUNABLES, with EMBER_KEEP_MEMORY=0, and off glibc.

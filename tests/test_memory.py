@@ -52,3 +52,57 @@ def test_the_users_own_malloc_settings_and_the_opt_out_are_left_alone():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**os.environ, **env}, check=True)
         assert out.stdout.strip() == "False"
+
+
+def test_a_large_buffer_is_handed_out_again_only_once_nothing_refers_to_it(monkeypatch):
+    """ops/_tiles.empty from 32 MB: a freed buffer is reused, one still referred to (by the
+    array or any view of it) is not, and at most _KEEP_BUFFERS are kept."""
+    from ember.ops import _tiles
+    monkeypatch.setenv("EMBER_KEEP_MEMORY", "1")
+    monkeypatch.setattr(_tiles, "_kept", [])
+    n = _tiles.KEEP_FROM_BYTES // 4 + 1024
+
+    def address(a):
+        return a.__array_interface__["data"][0]
+
+    first = _tiles.empty((n,))
+    held = address(first)
+    second = _tiles.empty((n,))
+    assert address(second) != held
+    del first
+    third = _tiles.empty((n,))
+    assert address(third) == held           # freed: handed out again
+    view = third[10:20]
+    del third
+    assert address(_tiles.empty((n,))) != held  # a view keeps it in use
+    del view
+    assert address(_tiles.empty((n // 4,))) != held  # far smaller: not this buffer
+    alive = [_tiles.empty((n,)) for _ in range(_tiles._KEEP_BUFFERS + 2)]
+    assert len(_tiles._kept) == _tiles._KEEP_BUFFERS
+    assert all(a.flags.c_contiguous and address(a) % 64 == 0 for a in alive)
+
+
+def test_a_large_output_held_by_the_user_is_not_overwritten_by_the_next_run():
+    """A MatMul whose 37.7 MB output lands in a kept buffer: the first run's output, still
+    held, keeps onnxruntime's values after a second run with other inputs."""
+    ort = pytest.importorskip("onnxruntime")
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    import ember
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 2304)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "big",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4096, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    sess = ember.load(proto.SerializeToString())
+    oracle = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    x1, x2 = (rng.standard_normal((4096, 64)).astype(np.float32) for _ in range(2))
+    y1 = sess.run({"x": x1})["y"]
+    y2 = sess.run({"x": x2})["y"]
+    assert y1.nbytes >= 32 << 20
+    np.testing.assert_allclose(y1, oracle.run(None, {"x": x1})[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(y2, oracle.run(None, {"x": x2})[0], rtol=1e-4, atol=1e-4)

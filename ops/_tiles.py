@@ -508,15 +508,25 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
 
 
 # From 32 MB, glibc maps every allocation afresh (its mmap threshold stops at 32 MB, where
-# ember.runtime.memory sets it) and unmaps it when freed, so each page faults again on its first write; with transparent huge
-# pages each fault clears 2 MB. MobileNetV2's 16 -> 96 channel layer at batch 8 (a 38 MB
-# output) spent ~5 ms a run in 211 page faults, onnxruntime none (its arena keeps memory).
-# So such buffers are kept, up to _KEEP_BUFFERS of them, and handed out again once nothing
-# refers to them (numpy views hold their base: a buffer is free when only this list does).
+# ember.runtime.memory sets it) and unmaps it when freed, so each page faults again on its
+# first write; with transparent huge pages each fault clears 2 MB. MobileNetV2's 16 -> 96
+# channel layer at batch 8 (a 38 MB output) took 211 page faults a run, and 6-44 ms where
+# it took 5-6 without them; onnxruntime's arena keeps its memory. So such buffers are kept,
+# up to _KEEP_BUFFERS of them, and handed out again once nothing refers to them (numpy views
+# hold their base: a buffer is free when only this list does).
 KEEP_FROM_BYTES = 32 << 20
 _KEEP_BUFFERS = 4
 _kept: list[np.ndarray] = []
 _kept_lock = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    global _kept_lock
+    _kept_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _keeping() -> bool:

@@ -530,8 +530,10 @@ if hasattr(os, "register_at_fork"):
 
 
 def _keeping() -> bool:
-    """Off with EMBER_KEEP_MEMORY=0, as glibc's thresholds (ember.runtime.memory)."""
-    return os.environ.get("EMBER_KEEP_MEMORY", "1").lower() not in ("0", "", "false", "no")
+    """Off with EMBER_KEEP_MEMORY=0, as glibc's thresholds (ember.runtime.memory, imported
+    here: ember.runtime imports the ops)."""
+    from ember.runtime import memory
+    return not memory.opted_out()
 
 
 def _buffer(nbytes: int) -> np.ndarray:

@@ -40,8 +40,14 @@ def keep_freed_memory() -> bool:
         return _applied
 
 
+def opted_out() -> bool:
+    """EMBER_KEEP_MEMORY=0 (or false, no, empty): keep no freed memory, here or in the kernels'
+    kept buffers (ops/_tiles.empty)."""
+    return os.environ.get("EMBER_KEEP_MEMORY", "1").lower() in ("0", "", "false", "no")
+
+
 def _apply() -> bool:
-    if os.environ.get("EMBER_KEEP_MEMORY", "1").lower() in ("0", "", "false", "no"):
+    if opted_out():
         return False
     if any(name in os.environ for name in _USER_SETTINGS):
         return False

@@ -23,7 +23,8 @@ from ember.golden import add_check_parser
 from ember.native.convert import add_convert_parser
 from ember.simplifier.cli import add_simplify_parser
 from ember.importer import import_model
-from ember.inputs import int_at_least, load_input_files, make_inputs, parse_dims, parse_pairs
+from ember.inputs import (index_bounds, int_at_least, load_input_files, make_inputs, parse_dims,
+                          parse_pairs)
 from ember.ir import Model
 from ember.runtime.backends import BACKENDS
 from ember.runtime.profiler import Profiler, summary
@@ -198,7 +199,9 @@ def _prepared(args: argparse.Namespace, **load_options) -> tuple[Session, dict, 
     t0 = time.perf_counter()
     session = load(args.model, args.backend, simplify=not args.no_simplify, **load_options)
     load_ms = (time.perf_counter() - t0) * 1e3
-    return session, make_inputs(session.inputs, files, dims=dims, seed=args.seed), load_ms
+    feeds = make_inputs(session.inputs, files, dims=dims, seed=args.seed,
+                        bounds=index_bounds(session.model.graph))
+    return session, feeds, load_ms
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -29,8 +29,8 @@ import numpy as np
 from ember.errors import EmberError, InputError
 from ember.importer import ModelSource, import_model, read_model_proto
 from ember.ir import Model, OptionalType, SequenceType
-from ember.inputs import (int_at_least, load_input_files, make_inputs, parse_dims, parse_pairs,
-                          parse_ranges)
+from ember.inputs import (index_bounds, int_at_least, load_input_files, make_inputs, parse_dims,
+                          parse_pairs, parse_ranges)
 from ember.runtime.backends import BACKENDS, resolve_backend_name
 from ember.polygraphy_json import load_inputs
 from ember.runtime.session import Session
@@ -1030,17 +1030,18 @@ def _prepare_cases(reference: Reference, ir: Model,
 
     graph = ir.graph
     declared = [_io_info(v) for v in graph.inputs if v.name not in graph.initializers]
+    bounds = index_bounds(graph)
     recorded = reference.cases(ir)
     if recorded:
         clash = sorted(set(inputs or {}) & set().union(*(set(f) for f, _ in recorded)))
         if clash:
             raise InputError(f"the recorded reference fixes input(s) {', '.join(clash)}; "
                              "drop -i/--inputs for them")
-        return [(make_inputs(declared, {**feeds, **(inputs or {})}, dims, ranges, seed), outputs)
-                for feeds, outputs in recorded]
+        return [(make_inputs(declared, {**feeds, **(inputs or {})}, dims, ranges, seed, bounds),
+                 outputs) for feeds, outputs in recorded]
     cases = []
     for given in input_sets or [{}]:
-        feeds = make_inputs(declared, {**given, **(inputs or {})}, dims, ranges, seed)
+        feeds = make_inputs(declared, {**given, **(inputs or {})}, dims, ranges, seed, bounds)
         cases.append((feeds, reference.outputs(feeds)))
     return cases
 

@@ -9,6 +9,8 @@ import numpy as np
 
 from ember import limits
 from ember.errors import InputError
+from ember.ir import Graph
+from ember.ops import registry
 from ember.runtime.session import IOInfo
 
 _NPY_MAGIC = b"\x93NUMPY"
@@ -66,16 +68,21 @@ def _reason(exc: Exception) -> str:
 def make_inputs(inputs: Sequence[IOInfo], given: Mapping[str, Any] | None = None,
                 dims: Mapping[str, int] | None = None,
                 ranges: Mapping[str, tuple[float, float]] | None = None,
-                seed: int = 0) -> dict[str, Any]:
+                seed: int = 0, bounds: Mapping[str, int] | None = None) -> dict[str, Any]:
     """Feeds for every model input: `given` ones as they are, the others random from the declared
     dtype and shape (`dims` sizes symbolic dimensions, default 1; `ranges` bounds the values:
-    integers draw from [LO, HI), floats uniformly from [LO, HI); default N(0, 1) and [0, 10))."""
+    integers draw from [LO, HI), floats uniformly from [LO, HI); default N(0, 1) and [0, 10)).
+    Integer inputs in `bounds` (index inputs: `index_bounds`) draw from [0, min(10, bound))
+    where `ranges` does not name them: a BERT's token types index a table of 2 rows."""
     given, dims, ranges = dict(given or {}), dict(dims or {}), dict(ranges or {})
     known = {i.name for i in inputs}
     unknown = sorted((set(given) | set(ranges)) - known)
     if unknown:
         raise InputError(f"unknown input name(s) {', '.join(unknown)}; the model's inputs are "
                          f"{', '.join(i.name for i in inputs) or 'none'}")
+    for name, bound in (bounds or {}).items():
+        if name in known and bound > 0:
+            ranges.setdefault(name, (0, min(_INT_HIGH, bound)))
     _check_dims(inputs, dims)
     rng = np.random.default_rng(seed)
     feeds = {}
@@ -85,6 +92,30 @@ def make_inputs(inputs: Sequence[IOInfo], given: Mapping[str, Any] | None = None
         else:
             feeds[info.name] = random_input(info, dims, ranges.get(info.name), rng)
     return feeds
+
+
+_INT_HIGH = 10  # random integers are below this by default
+
+
+def index_bounds(graph: Graph) -> dict[str, int]:
+    """Graph inputs that index into a constant (a Gather's indices into an embedding table, as
+    the op's `index_inputs` declares): name -> the size they index, the smallest where several
+    nodes use one. Subgraphs are not searched."""
+    bounds: dict[str, int] = {}
+    fed = {v.name for v in graph.inputs} - set(graph.initializers)
+    for node in graph.nodes:
+        impl = registry.lookup(node.domain, node.op_type, node.version)
+        for index, (indexed, axis_attribute, axis) in getattr(impl, "index_inputs", {}).items():
+            name = node.inputs[index] if index < len(node.inputs) else ""
+            table = graph.initializers.get(node.inputs[indexed]) \
+                if indexed < len(node.inputs) else None
+            if name not in fed or not isinstance(table, np.ndarray) or table.ndim == 0:
+                continue
+            if axis_attribute is not None:
+                axis = node.attrs.get(axis_attribute, axis)
+            if isinstance(axis, (int, np.integer)) and -table.ndim <= axis < table.ndim:
+                bounds[name] = min(bounds.get(name, table.shape[axis]), table.shape[axis])
+    return bounds
 
 
 def random_input(info: IOInfo, dims: Mapping[str, int], value_range: tuple[float, float] | None,
@@ -107,7 +138,7 @@ def random_input(info: IOInfo, dims: Mapping[str, int], value_range: tuple[float
     if dtype == object:
         return np.array(rng.choice(["a", "b", "c"], size=shape), dtype=object)
     if dtype.kind in "iu":
-        lo, hi = value_range or (0, 10)
+        lo, hi = value_range or (0, _INT_HIGH)
         return rng.integers(int(lo), int(hi), size=shape).astype(dtype)
     if value_range is not None:
         return rng.uniform(value_range[0], value_range[1], size=shape).astype(dtype)

@@ -405,6 +405,7 @@ class EmbedLayerNormalization(OpImpl):
     sum before normalisation. Any out-of-range id is an error, as in onnxruntime."""
 
     defaults = {"epsilon": 1e-12, "mask_index_type": 1}
+    index_inputs = {0: (2, None, 0), 1: (4, None, 0), 8: (3, None, 0)}  # rows of the tables
 
     def _gather(self, table, ids, what: str):
         xp = self.xp

@@ -106,6 +106,8 @@ def _scatter_reduce(xp, ufunc, out, index: tuple, updates):
 
 @register("Gather", versions=[1, 11, 13])
 class Gather(OpImpl):
+    index_inputs = {1: (0, "axis", 0)}
+
     def run(self, data, indices):
         xp = self.xp
         axis = _norm_axis(self, self.axis, data.ndim)
@@ -115,6 +117,8 @@ class Gather(OpImpl):
 
 @register("GatherElements", versions=[11, 13])
 class GatherElements(OpImpl):
+    index_inputs = {1: (0, "axis", 0)}
+
     def run(self, data, indices):
         axis = _norm_axis(self, self.axis, data.ndim)
         if indices.ndim != data.ndim:

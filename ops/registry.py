@@ -52,13 +52,17 @@ class OpImpl:
     _reserved = frozenset({"run", "setup", "node", "n_inputs", "n_outputs", "domain", "op_type",
                            "versions", "backend", "version", "attrs", "dtypes", "host_inputs",
                            "run_on_cpu", "fail", "refuses", "device", "xp",
-                           "shape_inputs", "defaults", "constant_inputs"})
+                           "shape_inputs", "defaults", "constant_inputs", "index_inputs"})
     # Attribute defaults of ops that have no ONNX schema (com.microsoft contrib ops), as the
     # op's documentation gives them; ops with a schema take its defaults.
     defaults: dict[str, Any] = {}
     # Indices of inputs that are shape data (shapes, axes, pads, repeats, k...): small host
     # arrays that a device kernel running this op's array code keeps on the host.
     shape_inputs: tuple[int, ...] = ()
+    # Inputs that index into another input (a Gather's indices into its data): {index input:
+    # (indexed input, axis attribute or None, default axis)}. Random feeds for a check draw
+    # such indices within the size they index (ember.inputs.index_bounds).
+    index_inputs: dict[int, tuple[int, str | None, int]] = {}
     # Device kernels only: dtypes run natively (None: all), and indices of inputs the kernel
     # wants as host numpy arrays (shapes, axes, pads...) rather than device arrays.
     dtypes: frozenset | None = None

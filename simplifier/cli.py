@@ -97,13 +97,14 @@ def _check_arguments(args: argparse.Namespace) -> tuple[str, dict]:
 def _check_outputs(original: Model, simplified: Model, args: argparse.Namespace) -> int:
     """--check: both models on `args.check` random input sets (ember's CPU backend, the
     original as imported); 1 when an output differs past the tolerances, else 0."""
-    from ember.inputs import make_inputs, parse_dims
+    from ember.inputs import index_bounds, make_inputs, parse_dims
     from ember.runtime.session import Session
 
     plain, fused = Session(original), Session(simplified)
     worst = 0.0
     for i in range(args.check):
-        feeds = make_inputs(plain.inputs, dims=parse_dims(args.dim), seed=args.seed + i)
+        feeds = make_inputs(plain.inputs, dims=parse_dims(args.dim), seed=args.seed + i,
+                            bounds=index_bounds(original.graph))
         want, got = plain.run(feeds), fused.run(feeds)
         for name, expected in want.items():
             if not isinstance(expected, np.ndarray) or not expected.size:
@@ -138,12 +139,13 @@ def op_count_table(before: dict[str, int], after: dict[str, int]) -> str:
 
 
 def _difference_line(original: Model, simplified: Model, args: argparse.Namespace) -> str:
-    from ember.inputs import make_inputs, parse_dims
+    from ember.inputs import index_bounds, make_inputs, parse_dims
     from ember.runtime.session import Session
 
     try:
         plain, fused = Session(original), Session(simplified)
-        feeds = make_inputs(plain.inputs, dims=parse_dims(args.dim), seed=args.seed)
+        feeds = make_inputs(plain.inputs, dims=parse_dims(args.dim), seed=args.seed,
+                            bounds=index_bounds(original.graph))
         want, got = plain.run(feeds), fused.run(feeds)
     except (EmberError, ValueError) as exc:
         return f"outputs not compared on random inputs: {exc}"

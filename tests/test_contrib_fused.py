@@ -249,6 +249,24 @@ def test_embed_layer_normalization_outputs(backend):
     assert_close(ember_run(model, feeds, backend)["y"], full["y"])
 
 
+def test_embed_layer_normalization_random_ids_fit_the_tables():
+    """The ids a check draws for a fused BERT's embeddings index inside its tables (30 words,
+    2 segments, 12 positions): onnxruntime runs them."""
+    from ember.importer import import_model
+    from ember.inputs import index_bounds, make_inputs
+    from ember.runtime.session import Session
+
+    inputs = embed_inputs(2, 5, 8, np.float32, position_ids=np.zeros((1, 5), np.int32))
+    model, _ = node_model("EmbedLayerNormalization", inputs, ["y", "mask_index"],
+                          inits=("word", "position", "segment", "gamma", "beta"))
+    graph = import_model(model).graph
+    assert index_bounds(graph) == {"input_ids": 30, "segment_ids": 2, "position_ids": 12}
+    feeds = make_inputs(Session(import_model(model)).inputs, seed=3,
+                        bounds=index_bounds(graph))
+    assert feeds["segment_ids"].max() == 1 and 1 < feeds["input_ids"].max() < 10
+    assert_close(ember_run(model, feeds)["y"], ort_run(model, feeds)["y"], 1e-4)
+
+
 def test_embed_layer_normalization_rejects_bad_ids():
     for bad in ("input_ids", "position_ids"):
         inputs = embed_inputs(2, 5, 8, np.float32,

@@ -298,6 +298,47 @@ def test_integer_inputs_take_ranges(tmp_path):
     np.testing.assert_array_equal(emb, table[ids])
 
 
+def _bert_like_embeddings(path) -> str:
+    """A BERT's embeddings: word ids into 50 rows, token types into 2 (axis 0), and position
+    ids into the 3 columns of a transposed table (a Gather on axis 1)."""
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["words", "ids"], ["w"]),
+         helper.make_node("Gather", ["types", "token_type_ids"], ["t"]),
+         helper.make_node("Gather", ["positions_t", "pos"], ["p_t"], axis=1),
+         helper.make_node("Transpose", ["p_t"], ["p"], perm=[1, 2, 0]),
+         helper.make_node("Add", ["w", "t"], ["wt"]),
+         helper.make_node("Add", ["wt", "p"], ["emb"])], "embeddings",
+        [helper.make_tensor_value_info(n, TensorProto.INT64, ["b", 16])
+         for n in ("ids", "token_type_ids", "pos")],
+        [helper.make_tensor_value_info("emb", TensorProto.FLOAT, ["b", 16, 8])],
+        [numpy_helper.from_array(rng.standard_normal((50, 8)).astype(np.float32), "words"),
+         numpy_helper.from_array(rng.standard_normal((2, 8)).astype(np.float32), "types"),
+         numpy_helper.from_array(rng.standard_normal((8, 3)).astype(np.float32),
+                                 "positions_t")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return str(path)
+
+
+def test_index_inputs_stay_inside_their_tables(tmp_path):
+    """Random token types and positions stay inside their tables without --range (the default,
+    [0, 10), made onnxruntime refuse a BERT's token types before); word ids keep it."""
+    from ember.inputs import index_bounds
+    path = _bert_like_embeddings(tmp_path / "emb.onnx")
+    assert index_bounds(import_model(path).graph) == {"ids": 50, "token_type_ids": 2, "pos": 3}
+    save = tmp_path / "g.npz"
+    assert cli_main(["check", path, "--ref", "onnxruntime", "--dim", "b=64",
+                     "--save-golden", str(save)]) == 0
+    with np.load(save) as data:
+        feeds = {k[6:]: v for k, v in data.items() if k.startswith("input:")}
+    assert set(np.unique(feeds["token_type_ids"])) == {0, 1}
+    assert set(np.unique(feeds["pos"])) == {0, 1, 2}
+    assert feeds["ids"].min() >= 0 and feeds["ids"].max() == 9   # the default range
+    # a range given on the command line wins: token types of 2 are off the table, and the
+    # reference refuses them (exit 2)
+    assert cli_main(["check", path, "--ref", "onnx", "--range", "token_type_ids=2,3"]) == 2
+
+
 # -- comparing values (hand-computed expectations) --------------------------------------------
 
 def test_compare_elementwise_statistics():

@@ -2,6 +2,7 @@
 shapes (shared by `ember run`, `ember check` and `ember simplify`)."""
 from __future__ import annotations
 
+import re
 import zipfile
 from typing import Any, Mapping, Sequence
 
@@ -118,14 +119,68 @@ def index_bounds(graph: Graph) -> dict[str, int]:
     return bounds
 
 
+def dim_size(dim: Any, dims: Mapping[str, int]) -> int:
+    """The size of a declared dimension for random inputs: a fixed one as it is; a symbolic
+    one from `dims` (default 1); an expression of symbols, as exporters name a dimension that
+    grows from another ("past + 1", "2*seq"), from the sizes of its symbols, so that a
+    decoder's mask is one longer than its cache. Anything else unknown is 1."""
+    if isinstance(dim, int) and not isinstance(dim, bool):
+        return dim if dim > 0 else 1
+    if not isinstance(dim, str):
+        return 1
+    if dim in dims:
+        return int(dims[dim])
+    value = _dim_expression(dim, dims)
+    return value if value is not None and value >= 0 else 1
+
+
+_DIM_TOKEN = re.compile(r"\s*(?:(\d{1,9})|([A-Za-z_][A-Za-z0-9_]*)|([-+*]))")
+_DIM_MAX = 1 << 62  # beyond this an expression is no size (and its arithmetic stays cheap)
+
+
+def _dim_expression(text: str, dims: Mapping[str, int]) -> int | None:
+    """A sum of products of symbols and integers ("past + 1", "2*seq - 1"), or None where
+    `text` is not one (a plain symbol included): parsed, never evaluated as code."""
+    tokens, at, end = [], 0, len(text.rstrip())
+    while at < end:
+        match = _DIM_TOKEN.match(text, at)
+        if match is None:
+            return None
+        tokens.append(match.groups())
+        at = match.end()
+    if len(tokens) < 3 or len(tokens) % 2 == 0:
+        return None  # a symbol or a number alone is no expression; nor is "a +"
+    total, sign, term = 0, 1, 1
+    for k, (number, name, operator) in enumerate(tokens):
+        if k % 2 == 0:                         # an operand
+            if operator is not None:
+                return None
+            term *= int(number) if number is not None else int(dims.get(name, 1))
+        elif operator is None:                 # two operands in a row
+            return None
+        elif operator != "*":
+            total, sign, term = total + sign * term, 1 if operator == "+" else -1, 1
+        if abs(term) > _DIM_MAX or abs(total) > _DIM_MAX:
+            return None
+    return total + sign * term
+
+
+def dim_symbols(dim: Any) -> set[str]:
+    """The symbols a declared dimension names: itself, or those of its expression."""
+    if not isinstance(dim, str) or not dim:
+        return set()
+    if _dim_expression(dim, {}) is None:
+        return {dim}
+    return {dim} | set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", dim))
+
+
 def random_input(info: IOInfo, dims: Mapping[str, int], value_range: tuple[float, float] | None,
                  rng: np.random.Generator) -> np.ndarray:
     """A random array of an input's declared dtype and shape."""
     if info.dtype is None or info.shape is None:
         raise InputError(f"input '{info.name}' ({info.type}) declares no tensor type and shape; "
                          "feed it with -i NAME=FILE.npy or --inputs FILE.npz")
-    shape = [d if isinstance(d, int) and d > 0 else int(dims.get(d, 1)) if isinstance(d, str)
-             else 1 for d in info.shape]
+    shape = [dim_size(d, dims) for d in info.shape]
     dtype = np.dtype(info.dtype)
     nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
     if nbytes > limits.current():
@@ -169,7 +224,7 @@ def parse_dims(items: Sequence[str]) -> dict[str, int]:
 def _check_dims(inputs: Sequence[IOInfo], dims: Mapping[str, int]) -> None:
     """Every --dim names a symbolic dimension of the model's inputs (a typo would otherwise
     silently leave that dimension at 1)."""
-    symbolic = sorted({d for i in inputs for d in (i.shape or ()) if isinstance(d, str) and d})
+    symbolic = sorted({s for i in inputs for d in (i.shape or ()) for s in dim_symbols(d)})
     unknown = sorted(set(dims) - set(symbolic))
     if unknown:
         has = (f"its symbolic dimensions are {', '.join(symbolic)}" if symbolic

@@ -339,6 +339,34 @@ def test_index_inputs_stay_inside_their_tables(tmp_path):
     assert cli_main(["check", path, "--ref", "onnx", "--range", "token_type_ids=2,3"]) == 2
 
 
+def test_dimension_expressions_size_random_inputs(tmp_path):
+    """A decoder step's mask is declared [batch, past + 1] (as torch.onnx names it) beside a
+    cache of [batch, past, 4]: random inputs give it past + 1 columns, so the mask fits the
+    cache with the new step appended (with every symbolic dim at 1 both were 1 before)."""
+    from ember.inputs import dim_size
+    graph = helper.make_graph(
+        [helper.make_node("Concat", ["past", "new"], ["present"], axis=1),
+         helper.make_node("Cast", ["mask"], ["maskf"], to=TensorProto.FLOAT),
+         helper.make_node("Unsqueeze", ["maskf", "last"], ["mask3"]),
+         helper.make_node("Mul", ["present", "mask3"], ["y"])], "step",
+        [helper.make_tensor_value_info("past", TensorProto.FLOAT, ["batch", "past", 4]),
+         helper.make_tensor_value_info("new", TensorProto.FLOAT, ["batch", 1, 4]),
+         helper.make_tensor_value_info("mask", TensorProto.INT64, ["batch", "past + 1"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "past + 1", 4])],
+        [numpy_helper.from_array(np.array([2], np.int64), "last")])
+    path = str(tmp_path / "step.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    save = tmp_path / "g.npz"
+    assert cli_main(["check", path, "--ref", "onnxruntime", "--dim", "past=6", "--dim", "batch=2",
+                     "--save-golden", str(save)]) == 0
+    with np.load(save) as data:
+        assert data["input:mask"].shape == (2, 7) and data["output:y"].shape == (2, 7, 4)
+    assert cli_main(["check", path, "--ref", "onnxruntime"]) == 0    # past 1, mask 2
+    assert [dim_size(d, {"seq": 5}) for d in ("2*seq - 1", "seq", "other", 3)] == [9, 5, 1, 3]
+    # a dimension name is parsed, never run: anything but sums of products is a plain symbol
+    assert dim_size("__import__('os').getpid()", {}) == 1
+
+
 # -- comparing values (hand-computed expectations) --------------------------------------------
 
 def test_compare_elementwise_statistics():

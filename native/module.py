@@ -334,10 +334,29 @@ class Module:
     def forward(self, *inputs: Any) -> Any:  # pragma: no cover - subclasses define it
         raise NotImplementedError
 
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, /, *inputs: Any, **named: Any) -> Any:
+        """forward on the inputs: positional, in `input_names` order, and/or by their ONNX
+        names as a session's feeds are (`m(**feeds)`, `m(x, attention_mask=mask)`)."""
+        if named:
+            inputs = self._positional(inputs, named)
         if self.input_types:
             inputs = self.check_inputs(inputs)
         return self.forward(*inputs)
+
+    def _positional(self, inputs: Sequence[Any], named: Mapping[str, Any]) -> tuple[Any, ...]:
+        names = self.input_names
+        unknown = [n for n in named if n not in names]
+        if unknown:
+            raise InputError(f"unknown input name(s) {', '.join(map(repr, unknown))}; "
+                             f"{type(self).__name__}'s inputs are {', '.join(names) or 'none'}")
+        twice = [n for n in names[:len(inputs)] if n in named]
+        if twice:
+            raise InputError(f"input(s) {', '.join(map(repr, twice))} given both by position "
+                             "and by name")
+        missing = [n for n in names[len(inputs):] if n not in named]
+        if missing:
+            raise InputError(f"missing input(s) {', '.join(map(repr, missing))}")
+        return tuple(inputs) + tuple(named[n] for n in names[len(inputs):])
 
     def check_inputs(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
         """The positional inputs checked against `input_types` as `Session.run` checks feeds

@@ -318,6 +318,16 @@ def test_module_checks_feeds_as_session_run(tmp_path):
     both_refuse(tokens, mask[:1])  # and 'batch'
     with pytest.raises(ember.InputError, match="takes 2 input"):
         m(tokens)
+    # by name, as a session's feeds: the same bits as by position
+    out = as_list(m(tokens, mask), 1)[0]
+    assert identical(out, as_list(m(**{"tokens": tokens, "mask": mask}), 1)[0]) is None
+    assert identical(out, as_list(m(tokens, mask=mask), 1)[0]) is None
+    with pytest.raises(ember.InputError, match="unknown input name.*'masks'"):
+        m(tokens, masks=mask)
+    with pytest.raises(ember.InputError, match="'tokens' given both"):
+        m(tokens, tokens=tokens, mask=mask)
+    with pytest.raises(ember.InputError, match="missing input.*'mask'"):
+        m(tokens=tokens)
     mlp = convert_and_import(os.path.join(REPO, "models", "mlp.onnx"), tmp_path / "mlp").Model()
     listed = [[0.5, -1.0, 2.0, 0.0]]  # a nested list is converted as Session.run converts it
     want = ember.load(os.path.join(REPO, "models", "mlp.onnx"), simplify=False).run({"x": listed})

@@ -3,7 +3,8 @@ CausalConvWithState.
 
 Every convolution is N-D (1-D, 2-D, 3-D, ...) and reduces to one of three kernels:
 
-* pointwise (1x1, no padding): a plain matmul of the weights with the (strided) input;
+* pointwise (1x1, no padding): a plain matmul of the weights with the (strided) input (on
+  the CPU, for one image with a large product, the register tiles below);
 * im2col: a strided window view of the padded input copied once into the patch matrix, then a
   single GEMM (groups: one batched GEMM). The bias rides along as an extra weight column
   matched by a row of ones, so the GEMM writes the final result;
@@ -628,13 +629,35 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
 # convolution with a window larger than 1x1 and no negative pads: on 2 cores of a Zen 4
 # EPYC, ResNet-50's 3x3 layers at 150-200 GF/s where OpenBLAS's GEMM on the patch rows ran
 # 60-130 (with the copies), the 7x7 stem at batch 1 2.2 -> 1.4 ms, UNet's 32-channel layers
-# 2-3x faster than the shifted GEMMs below. Elsewhere the kernels below serve. 1x1
+# 2-3x faster than the shifted GEMMs below. Elsewhere the kernels below serve. Most 1x1
 # convolutions stay with BLAS: in ResNet-50 at batch 8 the tiles ran them 10-30% slower
 # than OpenBLAS's GEMM (with only 64-1024 input channels a tile's loop is short, and its
-# stores of 12 rows miss the cache), and MobileNetV2 ran 1.17x slower with them.
+# stores of 12 rows miss the cache), and MobileNetV2 ran 1.17x slower with them; but see
+# `_pointwise_tiles_fit` for one image.
 def _tiled_fits(x, w, group, begin, end):
-    return (x.ndim == 4 and group == 1 and x.dtype == np.float32 and w.shape[2] * w.shape[3] > 1
+    return (x.ndim == 4 and group == 1 and x.dtype == np.float32
+            and (w.shape[2] * w.shape[3] > 1 or _pointwise_tiles_fit(x, w))
             and min(begin) >= 0 and min(end) >= 0 and _tiles.kernel() is not None)
+
+
+# 1x1 convolutions of one image run as tiles too where the product is large and the input
+# channels mid-sized. There the tiles take about the time of OpenBLAS's GEMM plus the
+# epilogue's pass (ResNet-50's 1x1 layers, standalone: 0.82-0.98x), and, on ember's pool,
+# they keep it beside a busy process, where OpenBLAS's own workers end up sharing a core with
+# it: ResNet-50 b1 beside a nice-19 spin process, paired runs, 0.84x (interquartile range
+# 0.81-0.95, 16 rounds); alone 1.01x and 0.99x (two runs of 20 rounds).
+# Elsewhere BLAS stays: 16-32 channels (MobileNetV2's) run 1.9-2.5x slower as tiles, 1024 and
+# more 1.1-1.2x, the smaller products of MobileNetV2's 7x7 and 14x14 layers 1.02-1.06x; a
+# batch keeps BLAS's blocking.
+_POINTWISE_TILE_CHANNELS = (64, 1024)   # input channels, [lo, hi)
+_POINTWISE_TILE_MIN_MACS = 1 << 24      # input pixels x input x output channels
+
+
+def _pointwise_tiles_fit(x, w):
+    lo, hi = _POINTWISE_TILE_CHANNELS
+    C, M = x.shape[1], w.shape[0]
+    return (x.shape[0] == 1 and w.shape[2] * w.shape[3] == 1 and lo <= C < hi
+            and x.shape[2] * x.shape[3] * C * M >= _POINTWISE_TILE_MIN_MACS)
 
 
 def _conv_tiled(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp):

@@ -1001,7 +1001,10 @@ TILE_CASES = [  # batch, channels in, size, channels out, kernel, strides, dilat
     (2, 40, 10, 33, [1, 1], [2, 2], [1, 1], [0, 0, 0, 0]),    # 1x1 strided
     (1, 32, 6, 64, [1, 1], [1, 1], [1, 1], [1, 0, 0, 1]),     # 1x1 padded
     (1, 8, 2, 5, [3, 3], [1, 1], [1, 1], [1, 1, 1, 1]),       # fewer pixels than a tile
+    (1, 64, 56, 256, [1, 1], [1, 1], [1, 1], [0, 0, 0, 0]),   # ResNet-50's 1x1: tiles too
+    (1, 128, 28, 208, [1, 1], [2, 2], [1, 1], [0, 0, 0, 0]),  # and strided, 16 channels left
 ]
+POINTWISE_AS_TILES = {(1, 64, 56, 256), (1, 128, 28, 208)}  # the 1x1 cases `_tiled_fits` takes
 
 
 def _tiles_or_skip():
@@ -1090,7 +1093,8 @@ def test_conv_matches_onnxruntime_as_tiles_and_on_numpy(tiles, case, activation,
 
 def test_tiles_run_the_convolutions_they_fit(monkeypatch):
     """The tiles do run where `_tiled_fits` says (a spy on the compiled kernel): every
-    window but 1x1, which stays with BLAS."""
+    window but 1x1, and the 1x1 convolutions of one image with 64-1023 input channels and a
+    large product (ResNet-50's); BLAS keeps the other 1x1 ones."""
     compiled = _tiles_or_skip()
     calls = []
     monkeypatch.setitem(_compiled._compiled, _tiles.conv_tiles_loops,
@@ -1099,7 +1103,14 @@ def test_tiles_run_the_convolutions_they_fit(monkeypatch):
         proto, feeds = _conv_model(case, "relu", False)
         calls.clear()
         ember.load(proto).run(feeds)
-        assert bool(calls) == (case[4] != [1, 1]), case
+        assert bool(calls) == (case[4] != [1, 1] or case[:4] in POINTWISE_AS_TILES), case
+    one_by_one = np.ones((256, 64, 1, 1), np.float32)   # 56x56 images: 51M multiply-adds
+    for x_shape, fits in [((1, 64, 56, 56), True), ((2, 64, 56, 56), False),  # a batch: BLAS
+                          ((1, 64, 28, 28), False),                          # 12.8M: BLAS
+                          ((1, 63, 56, 56), False), ((1, 1024, 56, 56), False)]:
+        x = np.ones(x_shape, np.float32)
+        w = one_by_one if x_shape[1] == 64 else np.ones((256, x_shape[1], 1, 1), np.float32)
+        assert conv._tiled_fits(x, w, 1, [0, 0], [0, 0]) == fits, x_shape
     monkeypatch.setattr(_tiles, "_wide_vectors", False)   # a CPU without AVX-512: BLAS
     assert _tiles.kernel() is None
     assert not conv._tiled_fits(np.ones((1, 8, 5, 5), np.float32),

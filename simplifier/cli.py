@@ -101,10 +101,10 @@ def _check_outputs(original: Model, simplified: Model, args: argparse.Namespace)
     from ember.runtime.session import Session
 
     plain, fused = Session(original), Session(simplified)
+    dims, bounds = parse_dims(args.dim), index_bounds(original.graph)
     worst = 0.0
     for i in range(args.check):
-        feeds = make_inputs(plain.inputs, dims=parse_dims(args.dim), seed=args.seed + i,
-                            bounds=index_bounds(original.graph))
+        feeds = make_inputs(plain.inputs, dims=dims, seed=args.seed + i, bounds=bounds)
         want, got = plain.run(feeds), fused.run(feeds)
         for name, expected in want.items():
             if not isinstance(expected, np.ndarray) or not expected.size:

@@ -5,11 +5,12 @@ bfloat16) are multiplied in float32 and cast back. Integer products of 8-bit ope
 float64 BLAS, which is exact for them (|a*b| < 2**16, so sums stay exact below 2**53), then are
 wrapped to int32 as the spec allows.
 
-On the CPU, products of 2-16 rows by a large constant weight run as register tiles over the
-weight packed once (`_tiled_product`, numba on an AVX-512 CPU); elsewhere, products of 2-4
-rows run as one GEMV per row where that was measured faster (`_rows_faster`), and products
-of 4-12 rows by a large constant weight as dot products with the rows of its transpose
-(`_dot_columns`, numba); BLAS's thread count is the session's (ember.runtime.threads).
+On the CPU, products of 2-512 rows by a large constant weight (K at most 1536 from 17 rows)
+run as register tiles over the weight packed once (`_tiled_product`, numba on an AVX-512
+CPU); elsewhere, products of 2-4 rows run as one GEMV per row where that was measured
+faster (`_rows_faster`), and products of 4-12 rows by a large constant weight as dot
+products with the rows of its transpose (`_dot_columns`, numba); BLAS's thread count is
+the session's (ember.runtime.threads).
 """
 from __future__ import annotations
 
@@ -168,8 +169,19 @@ def _dot_columns(a, b, weight: CachedPack):
 # 5.0 ms, 8 x 768 x 3072 1.2 -> 0.2-0.7 ms, 8 x 3072 x 768 1.5 -> 0.7 ms, 4 and 12 rows
 # 1.5-1.8x faster; warm, against OpenBLAS: 2-4 rows 1.0-3.6x faster (N >= 2304; even
 # where N = 768), 16 rows 0.9-1.7x. One row stays a GEMV (BLAS's is 2-4x faster than a
-# tile that computes 4 rows for 1), and from 17 rows up BLAS's blocking wins.
-_TILE_ROWS = range(2, 17)
+# tile that computes 4 rows for 1).
+# A transformer's projections at batch 1 (17-512 rows: tokens) run as tiles too where K is
+# at most 1536: warm, 2 cores, against OpenBLAS, 0.69-0.95x (BERT's 128 x 768 x 768 0.75-
+# 0.81x, 128 x 768 x 3072 0.80-0.89x, ViT-S's 197 x 1536 x 384 0.69x; one core 0.83-0.95x);
+# with K of 2048 or 3072 (an MLP's second product) the weights no longer stay in cache
+# between tiles and they ran 1.1-1.5x slower on 2 cores; from ~400 rows (a batch) it is
+# about even (1576 x 384 x 1152 1.02-1.04x) and BLAS keeps them. In models at batch 1,
+# paired runs: BERT-small 0.96x, BERT-base 0.95x, DistilBERT 0.97x, GPT-2 0.92x, ViT-S
+# 0.94x. The cost is the packed copy kept beside each such weight: BERT-base's resident
+# memory after its first runs 607 -> 860 MB (onnxruntime: 564). Read in place instead,
+# the weights' rows N values apart (a page apart), the tiles ran 1.1-3.6x slower.
+_TILE_ROWS = range(2, 513)
+_TILE_MAX_K_FROM_17_ROWS = 1536
 _TILE_MIN_KN = 1 << 18
 
 
@@ -179,7 +191,7 @@ def _tiled_product(a, b, weight: CachedPack):
     m, k = a.shape
     n = b.shape[1]
     if m not in _TILE_ROWS or k * n < _TILE_MIN_KN or a.dtype != np.float32 \
-            or b.dtype != np.float32:
+            or b.dtype != np.float32 or (m > 16 and k > _TILE_MAX_K_FROM_17_ROWS):
         return None
     kernel = _tiles.kernel()
     if kernel is None:
@@ -204,7 +216,7 @@ def _float_matmul(xp, a, b, weight: CachedPack | None = None):
         a = a.reshape(-1, a.shape[-1])
     y = None
     if weight is not None and xp is np and a.ndim == 2 and b.ndim == 2:
-        # CPU: 2-16 rows by a large constant weight
+        # CPU: 2-512 rows by a large constant weight
         y = _tiled_product(a, b, weight)
         if y is None:
             y = _dot_columns(a, b, weight)

@@ -931,13 +931,16 @@ def few_rows(request, monkeypatch) -> tuple[range, list]:
 
 
 @pytest.mark.parametrize("rows, k, n", [(2, 768, 1367), (4, 768, 1367), (5, 2048, 513),
-                                        (8, 768, 3072), (12, 1024, 1025), (16, 512, 777)])
+                                        (8, 768, 3072), (12, 1024, 1025), (16, 512, 777),
+                                        (45, 1536, 257), (128, 512, 520)])
 def test_few_rows_by_a_constant_weight_match_onnxruntime(rows, k, n, few_rows):
-    """Few rows by a large constant weight (2-16 as tiles, 4-12 as dot products; odd column
-    counts included), plain and fused with bias and GELU; within 1e-6 of sum_k |x_k| |w_kn|
-    of the float64 product, and close to onnxruntime."""
+    """Few rows by a large constant weight (2-512 as tiles, K at most 1536 from 17 rows; 4-12
+    as dot products; odd row and column counts included), plain and fused with bias and
+    GELU; within 1e-6 of sum_k |x_k| |w_kn| of the float64 product, and close to
+    onnxruntime."""
     kernel_rows, taken = few_rows
-    if rows not in kernel_rows:
+    tiles = kernel_rows is linalg._TILE_ROWS
+    if not (2 <= rows <= 512 if tiles else rows in kernel_rows):
         pytest.skip("not a row count this kernel takes")
     proto, w = _decoder_mlp(rows, k, n)
     x = np.random.default_rng(7).standard_normal((rows, 1, k)).astype(np.float32)
@@ -948,6 +951,23 @@ def test_few_rows_by_a_constant_weight_match_onnxruntime(rows, k, n, few_rows):
     exact = x.astype(np.float64) @ w
     scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
     assert np.all(np.abs(got["y"] - exact) <= 1e-6 * scale)
+    want = ort.InferenceSession(proto, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(got["y"], want[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["g"], want[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, k", [(17, 1537), (513, 512)])
+def test_tiles_leave_long_products_and_batches_to_blas(rows, k, few_rows):
+    """From 17 rows, a K above 1536 (the weights no longer stay in cache between tiles), and
+    from 513 rows (a batch of tokens) the products stay with BLAS; the results still match
+    onnxruntime."""
+    kernel_rows, taken = few_rows
+    if kernel_rows is not linalg._TILE_ROWS:
+        pytest.skip("the tiles' rule")
+    proto, _ = _decoder_mlp(rows, k, 512)
+    x = np.random.default_rng(6).standard_normal((rows, 1, k)).astype(np.float32)
+    got = ember.load(proto).run({"x": x})
+    assert taken == []
     want = ort.InferenceSession(proto, providers=["CPUExecutionProvider"]).run(None, {"x": x})
     np.testing.assert_allclose(got["y"], want[0], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(got["g"], want[1], rtol=1e-4, atol=1e-5)

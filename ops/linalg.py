@@ -164,7 +164,7 @@ def _dot_columns(a, b, weight: CachedPack):
 
 # The same few rows by a large constant weight as register tiles (ops/_tiles.py; AVX-512):
 # the weight packed once in blocks of 32 columns, each block's K x 32 values read in order
-# and multiplied with 4 rows at a time in vector registers. Measured on 2 cores (Zen 4),
+# and multiplied with 12 rows at a time (4 for the last few) in vector registers. Measured on 2 cores (Zen 4),
 # weight from memory, against the dot products above: GPT-2's LM head at 8 rows 11.2 ->
 # 5.0 ms, 8 x 768 x 3072 1.2 -> 0.2-0.7 ms, 8 x 3072 x 768 1.5 -> 0.7 ms, 4 and 12 rows
 # 1.5-1.8x faster; warm, against OpenBLAS: 2-4 rows 1.0-3.6x faster (N >= 2304; even
@@ -178,8 +178,9 @@ def _dot_columns(a, b, weight: CachedPack):
 # about even (1576 x 384 x 1152 1.02-1.04x) and BLAS keeps them. In models at batch 1,
 # paired runs: BERT-small 0.96x, BERT-base 0.95x, DistilBERT 0.97x, GPT-2 0.92x, ViT-S
 # 0.94x. The cost is the packed copy kept beside each such weight: BERT-base's resident
-# memory after its first runs 607 -> 860 MB (onnxruntime: 564). Read in place instead,
-# the weights' rows N values apart (a page apart), the tiles ran 1.1-3.6x slower.
+# memory after its first runs 607 -> 860 MB (onnxruntime: 564). Tried: the weights read in
+# place (rows N values apart) 1.1-3.6x slower; K > 1536 cut into 2-4 products of shorter K,
+# summed, 1.2-1.6x slower than BLAS.
 _TILE_ROWS = range(2, 513)
 _TILE_MAX_K_FROM_17_ROWS = 1536
 _TILE_MIN_KN = 1 << 18

@@ -164,10 +164,10 @@ def _dot_columns(a, b, weight: CachedPack):
 
 # The same few rows by a large constant weight as register tiles (ops/_tiles.py; AVX-512):
 # the weight packed once in blocks of 32 columns, each block's K x 32 values read in order
-# and multiplied with 12 rows at a time (4 for the last few) in vector registers. Measured on 2 cores (Zen 4),
-# weight from memory, against the dot products above: GPT-2's LM head at 8 rows 11.2 ->
-# 5.0 ms, 8 x 768 x 3072 1.2 -> 0.2-0.7 ms, 8 x 3072 x 768 1.5 -> 0.7 ms, 4 and 12 rows
-# 1.5-1.8x faster; warm, against OpenBLAS: 2-4 rows 1.0-3.6x faster (N >= 2304; even
+# and multiplied with 12 rows at a time (4 for the last few) in vector registers. Measured
+# on 2 cores (Zen 4), weight from memory, against the dot products above: GPT-2's LM head
+# at 8 rows 11.2 -> 5.0 ms, 8 x 768 x 3072 1.2 -> 0.2-0.7 ms, 8 x 3072 x 768 1.5 -> 0.7 ms,
+# 4 and 12 rows 1.5-1.8x faster; warm, against OpenBLAS: 2-4 rows 1.0-3.6x faster (N >= 2304; even
 # where N = 768), 16 rows 0.9-1.7x. One row stays a GEMV (BLAS's is 2-4x faster than a
 # tile that computes 4 rows for 1).
 # A transformer's projections at batch 1 (17-512 rows: tokens) run as tiles too where K is

@@ -182,7 +182,8 @@ def _dot_columns(a, b, weight: CachedPack):
 # place (rows N values apart) 1.1-3.6x slower; K > 1536 cut into 2-4 products of shorter K,
 # summed, 1.2-1.6x slower than BLAS.
 _TILE_ROWS = range(2, 513)
-_TILE_MAX_K_FROM_17_ROWS = 1536
+_TILE_ANY_K_ROWS = range(2, 17)   # a decoder step: any K; more rows, at most _TILE_MAX_K
+_TILE_MAX_K = 1536
 _TILE_MIN_KN = 1 << 18
 
 
@@ -192,7 +193,7 @@ def _tiled_product(a, b, weight: CachedPack):
     m, k = a.shape
     n = b.shape[1]
     if m not in _TILE_ROWS or k * n < _TILE_MIN_KN or a.dtype != np.float32 \
-            or b.dtype != np.float32 or (m > 16 and k > _TILE_MAX_K_FROM_17_ROWS):
+            or b.dtype != np.float32 or (m not in _TILE_ANY_K_ROWS and k > _TILE_MAX_K):
         return None
     kernel = _tiles.kernel()
     if kernel is None:

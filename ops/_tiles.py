@@ -1,20 +1,22 @@
-"""CPU kernels whose inner loops are written as explicit AVX-512-width vector code (LLVM IR
-through numba intrinsics), where numba's loops over scalars did not vectorise well.
+"""CPU kernels whose inner loops are written as explicit vector code (LLVM IR through numba
+intrinsics), where numba's loops over scalars did not vectorise well. A vector is LANES
+float32 lanes (16 with AVX-512, 8 with AVX2; see HOST_LANES below).
 
 * Register tiles (`conv_tiles_loops`, `tile`): a 2-D convolution, or a product of a few rows
-  by a constant weight. A tile is R output pixels by 32 output channels, held in 2R vector
-  accumulators of 16 float32 lanes. For each tap t of the window and each input channel c,
-  the tile loads the 32 weights of (t, c), broadcasts each of its R pixels' input value
-  x[pixel r + tap t, c], and adds the R x 32 products with fused multiply-adds; at the end
+  by a constant weight. A tile is R output pixels by BLOCK = 2 * LANES output channels, held
+  in 2R vector accumulators. For each tap t of the window and each input channel c, the tile
+  loads the BLOCK weights of (t, c), broadcasts each of its R pixels' input value
+  x[pixel r + tap t, c], and adds the R x BLOCK products with fused multiply-adds; at the end
   it adds the bias, clips to [lo, hi] (ReLU, ReLU6) and stores R rows of the channels-last
   output. The input is read where it lies, a channels-last image padded once, by an offset
   per output pixel (`pixels`, the window's origin) plus an offset per tap (`taps`): no patch
   matrix is built, and strides, dilations and pads are only offsets. The weights are packed
-  once per constant weight: (M/32 blocks, T*C, 32), a block's rows read in order.
-* Depthwise pixels (`depthwise_pixels`): 4 output pixels by 16 channels, the window's 9, 25
-  or 49 weights held in registers.
+  once per constant weight: (M / BLOCK blocks, T*C, BLOCK), a block's rows read in order.
+* Depthwise pixels (`depthwise_pixels`): 4 output pixels by LANES channels, the window's 9,
+  25 or 49 weights held in registers.
 * Column blocks (`row_columns`, `columns_from_blocks`): h R for a recurrence's step, 4 rows
-  by 4 blocks of 16 columns of R packed in blocks, with no sum across a vector's lanes.
+  by COLUMN_BLOCKS blocks of LANES columns of R packed in blocks, with no sum across a
+  vector's lanes.
 
 Why written by hand: LLVM's SLP pass left a register-blocked loop scalar (5 GF/s), and
 OpenBLAS's GEMM on the patch matrix ran ResNet-50's and UNet's convolutions at 45-80% of
@@ -25,15 +27,17 @@ changes: see ops/_compiled.py). Measured on one core of a Zen 4 EPYC: the tiles 
 OpenBLAS's 60-95 on the same patch matrices; the depthwise pixels 28-31 GFMA/s on aligned
 data, against 10-18 for the numba loops in ops/conv.py.
 
-The vector type is 16 float32 lanes; the kernels serve only on CPUs with AVX-512
-(`_has_wide_vectors`): elsewhere LLVM would split each vector in two and the tiles'
-accumulators would spill, and BLAS and the numba loops serve.
+The vector width is the CPU's, decided once at import (`HOST_LANES`): 16 float32 lanes with
+AVX-512 (32 vector registers: tiles of 12 pixels), 8 with AVX2 and FMA (16 registers: tiles
+of 6 pixels, as BLIS's Haswell kernel, and 2 column blocks at a time for a recurrence).
+Without either, or without numba, BLAS and the numpy kernels serve.
 
 The bits: each output is a sum in one fixed order, then + bias, whatever the tile or block
 it falls in or the thread that runs it; a run gives the same bits on one thread or several.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import sys
@@ -43,10 +47,33 @@ import numpy as np
 
 from ember.ops import _compiled
 
-LANES = 16                 # float32 lanes of one vector (AVX-512; LLVM splits it elsewhere)
+
+
+def _host_lanes() -> int:
+    """float32 lanes of the widest vectors this CPU computes on: 16 with AVX-512, 8 with AVX2
+    and FMA, 0 without either or without numba (llvmlite reads the CPU, ~30 ms)."""
+    if importlib.util.find_spec("numba") is None:
+        return 0
+    import llvmlite.binding as llvm
+    features = llvm.get_host_cpu_features()
+    if features.get("avx512f", False):
+        return 16
+    return 8 if features.get("avx2", False) and features.get("fma", False) else 0
+
+
+HOST_LANES = _host_lanes()
+LANES = HOST_LANES or 16   # float32 lanes of one vector
 BLOCK = 2 * LANES          # output channels per tile
-ROWS = 12                  # output pixels per tile: 24 accumulators + 2 weight vectors
-SMALL_ROWS = 4             # the tile for what is left of an image's pixels
+# output pixels per tile: 2 * ROWS accumulators + 2 weight vectors + 1 broadcast value fill
+# AVX-512's 32 vector registers with 12 (27), AVX2's 16 with 6 (15)
+ROWS = 12 if LANES == 16 else 6
+# the tile for what is left of an image's pixels; it divides ROWS, so that the last tiles of
+# an image fill at most the ROWS rows of their scratch
+SMALL_ROWS = 4 if LANES == 16 else 3
+assert ROWS % SMALL_ROWS == 0
+WIDE = LANES == 16         # AVX-512; the kernels that use them say where AVX2's tiles lose
+COLUMN_BLOCKS = 4 if WIDE else 2  # a recurrence's column blocks at a time (x 4 rows)
+CORE_GFLOPS = 100 if WIDE else 60  # the tiles' rate on one core, roughly (split_rows)
 
 
 def tile(rows, image, base, taps, channels, packed, bias, lo, hi, out, at, ldc):
@@ -193,8 +220,9 @@ def row_columns(rows, blocks, h, P, j, G):
 def columns_from_blocks(h, P, G, n0, n1):
     """G[:, n] = h @ W[:, n] for the columns n in [n0, n1), multiples of LANES, float32: h
     (batch, K), W (K, N) packed in column blocks P (N / LANES, K, LANES) (`pack_columns`),
-    each block's K x LANES values read in order, 4 rows by 4 blocks in vector registers at
-    a time. Each output is the same sum in k order whichever block or thread computes it."""
+    each block's K x LANES values read in order, 4 rows by COLUMN_BLOCKS blocks in vector
+    registers at a time. Each output is the same sum in k order whichever block or thread
+    computes it."""
     batch = h.shape[0]
     j1 = n1 // LANES
     b = 0
@@ -202,12 +230,12 @@ def columns_from_blocks(h, P, G, n0, n1):
         rows = 4 if b + 4 <= batch else 1
         hb, Gb = h[b:b + rows], G[b:b + rows]
         j = n0 // LANES
-        while j + 4 <= j1:
+        while j + COLUMN_BLOCKS <= j1:
             if rows == 4:
-                row_columns(4, 4, hb, P, j, Gb)
+                row_columns(4, COLUMN_BLOCKS, hb, P, j, Gb)
             else:
-                row_columns(1, 4, hb, P, j, Gb)
-            j += 4
+                row_columns(1, COLUMN_BLOCKS, hb, P, j, Gb)
+            j += COLUMN_BLOCKS
         while j < j1:
             if rows == 4:
                 row_columns(4, 1, hb, P, j, Gb)
@@ -226,14 +254,14 @@ def pack_columns(W: np.ndarray) -> np.ndarray:
 
 
 def recurrence_by_rows(H: int) -> bool:
-    """Whether a recurrence of H hidden units takes `columns_from_blocks` (AVX-512, numba, H a
-    multiple of LANES, so each gate's chunk of units is whole blocks); registers the
-    intrinsic for the kernels that call it."""
+    """Whether a recurrence of H hidden units takes `columns_from_blocks` (numba, AVX-512 or
+    AVX2, H a multiple of LANES, so each gate's chunk of units is whole blocks); registers
+    the intrinsic for the kernels that call it."""
     numba = _compiled._numba() if _compiled.enabled() else None
     if numba is None:
         return False
     _register(numba)  # compiled into the recurrences either way
-    return H % LANES == 0 and _has_wide_vectors()
+    return H % LANES == 0 and _vectors
 
 
 DEPTHWISE_PIXELS = 4           # output pixels a depthwise step holds in registers
@@ -247,37 +275,28 @@ def depthwise_kernel(loops):
 
 
 _registered = False
-_wide_vectors: bool | None = None  # whether the CPU has AVX-512 (decided once)
+_vectors = HOST_LANES > 0  # whether the vector kernels serve (tests turn them off)
 
 
 def kernel():
-    """conv_tiles_loops compiled, or None: without numba, or on a CPU without AVX-512 (the
-    tile's 24 accumulators of 16 lanes are 24 of its 32 vector registers; with AVX2's 16
-    registers of 8 lanes they would spill, and BLAS serves better)."""
+    """conv_tiles_loops compiled, or None: without numba, or on a CPU without AVX-512 or
+    AVX2 (then BLAS serves)."""
     return _with_vectors(conv_tiles_loops)
 
 
 def _with_vectors(loops):
-    """`loops` compiled with the intrinsics registered, or None without numba or AVX-512."""
+    """`loops` compiled with the intrinsics registered, or None without numba or vectors."""
     numba = _compiled._numba() if _compiled.enabled() else None
-    if numba is None or not _has_wide_vectors():
+    if numba is None or not _vectors:
         return None
     _register(numba)
     return _compiled.jit(loops)
 
 
-def _has_wide_vectors() -> bool:
-    global _wide_vectors
-    if _wide_vectors is None:
-        import llvmlite.binding as llvm
-        _wide_vectors = bool(llvm.get_host_cpu_features().get("avx512f", False))
-    return _wide_vectors
-
-
 def _register(numba) -> None:
     """The vector code as numba intrinsics behind `tile` (ROWS and SMALL_ROWS rows),
     `depthwise_pixels` (DEPTHWISE_PIXELS and 1 pixels by each of DEPTHWISE_TAPS) and
-    `row_columns` (4 or 1 rows by 4 or 1 blocks); once per process."""
+    `row_columns` (4 or 1 rows by COLUMN_BLOCKS or 1 blocks); once per process."""
     global _registered
     if _registered:
         return
@@ -308,7 +327,7 @@ def _register(numba) -> None:
             def __init__(self, context, builder, sig, args):
                 self.builder, self._context, self._sig, self._args = builder, context, sig, args
                 self._fma = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v16f32")
+                    builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{LANES}f32")
 
             def array(self, i):
                 return self._context.make_array(self._sig.args[i])(
@@ -479,7 +498,7 @@ def _register(numba) -> None:
                              emit_row_columns(R, Q, context, builder, s, args))
             return fma_row_columns
 
-        by_rows = {(R, Q): row_columns_intrinsic(R, Q) for R in (4, 1) for Q in (4, 1)}
+        by_rows = {(R, Q): row_columns_intrinsic(R, Q) for R in (4, 1) for Q in (COLUMN_BLOCKS, 1)}
 
         @overload(row_columns)
         def _row_columns(rows, blocks, h, P, j, G):
@@ -586,7 +605,7 @@ def run(compiled, image, image_size, pixels, taps, channels, stride, packed, bia
     tiles = images * math.ceil(pixels.shape[0] / ROWS)
     band = max(1, min(tiles, BAND_BYTES // (ROWS * stride * channels * 4)))
     lo, hi = clamp if clamp is not None else (-np.inf, np.inf)
-    ns_per_unit = ROWS * BLOCK * packed.shape[1] * 2 / 100.0  # ~100 GF/s a core
+    ns_per_unit = ROWS * BLOCK * packed.shape[1] * 2 / CORE_GFLOPS
     _compiled.split_rows(compiled, blocks * tiles, image, image_size, pixels, taps, channels,
                          packed, bias, np.float32(lo), np.float32(hi), out, images, band,
                          ns_per_row=ns_per_unit)

@@ -359,7 +359,8 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache, cl
     N, C, H, W = x.shape
     (kh, kw), (sh, sw), (dh, dw), (Oh, Ow) = kernel, strides, dilations, outs
     vector = None
-    if x.dtype == np.float32 and C % _tiles.LANES == 0 and kh * kw in _tiles.DEPTHWISE_TAPS:
+    if (_tiles.WIDE and x.dtype == np.float32 and C % _tiles.LANES == 0
+            and kh * kw in _tiles.DEPTHWISE_TAPS):
         vector = _tiles.depthwise_kernel(_depthwise_vector_rows)
     compiled = vector or (_numba_depthwise3x3() if kh == kw == 3 else _numba_depthwise())
     if compiled is not None:
@@ -424,7 +425,10 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache, cl
 # image, 4 output pixels by 16 channels at a time with the window's weights in registers;
 # the border pixels as in `_depthwise_rows`. Measured on one core (Zen 4), MobileNetV2's 3x3
 # layers: 28-31 GFMA/s, 2-3x the numba loops below, with 64-byte aligned data (a vector load
-# across two cache lines made it 1.6x slower: outputs here are allocated aligned).
+# across two cache lines made it 1.6x slower: outputs here are allocated aligned). Not on
+# AVX2, where LLVM vectorises the numba loops to the same width: the vector code was no
+# faster there (Zen 3, in the model: MobileNetV2 0.99-1.03x at batch 1, 1.37x at batch 8,
+# ConvNeXt-T 1.03x).
 _DEPTHWISE_VECTOR_NS = 0.03  # time per tap of an output value (split_rows)
 
 
@@ -626,17 +630,27 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
 # A 2-D convolution (group 1, float32) as register tiles over a channels-last padded image
 # (ops/_tiles.py): no patch matrix, the bias and a clip (ReLU, ReLU6) in the tiles' own
 # stores, the result channels-last. With numba on an AVX-512 CPU it runs every such
-# convolution with a window larger than 1x1 and no negative pads: on 2 cores of a Zen 4
-# EPYC, ResNet-50's 3x3 layers at 150-200 GF/s where OpenBLAS's GEMM on the patch rows ran
-# 60-130 (with the copies), the 7x7 stem at batch 1 2.2 -> 1.4 ms, UNet's 32-channel layers
-# 2-3x faster than the shifted GEMMs below. Elsewhere the kernels below serve. Most 1x1
-# convolutions stay with BLAS: in ResNet-50 at batch 8 the tiles ran them 10-30% slower
-# than OpenBLAS's GEMM (with only 64-1024 input channels a tile's loop is short, and its
-# stores of 12 rows miss the cache), and MobileNetV2 ran 1.17x slower with them; but see
-# `_pointwise_tiles_fit` for one image.
+# convolution with a window larger than 1x1 and no negative pads (AVX2: see below): on 2
+# cores of a Zen 4 EPYC, ResNet-50's 3x3 layers at 150-200 GF/s where OpenBLAS's GEMM on
+# the patch rows ran 60-130 (with the copies), the 7x7 stem at batch 1 2.2 -> 1.4 ms,
+# UNet's 32-channel layers 2-3x faster than the shifted GEMMs below. Elsewhere the kernels
+# below serve. Most 1x1 convolutions stay with BLAS: in ResNet-50 at batch 8 the tiles ran
+# them 10-30% slower than OpenBLAS's GEMM (with only 64-1024 input channels a tile's loop
+# is short, and its stores of 12 rows miss the cache), and MobileNetV2 ran 1.17x slower
+# with them; but see `_pointwise_tiles_fit` for one image.
+#
+# On AVX2 the tiles are 6 pixels by 16 channels and serve sums of at most _NARROW_TILES_MAX_K
+# terms (taps x input channels): measured on one core of a Zen 3 EPYC against OpenBLAS on the
+# patch matrix, ResNet-50's 3x3 layers of 64 and 128 channels (576, 1152 terms) 0.72-0.87x,
+# its 7x7 stem 0.75x, UNet's 32-channel layers 0.72x; with 256 channels (2304) 1.04-1.20x and
+# 512 (4608) 2.7x slower, each tile reading more of the weights again.
+_NARROW_TILES_MAX_K = 1536
+
+
 def _tiled_fits(x, w, group, begin, end):
     return (x.ndim == 4 and group == 1 and x.dtype == np.float32
             and (w.shape[2] * w.shape[3] > 1 or _pointwise_tiles_fit(x, w))
+            and (_tiles.WIDE or w.shape[1] * w.shape[2] * w.shape[3] <= _NARROW_TILES_MAX_K)
             and min(begin) >= 0 and min(end) >= 0 and _tiles.kernel() is not None)
 
 
@@ -648,7 +662,8 @@ def _tiled_fits(x, w, group, begin, end):
 # 0.81-0.95, 16 rounds); alone 1.01x and 0.99x (two runs of 20 rounds).
 # Elsewhere BLAS stays: 16-32 channels (MobileNetV2's) run 1.9-2.5x slower as tiles, 1024 and
 # more 1.1-1.2x, the smaller products of MobileNetV2's 7x7 and 14x14 layers 1.02-1.06x; a
-# batch keeps BLAS's blocking.
+# batch keeps BLAS's blocking. AVX-512 only: AVX2's tiles ran 64 -> 256 channels at 56x56 2x
+# slower than OpenBLAS (one core, Zen 3).
 _POINTWISE_TILE_CHANNELS = (64, 1024)   # input channels, [lo, hi)
 _POINTWISE_TILE_MIN_MACS = 1 << 24      # input pixels x input x output channels
 
@@ -656,7 +671,7 @@ _POINTWISE_TILE_MIN_MACS = 1 << 24      # input pixels x input x output channels
 def _pointwise_tiles_fit(x, w):
     lo, hi = _POINTWISE_TILE_CHANNELS
     C, M = x.shape[1], w.shape[0]
-    return (x.shape[0] == 1 and w.shape[2] * w.shape[3] == 1 and lo <= C < hi
+    return (_tiles.WIDE and x.shape[0] == 1 and w.shape[2] * w.shape[3] == 1 and lo <= C < hi
             and x.shape[2] * x.shape[3] * C * M >= _POINTWISE_TILE_MIN_MACS)
 
 

@@ -5,12 +5,12 @@ bfloat16) are multiplied in float32 and cast back. Integer products of 8-bit ope
 float64 BLAS, which is exact for them (|a*b| < 2**16, so sums stay exact below 2**53), then are
 wrapped to int32 as the spec allows.
 
-On the CPU, products of 2-512 rows by a large constant weight (K at most 1536 from 17 rows)
-run as register tiles over the weight packed once (`_tiled_product`, numba on an AVX-512
-CPU); elsewhere, products of 2-4 rows run as one GEMV per row where that was measured
-faster (`_rows_faster`), and products of 4-12 rows by a large constant weight as dot
-products with the rows of its transpose (`_dot_columns`, numba); BLAS's thread count is
-the session's (ember.runtime.threads).
+On the CPU, products of 2-512 rows by a large constant weight (K at most 1536 from 17 rows;
+with AVX2, 2-16 rows) run as register tiles over the weight packed once (`_tiled_product`,
+numba on an AVX-512 or AVX2 CPU); elsewhere, products of 2-4 rows run as one GEMV per row
+where that was measured faster (`_rows_faster`), and products of 4-12 rows by a large
+constant weight as dot products with the rows of its transpose (`_dot_columns`, numba);
+BLAS's thread count is the session's (ember.runtime.threads).
 """
 from __future__ import annotations
 
@@ -180,9 +180,11 @@ def _dot_columns(a, b, weight: CachedPack):
 # 0.94x. The cost is the packed copy kept beside each such weight: BERT-base's resident
 # memory after its first runs 607 -> 860 MB (onnxruntime: 564). Tried: the weights read in
 # place (rows N values apart) 1.1-3.6x slower; K > 1536 cut into 2-4 products of shorter K,
-# summed, 1.2-1.6x slower than BLAS.
+# summed, 1.2-1.6x slower than BLAS. With AVX2's tiles (6 rows by 16 columns) only the
+# decoder step's rows: 128 x 768 x 768 and x 3072 ran 1.05x slower than OpenBLAS (one core,
+# Zen 3), 8 x 768 x 768 0.77x of the dot products.
 _TILE_ROWS = range(2, 513)
-_TILE_ANY_K_ROWS = range(2, 17)   # a decoder step: any K; more rows, at most _TILE_MAX_K
+_TILE_ANY_K_ROWS = range(2, 17)   # a decoder step: any K; more rows, AVX-512 and _TILE_MAX_K
 _TILE_MAX_K = 1536
 _TILE_MIN_KN = 1 << 18
 
@@ -193,7 +195,8 @@ def _tiled_product(a, b, weight: CachedPack):
     m, k = a.shape
     n = b.shape[1]
     if m not in _TILE_ROWS or k * n < _TILE_MIN_KN or a.dtype != np.float32 \
-            or b.dtype != np.float32 or (m not in _TILE_ANY_K_ROWS and k > _TILE_MAX_K):
+            or b.dtype != np.float32 \
+            or (m not in _TILE_ANY_K_ROWS and (k > _TILE_MAX_K or not _tiles.WIDE)):
         return None
     kernel = _tiles.kernel()
     if kernel is None:

@@ -83,7 +83,7 @@ def _make_activation(xp, fn, alpha, beta, dtype):
 # A whole direction of a float32 LSTM, or GRU with linear_before_reset, is one compiled call,
 # run by threads in lockstep (_compiled.run_in_lockstep): a thread takes a chunk of hidden
 # units [u0, u1), computes their gate columns of h R (`_recurrent_product`: from R packed in
-# column blocks as vector code on an AVX-512 CPU, else as dot products with the rows of R,
+# column blocks as vector code on an AVX-512 or AVX2 CPU, else as dot products with the rows of R,
 # linalg's few-row kernel), updates their cells, and waits for every chunk before the next
 # step reads the new h. The sigmoid gates' rows of R and columns of XW arrive negated (see
 # `_prepared`), so a sigmoid is 1 / (1 + exp(g)). Each element is computed by the same

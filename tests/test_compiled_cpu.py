@@ -917,9 +917,9 @@ def few_rows(request, monkeypatch) -> tuple[range, list]:
     rows it takes and the list of products it took (a spy)."""
     pytest.importorskip("numba")
     if request.param == "dot_columns":
-        monkeypatch.setattr(_tiles, "_wide_vectors", False)
+        monkeypatch.setattr(_tiles, "_vectors", False)
     elif _tiles.kernel() is None:
-        pytest.skip("no AVX-512 here: the tiles are off")
+        pytest.skip("no AVX-512 or AVX2 here: the tiles are off")
     name = "_tiled_product" if request.param == "tiles" else "_dot_columns"
     taken = []
     original = getattr(linalg, name)
@@ -937,15 +937,16 @@ def few_rows(request, monkeypatch) -> tuple[range, list]:
 @pytest.mark.parametrize("rows, k, n", [(2, 768, 1367), (4, 768, 1367), (5, 2048, 513),
                                         (8, 768, 3072), (12, 1024, 1025), (16, 512, 777),
                                         (45, 1536, 257), (128, 512, 520)])
-def test_few_rows_by_a_constant_weight_match_onnxruntime(rows, k, n, few_rows):
+def test_few_rows_by_a_constant_weight_match_onnxruntime(rows, k, n, few_rows, monkeypatch):
     """Few rows by a large constant weight (2-512 as tiles, K at most 1536 from 17 rows; 4-12
     as dot products; odd row and column counts included), plain and fused with bias and
     GELU; within 1e-6 of sum_k |x_k| |w_kn| of the float64 product, and close to
-    onnxruntime."""
+    onnxruntime. The tiles are this CPU's (AVX2's too, whose rule keeps BLAS from 17 rows)."""
     kernel_rows, taken = few_rows
     tiles = kernel_rows is linalg._TILE_ROWS
     if not (2 <= rows <= 512 if tiles else rows in kernel_rows):
         pytest.skip("not a row count this kernel takes")
+    monkeypatch.setattr(_tiles, "WIDE", True)  # the AVX-512 rule: tiles for these rows
     proto, w = _decoder_mlp(rows, k, n)
     x = np.random.default_rng(7).standard_normal((rows, 1, k)).astype(np.float32)
     session = ember.load(proto)
@@ -960,14 +961,16 @@ def test_few_rows_by_a_constant_weight_match_onnxruntime(rows, k, n, few_rows):
     np.testing.assert_allclose(got["g"], want[1], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows, k", [(17, 1537), (513, 512)])
-def test_tiles_leave_long_products_and_batches_to_blas(rows, k, few_rows):
+@pytest.mark.parametrize("rows, k, wide", [(17, 1537, True), (513, 512, True),
+                                           (17, 512, False), (128, 768, False)])
+def test_tiles_leave_long_products_and_batches_to_blas(rows, k, wide, few_rows, monkeypatch):
     """From 17 rows, a K above 1536 (the weights no longer stay in cache between tiles), and
-    from 513 rows (a batch of tokens) the products stay with BLAS; the results still match
-    onnxruntime."""
+    from 513 rows (a batch of tokens) the products stay with BLAS; with AVX2's tiles (`wide`
+    False) all from 17 rows; the results still match onnxruntime."""
     kernel_rows, taken = few_rows
     if kernel_rows is not linalg._TILE_ROWS:
         pytest.skip("the tiles' rule")
+    monkeypatch.setattr(_tiles, "WIDE", wide)
     proto, _ = _decoder_mlp(rows, k, 512)
     x = np.random.default_rng(6).standard_normal((rows, 1, k)).astype(np.float32)
     got = ember.load(proto).run({"x": x})
@@ -985,6 +988,7 @@ def test_few_rows_by_a_constant_weight_same_bits_on_threads(rows, few_rows, monk
     kernel_rows, taken = few_rows
     if rows not in kernel_rows:
         pytest.skip("not a row count this kernel takes")
+    monkeypatch.setattr(_tiles, "WIDE", True)  # the AVX-512 rule: tiles for 64 rows too
     proto, _ = _decoder_mlp(rows, 768, 1537)
     rng = np.random.default_rng(8)
     feeds = [{"x": rng.standard_normal((rows, 1, 768)).astype(np.float32)} for _ in range(6)]
@@ -1039,7 +1043,7 @@ def _tiles_or_skip():
     pytest.importorskip("numba")
     compiled = _tiles.kernel()
     if compiled is None:
-        pytest.skip("no AVX-512 here: the vector kernels are off")
+        pytest.skip("no AVX-512 or AVX2 here: the vector kernels are off")
     return compiled
 
 
@@ -1121,8 +1125,10 @@ def test_conv_matches_onnxruntime_as_tiles_and_on_numpy(tiles, case, activation,
 def test_tiles_run_the_convolutions_they_fit(monkeypatch):
     """The tiles do run where `_tiled_fits` says (a spy on the compiled kernel): every
     window but 1x1, and the 1x1 convolutions of one image with 64-1023 input channels and a
-    large product (ResNet-50's); BLAS keeps the other 1x1 ones."""
+    large product (ResNet-50's); BLAS keeps the other 1x1 ones. The rule is AVX-512's here
+    (the tiles themselves are this CPU's); AVX2's is below."""
     compiled = _tiles_or_skip()
+    monkeypatch.setattr(_tiles, "WIDE", True)
     calls = []
     monkeypatch.setitem(_compiled._compiled, _tiles.conv_tiles_loops,
                         lambda *args: calls.append(args[-2:]) or compiled(*args))
@@ -1138,7 +1144,15 @@ def test_tiles_run_the_convolutions_they_fit(monkeypatch):
         x = np.ones(x_shape, np.float32)
         w = one_by_one if x_shape[1] == 64 else np.ones((256, x_shape[1], 1, 1), np.float32)
         assert conv._tiled_fits(x, w, 1, [0, 0], [0, 0]) == fits, x_shape
-    monkeypatch.setattr(_tiles, "_wide_vectors", False)   # a CPU without AVX-512: BLAS
+    # AVX2: no 1x1 convolution, and sums of at most 1536 terms (3x3 by 128 channels, not 256)
+    monkeypatch.setattr(_tiles, "WIDE", False)
+    for x_shape, w_shape, fits in [((1, 64, 56, 56), (256, 64, 1, 1), False),
+                                   ((1, 128, 28, 28), (128, 128, 3, 3), True),
+                                   ((1, 256, 14, 14), (256, 256, 3, 3), False),
+                                   ((1, 3, 224, 224), (64, 3, 7, 7), True)]:
+        x, w = np.ones(x_shape, np.float32), np.ones(w_shape, np.float32)
+        assert conv._tiled_fits(x, w, 1, [1, 1], [1, 1]) == fits, w_shape
+    monkeypatch.setattr(_tiles, "_vectors", False)   # a CPU without vectors: BLAS
     assert _tiles.kernel() is None
     assert not conv._tiled_fits(np.ones((1, 8, 5, 5), np.float32),
                                 np.ones((8, 8, 3, 3), np.float32), 1, [1, 1], [1, 1])
@@ -1257,7 +1271,8 @@ def test_depthwise_as_vector_code_matches_onnxruntime(case, batch, monkeypatch):
     pytest.importorskip("numba")
     compiled = _tiles.depthwise_kernel(conv._depthwise_vector_rows)
     if compiled is None:
-        pytest.skip("no AVX-512 here: the vector kernel is off")
+        pytest.skip("no AVX-512 or AVX2 here: the vector kernel is off")
+    monkeypatch.setattr(_tiles, "WIDE", True)  # AVX2 keeps the numba loops: run it anyway
     calls = []
     monkeypatch.setitem(_compiled._compiled, conv._depthwise_vector_rows,
                         lambda *args: calls.append(args[-2:]) or compiled(*args))
@@ -1273,7 +1288,7 @@ def test_depthwise_vector_rows_give_the_same_bits_however_split(monkeypatch):
     pytest.importorskip("numba")
     compiled = _tiles.depthwise_kernel(conv._depthwise_vector_rows)
     if compiled is None:
-        pytest.skip("no AVX-512 here: the vector kernel is off")
+        pytest.skip("no AVX-512 or AVX2 here: the vector kernel is off")
     rng = np.random.default_rng(4)
     x = rng.standard_normal((2, 23, 19, 48)).astype(np.float32)
     wt = rng.standard_normal((3, 3, 48)).astype(np.float32)

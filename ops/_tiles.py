@@ -48,7 +48,6 @@ import numpy as np
 from ember.ops import _compiled
 
 
-
 def _host_lanes() -> int:
     """float32 lanes of the widest vectors this CPU computes on: 16 with AVX-512, 8 with AVX2
     and FMA, 0 without either or without numba (llvmlite reads the CPU, ~30 ms)."""
@@ -71,9 +70,11 @@ ROWS = 12 if LANES == 16 else 6
 # an image fill at most the ROWS rows of their scratch
 SMALL_ROWS = 4 if LANES == 16 else 3
 assert ROWS % SMALL_ROWS == 0
-WIDE = LANES == 16         # AVX-512; the kernels that use them say where AVX2's tiles lose
+WIDE = LANES == 16         # AVX-512's width; the callers say where AVX2's tiles lose to BLAS
 COLUMN_BLOCKS = 4 if WIDE else 2  # a recurrence's column blocks at a time (x 4 rows)
-CORE_GFLOPS = 100 if WIDE else 60  # the tiles' rate on one core, roughly (split_rows)
+# the tiles' rate on one core, for split_rows' estimate: ~100 GF/s measured on Zen 4; AVX2's
+# half-width vectors, about 60 (a guess from its peak: it only decides the split)
+CORE_GFLOPS = 100 if WIDE else 60
 
 
 def tile(rows, image, base, taps, channels, packed, bias, lo, hi, out, at, ldc):

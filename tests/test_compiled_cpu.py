@@ -482,8 +482,8 @@ def _spy_lockstep(monkeypatch):
 def test_recurrence_in_lockstep_matches_onnxruntime_and_one_thread(op, direction, batch,
                                                                    product, monkeypatch):
     """Hidden 256: each step split between two threads, against onnxruntime and against the
-    bits of the loop on one thread; h R as vector code over R's column blocks (AVX-512: `_tiles`) or as dot
-    products with R's rows."""
+    bits of the loop on one thread; h R as vector code over R's column blocks (`_tiles`) or
+    as dot products with R's rows."""
     pytest.importorskip("numba")
     monkeypatch.delenv("EMBER_NUMBA", raising=False)
     if product == "dot-products":

@@ -149,8 +149,10 @@ def light_models() -> list[str]:
     return sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".onnx"))
 
 
-def load_light_case(model_path: str) -> Case:
-    """A light model with onnx's runner's inputs (arange(n)/n) and its stored outputs."""
+def load_light_case(model_path: str, folder: str | None = None) -> Case:
+    """A light model with onnx's runner's inputs (arange(n)/n) and its stored outputs; with a
+    `folder`, a model whose stored outputs are no sound oracle (_JUDGED_ON_LOGITS) comes cut
+    before its Softmax, saved there, with onnx.reference's logits as the expected outputs."""
     model = onnx.load(model_path, load_external_data=False)
     inits = {t.name for t in model.graph.initializer}
     feeds = {}
@@ -165,7 +167,8 @@ def load_light_case(model_path: str) -> Case:
     outputs = [_decode_file(f"{prefix}_output_{i}.pb", info)
                for i, info in enumerate(model.graph.output)]
     name = os.path.basename(prefix)
-    return Case(name, model_path, [(feeds, outputs)])
+    case = Case(name, model_path, [(feeds, outputs)])
+    return _logits_case(case, folder) if folder and name in _JUDGED_ON_LOGITS else case
 
 
 # light_squeezenet's stored output is a Softmax over 1000 logits of ~6.8e9, all equal in the
@@ -173,10 +176,10 @@ def load_light_case(model_path: str) -> Case:
 # (OpenBLAS's Haswell kernels, on AVX2 CPUs, round a product's last columns differently from
 # the others) move its probabilities anywhere in [0, 1]: that oracle is unsound for it. The
 # model is judged on its logits instead, the Softmax's input, against onnx.reference's.
-JUDGED_ON_LOGITS = {"light_squeezenet"}
+_JUDGED_ON_LOGITS = {"light_squeezenet"}
 
 
-def logits_case(case: Case, folder: str) -> Case:
+def _logits_case(case: Case, folder: str) -> Case:
     """`case` with its model's final Softmax cut off (saved in `folder`): the logits are the
     output, and onnx.reference's logits the expected values."""
     from onnx.reference import ReferenceEvaluator

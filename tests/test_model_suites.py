@@ -8,8 +8,8 @@ import pytest
 
 from backends import record_placement, unavailable_reason, xfail_file
 from ember.runtime.backends import BACKENDS
-from onnx_suites import (JUDGED_ON_LOGITS, light_models, load_case_dir, load_light_case,
-                         load_xfails, logits_case, run_case, suite_case_dirs)
+from onnx_suites import (light_models, load_case_dir, load_light_case, load_xfails, run_case,
+                         suite_case_dirs)
 
 XFAILS = {b: load_xfails(xfail_file(b)) for b in BACKENDS}
 
@@ -39,10 +39,8 @@ def test_shipped_model_case(backend, simplify, case_dir):
 @pytest.mark.parametrize("backend,simplify,model_path", list(_params(
     light_models(), lambda p: os.path.splitext(os.path.basename(p))[0])))
 def test_light_model(backend, simplify, model_path, tmp_path):
-    case = load_light_case(model_path)
-    if case.name in JUDGED_ON_LOGITS:
-        case = logits_case(case, str(tmp_path))
-    session = run_case(case, backend=backend, simplify=simplify)
+    session = run_case(load_light_case(model_path, str(tmp_path)), backend=backend,
+                       simplify=simplify)
     record_placement(backend, session)
 
 

@@ -19,8 +19,7 @@ import ember
 from ember.native import Module, convert
 from ember.native.safetensors import load_file, save_file
 from ember.native.testing import as_list, identical, import_generated
-from onnx_suites import (JUDGED_ON_LOGITS, light_models, load_case_dir, load_light_case,
-                         logits_case, suite_case_dirs)
+from onnx_suites import light_models, load_case_dir, load_light_case, suite_case_dirs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 XFAILS = os.path.join(REPO, "tests", "xfail_cpu.txt")
@@ -95,9 +94,7 @@ def test_torch_model_matches_onnxruntime(name, tmp_path):
                                         if re.search("squeezenet|shufflenet", p)],
                          ids=os.path.basename)
 def test_light_model_matches_reference_outputs(model_path, tmp_path):
-    case = load_light_case(model_path)
-    if case.name in JUDGED_ON_LOGITS:
-        case = logits_case(case, str(tmp_path))
+    case = load_light_case(model_path, str(tmp_path))
     module = convert_and_import(case.model_path, tmp_path).Model()
     feeds, want = case.data_sets[0]
     got = as_list(module(*feeds.values()), len(want))

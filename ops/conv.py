@@ -571,19 +571,55 @@ def _pixel_by_taps(x, w, b, out, o, n, r0, q0, dh, dw, lo, hi, shape, kh, kw):  
 
 def _depthwise_rows(x4, w3, b, out4, ph, pw, sh, sw, dh, dw, lo, hi,
                     row0, row1):  # pragma: no cover
-    """As `_depthwise3x3_rows`, for any kh x kw window (w (kh, kw, C)): each output pixel's
-    channels take its valid taps one at a time, then the bias and the clamp (ConvNeXt's 7x7:
-    2-6x faster than the einsum kernel here)."""
+    """As `_depthwise3x3_rows`, for any kh x kw window (w (kh, kw, C)). A pixel whose window
+    lies inside x, with 5 or 7 taps a row (EfficientNet's 5x5, ConvNeXt's 7x7), adds one
+    row of taps at a time, each row one expression over flat offsets (its sum in registers:
+    2.3x faster than a tap at a time on ConvNeXt-T's 7x7 layers, one core of a Zen 3); the
+    other pixels take their valid taps one at a time. Then the bias and the clamp."""
     N, H, W, C = x4.shape
     kh, kw = w3.shape[0], w3.shape[1]
     Oh, Ow = out4.shape[1], out4.shape[2]
     x, w, out = x4.reshape(-1), w3.reshape(-1), out4.reshape(-1)
+    uC = np.uint64(C)
+    rows_of_taps = kw == 5 or kw == 7
     for n in range(N):
         for oh in range(row0, row1):
+            r0 = oh * sh - ph
+            rows_inside = r0 >= 0 and r0 + (kh - 1) * dh < H
             for ow in range(Ow):
+                q0 = ow * sw - pw
                 o = np.uint64(((n * Oh + oh) * Ow + ow) * C)
-                _pixel_by_taps(x, w, b, out, o, n, oh * sh - ph, ow * sw - pw, dh, dw, lo, hi,
-                               x4.shape, kh, kw)
+                if not (rows_of_taps and rows_inside and q0 >= 0 and q0 + (kw - 1) * dw < W):
+                    _pixel_by_taps(x, w, b, out, o, n, r0, q0, dh, dw, lo, hi, x4.shape, kh,
+                                   kw)
+                    continue
+                step = np.uint64(dw * C)                  # to the next column tap
+                for c in range(uC):
+                    out[o + c] = 0
+                for i in range(kh):
+                    a0 = np.uint64(((n * H + r0 + i * dh) * W + q0) * C)
+                    a1, t0 = a0 + step, np.uint64(i * kw * C)
+                    a2, t1 = a1 + step, t0 + uC
+                    a3, t2 = a2 + step, t1 + uC
+                    a4, t3 = a3 + step, t2 + uC
+                    t4 = t3 + uC
+                    if kw == 5:
+                        for c in range(uC):
+                            out[o + c] += (x[a0 + c] * w[t0 + c] + x[a1 + c] * w[t1 + c]
+                                           + x[a2 + c] * w[t2 + c] + x[a3 + c] * w[t3 + c]
+                                           + x[a4 + c] * w[t4 + c])
+                    else:
+                        a5, t5 = a4 + step, t4 + uC
+                        a6, t6 = a5 + step, t5 + uC
+                        for c in range(uC):
+                            out[o + c] += (x[a0 + c] * w[t0 + c] + x[a1 + c] * w[t1 + c]
+                                           + x[a2 + c] * w[t2 + c] + x[a3 + c] * w[t3 + c]
+                                           + x[a4 + c] * w[t4 + c] + x[a5 + c] * w[t5 + c]
+                                           + x[a6 + c] * w[t6 + c])
+                for c in range(uC):
+                    v = out[o + c] + b[c]
+                    v = lo if v < lo else v
+                    out[o + c] = hi if v > hi else v
 
 
 def _pointwise_cl(x, w, group, strides, outs, bias, cache):

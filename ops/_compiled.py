@@ -11,9 +11,8 @@ numba's import) instead of compiling it again (a few seconds). numba checks only
 own file for changes: after editing a function it calls from another file (`kernel_math`, the
 vector code of ops/_tiles.py), delete ops/__pycache__/*.nbi and *.nbc, or it runs the old
 code (an installed release writes every file anew, which clears them all). Kernels release
-the GIL and
-compute each output element with the same expression whatever the split, so a run gives the
-same bits on one thread or several.
+the GIL and compute each output element with the same expression whatever the split, so a run
+gives the same bits on one thread or several.
 
 Threads: `split_rows` cuts the rows into two pieces per thread of the run in flight
 (ember.runtime.threads), which the caller and a small pool of ours (`_Helpers`) take in

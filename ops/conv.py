@@ -503,6 +503,21 @@ def _run_depthwise(kernel, x, w, b, out, *geometry):
                          ns_per_row=_DEPTHWISE_TAP_NS * taps * N * Ow * C)
 
 
+@_compiled.kernel_math
+def window3x3_offsets(shape, n, r0, q0, dh, dw):
+    """The flat offsets in an image (N, H, W, C) = `shape` of a 3x3 window's nine taps, by
+    rows (a: row 0, m: row 1, z: row 2) and columns 0-2, for the window at row r0, column
+    q0 of image n, wholly inside it; unsigned, so that no negative-index wraparound hides
+    the contiguous loads from LLVM."""
+    N, H, W, C = shape
+    a0 = np.uint64(((n * H + r0) * W + q0) * C)
+    m0 = a0 + np.uint64(dh * W * C)
+    z0 = m0 + np.uint64(dh * W * C)
+    step = np.uint64(dw * C)                      # to the next column tap
+    a1, m1, z1 = a0 + step, m0 + step, z0 + step
+    return a0, a1, a1 + step, m0, m1, m1 + step, z0, z1, z1 + step
+
+
 def _depthwise3x3_rows(x4, w3, b, out4, ph, pw, sh, sw, dh, dw, lo, hi,
                        row0, row1):  # pragma: no cover
     """Output rows [row0, row1): out[n, oh, ow, c] = (sum over taps of x[n, r, q, c] *
@@ -524,12 +539,8 @@ def _depthwise3x3_rows(x4, w3, b, out4, ph, pw, sh, sw, dh, dw, lo, hi,
                 q0 = ow * sw - pw
                 o = np.uint64(((n * Oh + oh) * Ow + ow) * C)
                 if r0 >= 0 and r0 + 2 * dh < H and q0 >= 0 and q0 + 2 * dw < W:
-                    a0 = np.uint64(((n * H + r0) * W + q0) * C)   # taps (0, 0), (1, 0), (2, 0)
-                    m0 = a0 + np.uint64(dh * W * C)
-                    z0 = m0 + np.uint64(dh * W * C)
-                    step = np.uint64(dw * C)                      # to the next column tap
-                    a1, m1, z1 = a0 + step, m0 + step, z0 + step
-                    a2, m2, z2 = a1 + step, m1 + step, z1 + step
+                    a0, a1, a2, m0, m1, m2, z0, z1, z2 = window3x3_offsets(
+                        x4.shape, n, r0, q0, dh, dw)
                     for c in range(uC):
                         v = (x[a0 + c] * w[c] + x[a1 + c] * w[uC + c]
                              + x[a2 + c] * w[2 * uC + c] + x[m0 + c] * w[3 * uC + c]

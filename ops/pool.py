@@ -24,7 +24,8 @@ import numpy as np
 from ember import limits
 from ember.ops import _compiled, _xp
 from ember.ops.conv import (_channels_last, auto_pads, check_window_attributes, compute_dtype,
-                            ints, out_size, pad_array, remembered_geometry, tap_slices)
+                            ints, out_size, pad_array, remembered_geometry, tap_slices,
+                            window3x3_offsets)
 from ember.ops.registry import OpImpl, register
 
 
@@ -305,12 +306,8 @@ def _maxpool2d_channels_last_rows(x4, out4, kh, kw, sh, sw, ph, pw, dh, dw, row0
             o = np.uint64(((n * Oh + oh) * Ow + ow) * C)
             if (kh == 3 and kw == 3 and r0 >= 0 and r0 + 2 * dh < H and q0 >= 0
                     and q0 + 2 * dw < W):
-                a0 = np.uint64(((n * H + r0) * W + q0) * C)   # taps (0, 0), (1, 0), (2, 0)
-                m0 = a0 + np.uint64(dh * W * C)
-                z0 = m0 + np.uint64(dh * W * C)
-                step = np.uint64(dw * C)                      # to the next column tap
-                a1, m1, z1 = a0 + step, m0 + step, z0 + step
-                a2, m2, z2 = a1 + step, m1 + step, z1 + step
+                a0, a1, a2, m0, m1, m2, z0, z1, z2 = window3x3_offsets(
+                    x4.shape, n, r0, q0, dh, dw)
                 for c in range(uC):
                     m = _max_or_nan(x[a1 + c], x[a0 + c])
                     m = _max_or_nan(x[a2 + c], m)

@@ -301,11 +301,12 @@ def _maxpool2d_channels_last_rows(x4, out4, kh, kw, sh, sw, ph, pw, dh, dw, row0
     for row in range(row0, row1):
         n, oh = row // Oh, row % Oh
         r0 = oh * sh - ph
+        rows_inside = r0 >= 0 and r0 + (kh - 1) * dh < H
         for ow in range(Ow):
             q0 = ow * sw - pw
             o = np.uint64(((n * Oh + oh) * Ow + ow) * C)
-            if (kh == 3 and kw == 3 and r0 >= 0 and r0 + 2 * dh < H and q0 >= 0
-                    and q0 + 2 * dw < W):
+            inside = rows_inside and q0 >= 0 and q0 + (kw - 1) * dw < W
+            if inside and kh == 3 and kw == 3:
                 a0, a1, a2, m0, m1, m2, z0, z1, z2 = window3x3_offsets(
                     x4.shape, n, r0, q0, dh, dw)
                 for c in range(uC):
@@ -318,8 +319,7 @@ def _maxpool2d_channels_last_rows(x4, out4, kh, kw, sh, sw, ph, pw, dh, dw, row0
                     m = _max_or_nan(x[z1 + c], m)
                     out[o + c] = _max_or_nan(x[z2 + c], m)
                 continue
-            if (kh == 2 and kw == 2 and r0 >= 0 and r0 + dh < H and q0 >= 0
-                    and q0 + dw < W):
+            if inside and kh == 2 and kw == 2:
                 a0 = np.uint64(((n * H + r0) * W + q0) * C)
                 m0 = a0 + np.uint64(dh * W * C)
                 a1, m1 = a0 + np.uint64(dw * C), m0 + np.uint64(dw * C)

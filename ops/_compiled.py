@@ -281,7 +281,11 @@ class _Helpers:
     slice, and splits under load got slower. Nothing spins once no run is in flight.
     Measured (2 cores, Zen 4): a 1x1 convolution as tiles (112x112, 32 -> 16 channels) split
     in 4 pieces went from 690 to 310 us; in models, paired: MobileNetV2 b1 0.97x, ResNet-50
-    b1 0.96x, decode step b8 0.95x, LSTM+GRU unchanged."""
+    b1 0.96x, decode step b8 0.95x, LSTM+GRU unchanged.
+    On a 2-vCPU KVM guest (Zen 3) a sleeping helper started its first piece 120-180 us after
+    `submit`, whether or not it had been moved off the caller's CPU beforehand and whatever
+    OpenBLAS's spin (OPENBLAS_THREAD_TIMEOUT 4, 18, 25): the kernels split right after a BLAS
+    product there (BERT's GELU epilogue, Softmax) took as long on two threads as on one."""
 
     def __init__(self, threads: int):
         self.jobs: collections.deque[_Job] = collections.deque()

@@ -635,6 +635,22 @@ def test_compiled_epilogue_gives_the_numpy_epilogues_bits(activation, params, la
         np.testing.assert_array_equal(numpy_, want)
 
 
+@pytest.mark.parametrize("activation,params", [("Relu", []), ("LeakyRelu", [0.1])])
+def test_compiled_relu_keeps_the_numpy_epilogues_zeros_and_nans(activation, params,
+                                                                 monkeypatch):
+    """-0.0, NaNs of either sign and infinities straight into the activation (no bias): the
+    bits of np.maximum / np.copyto (ReLU of -0.0 is +0.0), not only equal values."""
+    pytest.importorskip("numba")
+    monkeypatch.delenv("EMBER_NUMBA", raising=False)
+    y = np.random.default_rng(5).standard_normal((64, 300)).astype(np.float32)
+    y[0, :6] = [-0.0, 0.0, np.nan, -np.nan, -np.inf, np.inf]
+    y[1, :2] = [-1e-45, 1e-45]
+    compiled, numpy_ = y.copy(), y.copy()
+    assert fused._epilogue_compiled(compiled, None, None, activation, params)
+    fused.activate_in_place(np, numpy_, activation, params)
+    np.testing.assert_array_equal(compiled.view(np.int32), numpy_.view(np.int32))
+
+
 def test_conv_add_relu_fused_matches_onnxruntime_with_the_compiled_epilogue():
     """Conv -> Add(residual) -> Relu and Conv -> HardSwish, fused by the simplifier into
     FusedConv whose epilogue runs compiled at this size."""

@@ -319,10 +319,8 @@ def _maxpool2d_channels_last_rows(x4, out4, kh, kw, sh, sw, ph, pw, dh, dw, row0
                     m = _max_or_nan(x[z1 + c], m)
                     out[o + c] = _max_or_nan(x[z2 + c], m)
                 continue
-            if inside and kh == 2 and kw == 2:
-                a0 = np.uint64(((n * H + r0) * W + q0) * C)
-                m0 = a0 + np.uint64(dh * W * C)
-                a1, m1 = a0 + np.uint64(dw * C), m0 + np.uint64(dw * C)
+            if inside and kh == 2 and kw == 2:   # a 3x3 window's first two rows and columns
+                a0, a1, _, m0, m1, _, _, _, _ = window3x3_offsets(x4.shape, n, r0, q0, dh, dw)
                 for c in range(uC):
                     m = _max_or_nan(x[a1 + c], x[a0 + c])
                     m = _max_or_nan(x[m0 + c], m)

@@ -18,7 +18,8 @@ Threads: `split_rows` cuts the rows into two pieces per thread of the run in fli
 (ember.runtime.threads), which the caller and a small pool of ours (`_Helpers`) take in
 turn. numba's own `parallel=True` loops were slower here: numba's workers and OpenBLAS's
 competed for the cores from one node to the next. The pool's threads spin a few tens of
-microseconds for a next job during a run, then sleep: they use no CPU between runs.
+microseconds for a next job during a run (~0.6 ms where the pool runs the products too:
+ops/_blas.py), then sleep: they use no CPU between runs.
 
 Steps in lockstep: `run_in_lockstep` runs a loop of dependent steps (a recurrence's time
 steps) on several threads with no Python between the steps: each step's units (hidden units)
@@ -119,7 +120,7 @@ def split_rows(kernel: Callable, rows: int, *args: Any, ns_per_row: float) -> No
     pieces per thread, taken in turn by the calling thread and by the pool's threads as they
     start: a helper that is slow to start (its core busy) leaves its pieces to the others
     instead of holding the call up, and one not started by the end is cancelled."""
-    threads = max(1, min(_run_threads(), int(rows * ns_per_row // MIN_PIECE_NS)))
+    threads = max(1, min(run_threads(), int(rows * ns_per_row // MIN_PIECE_NS)))
     if threads == 1:  # most calls: no lists, no pool
         kernel(*args, 0, rows)
         return
@@ -145,7 +146,7 @@ def run_in_lockstep(kernel: Callable, units: int, steps: int, *args: Any, min_un
     thread per core of the run in flight with at least `min_units` units each: `cuts`
     bounds the chunks (multiples of `align`), `rank` is the thread's own chunk, `sync` the
     steps' claims and counts (see take_chunk). Returns the number of threads asked."""
-    threads = max(1, min(_run_threads(), _CPUS, units // max(1, min_units)))
+    threads = max(1, min(run_threads(), _CPUS, units // max(1, min_units)))
     cuts = np.array([units * k // threads // align * align for k in range(threads)] + [units],
                     np.int64)
     sync = np.zeros(steps * (threads + 1), np.int64)
@@ -214,7 +215,7 @@ def _blas_threads() -> Any:
     return _threads
 
 
-def _run_threads() -> int:
+def run_threads() -> int:
     return _blas_threads().run_threads()
 
 
@@ -323,7 +324,7 @@ class _Helpers:
                 job = None
             if job is None and finished is not None and wait is not None:
                 wait(finished, self.posted, self.posted[0], _blas_threads().in_flight,
-                     HELPER_PAUSES, SETTLE_PAUSES)
+                     _helper_pauses(), SETTLE_PAUSES)
                 finished = None
                 continue
             if finished is not None:
@@ -352,6 +353,17 @@ class _Helpers:
 _ALWAYS = np.ones(1, np.int64)  # as `runs` for wait_while_equal: wait whether runs are or not
 HELPER_PAUSES = 1000  # ~25-40 us: how long a helper spins for a next job
 SETTLE_PAUSES = 200   # ~5 us: see wait_for_job
+# ~0.6 ms where the products run on the pool too (ops/_blas.py): then OpenBLAS's workers
+# sleep through the run, the helpers are the only threads that need the other cores, and the
+# next job is usually a product a few tens of microseconds away. Measured on 2 vCPUs (Zen 3,
+# KVM), products on the pool, paired runs at b1: HELPER_PAUSES instead of this made
+# BERT-small 1.05x and MobileNetV2 1.11x slower.
+POOL_PRODUCTS_HELPER_PAUSES = 20_000
+
+
+def _helper_pauses() -> int:
+    from ember.ops import _blas  # here: _blas imports this module
+    return POOL_PRODUCTS_HELPER_PAUSES if _blas.enabled() else HELPER_PAUSES
 
 
 def wait_while_equal(a, i, value, runs, pauses, yields):

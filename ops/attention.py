@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from ember.ops import _blas
 from ember.ops._dtypes import is_narrow_float, work_dtype
 from ember.ops.reduction import softmax
 from ember.ops.registry import OpImpl, register
@@ -109,7 +110,8 @@ class _Attention(OpImpl):
         # differ in the last bits): K, the long operand of a decoder step, is then not
         # copied to be scaled
         qg = (qw * work.type(scale)).reshape(batch, kv_heads, group * q_len, head)
-        scores = xp.matmul(qg, xp.swapaxes(kw, -1, -2)).reshape(batch, q_heads, q_len, total)
+        scores = _blas.product(xp, qg, xp.swapaxes(kw, -1, -2)).reshape(
+            batch, q_heads, q_len, total)
         qk_out = scores if self.mode == 0 else None
         if self.softcap > 0:
             cap = work.type(self.softcap)
@@ -136,7 +138,7 @@ class _Attention(OpImpl):
         if self.mode == 3:
             qk_out = probs
 
-        y = xp.matmul(probs.reshape(batch, kv_heads, group * q_len, total), vw).reshape(
+        y = _blas.product(xp, probs.reshape(batch, kv_heads, group * q_len, total), vw).reshape(
             batch, q_heads, q_len, vw.shape[-1])
         if in3d:
             y = y.transpose(0, 2, 1, 3).reshape(batch, q_len, -1)
@@ -392,10 +394,10 @@ class FlexAttention(OpImpl):
             k = xp.repeat(k, group, axis=1)
             v = xp.repeat(v, group, axis=1)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head)
-        scores = xp.matmul(q, xp.swapaxes(k, -1, -2)) * work.type(scale)
+        scores = _blas.product(xp, q, xp.swapaxes(k, -1, -2)) * work.type(scale)
         scores = self._modify(self.score_mod, scores.astype(sdt, copy=False), scope)
         probs = _masked_softmax(xp, scores.astype(np.float32) if is_narrow_float(sdt)
                                 else scores)
         probs = self._modify(self.prob_mod, probs.astype(sdt, copy=False), scope)
-        y = xp.matmul(probs.astype(work, copy=False), v)
+        y = _blas.product(xp, probs.astype(work, copy=False), v)
         return y.astype(Q.dtype, copy=False)

@@ -32,7 +32,7 @@ import math
 import numpy as np
 
 from ember import limits
-from ember.ops import _compiled, _tiles, _xp
+from ember.ops import _blas, _compiled, _tiles, _xp
 from ember.ops.registry import OpImpl, register
 
 # ----------------------------------------------------------------------------------------------
@@ -239,9 +239,9 @@ def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, 
 
     def gemm(wm, cols):
         if group == 1:
-            out = xp.matmul(wm[0], cols[:, 0])
+            out = _blas.product(xp, wm[0], cols[:, 0])
         else:
-            out = xp.matmul(wm, cols)
+            out = _blas.product(xp, wm, cols)
         return out.reshape(N, M, *outs)
 
     if xp is np and _depthwise_fast(x, w, group, kernel, begin, end):
@@ -286,7 +286,7 @@ def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, 
         if xp is np and group == 1 and C <= _IMAGE_CHANNELS and x.ndim == 4:
             # an image's first layer: the result channels-last, (L, M) = cols^T w^T (BLAS
             # reads both transposed), for the depthwise and pointwise kernels that follow
-            out = np.matmul(cols[0, 0].T, wm[0].T)
+            out = _blas.matmul(cols[0, 0].T, wm[0].T)
             return out.reshape(N, *outs, M).transpose(0, 3, 1, 2)
         return gemm(wm, cols)
     # the CPU from here on (xp is np)
@@ -296,7 +296,7 @@ def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, 
         cols = np.empty((1, 1, rows, L), x.dtype)
         for i in range(N):
             _fill_cols(np, cols, win[i:i + 1], bias is not None)
-            np.matmul(wm[0], cols[0, 0], out=out[i])
+            _blas.matmul(wm[0], cols[0, 0], out=out[i])
         return out.reshape(N, M, *outs)
 
     # many small groups (depthwise, ResNeXt-like): im2col + batched GEMM over chunks of groups
@@ -308,7 +308,7 @@ def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, 
         g1 = min(group, g0 + per)
         cols = buf[:, :g1 - g0]
         _fill_cols(np, cols, win[:, g0:g1], bias is not None)
-        np.matmul(wm[g0:g1], cols, out=out[:, g0:g1])
+        _blas.matmul(wm[g0:g1], cols, out=out[:, g0:g1])
     return out.reshape(N, M, *outs)
 
 
@@ -655,21 +655,21 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
         xa = np.empty((L, C + 1), x.dtype)
         xa[:, :C].reshape(xt.shape)[...] = xt
         xa[:, C] = 1
-        out = np.matmul(xa, wa, out=_tiles.empty((L, M), x.dtype))
+        out = _blas.matmul(xa, wa, out=_tiles.empty((L, M), x.dtype))
         return out.reshape(N, *outs, M).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
     if group == 1:
         # the weights as a C-ordered (C, M) matrix: BLAS runs short products (7x7, 14x14
         # images) 1.1-1.4x faster from it than from the transposed view of w (M, C)
         wt = _remembered(cache, "pw-cl", lambda: np.ascontiguousarray(w.reshape(M, C).T))
         # aligned to a cache line for the vector kernels that read it (a depthwise one next)
-        out = np.matmul(xt.reshape(L, C), wt, out=_tiles.empty((L, M), x.dtype))
+        out = _blas.matmul(xt.reshape(L, C), wt, out=_tiles.empty((L, M), x.dtype))
     else:
         Cg, Mg = C // group, M // group
         xg = xt.reshape(L, group, Cg).transpose(1, 0, 2)          # (G, L, Cg)
         wg = w.reshape(group, Mg, Cg).transpose(0, 2, 1)          # (G, Cg, Mg)
         # (G, L, Mg) from BLAS, then one copy into the channels-last (L, G*Mg) layout (a
         # transposed `out=` would send matmul to its loops without BLAS)
-        out = np.ascontiguousarray(np.matmul(xg, wg).transpose(1, 0, 2)).reshape(L, M)
+        out = np.ascontiguousarray(_blas.matmul(xg, wg).transpose(1, 0, 2)).reshape(L, M)
     if bias is not None:
         out += bias
     return out.reshape(N, *outs, M).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
@@ -812,10 +812,10 @@ def _conv_shifted(x, w, kernel, begin, end, outs, bias, cache):
         for r0 in range(0, rows, _SHIFTED_CHUNK):
             r1 = min(rows, r0 + _SHIFTED_CHUNK)
             acc, tmp = flat_out[r0:r1], partial[:r1 - r0]
-            np.matmul(padded[r0:r1], taps[0], out=acc)
+            _blas.matmul(padded[r0:r1], taps[0], out=acc)
             for tap in range(1, len(offsets)):
                 off = offsets[tap]
-                np.matmul(padded[r0 + off:r1 + off], taps[tap], out=tmp)
+                _blas.matmul(padded[r0 + off:r1 + off], taps[tap], out=tmp)
                 acc += tmp
             if bias is not None:
                 acc += bias
@@ -858,7 +858,7 @@ def _conv_patch_rows(x, w, kernel, strides, dilations, begin, outs, bias, cache)
     for n in range(N):
         padded[begin[0]:begin[0] + H, begin[1]:begin[1] + W] = x[n].transpose(1, 2, 0)
         np.copyto(rows, windows)
-        np.matmul(rows.reshape(Ho * Wo, -1), taps, out=out[n].reshape(Ho * Wo, M))
+        _blas.matmul(rows.reshape(Ho * Wo, -1), taps, out=out[n].reshape(Ho * Wo, M))
     if bias is not None:
         out += bias
     return out.transpose(0, 3, 1, 2)
@@ -1123,7 +1123,7 @@ class ConvTranspose(_ConvBase):
         wt = _remembered(cache, "cols", lambda: xp.ascontiguousarray(
             w.astype(dt, copy=False).reshape(G, C // G, Mg * K).transpose(0, 2, 1)))
         xm = x.astype(dt, copy=False).reshape(N, G, C // G, L)
-        cols = xp.matmul(wt, xm)  # (N, G, Mg*K, L)
+        cols = _blas.product(xp, wt, xm)  # (N, G, Mg*K, L)
         cols = cols.reshape((N, M) + tuple(kernel) + tuple(in_sp))
         out = col2im_nd(xp, cols, out_sp, kernel, strides, dilations, begin, end)
         _add_bias(out, b)  # col2im_nd's result is a fresh array of ours
@@ -1140,7 +1140,7 @@ class ConvTranspose(_ConvBase):
         wm = _remembered(cache, "tiles", lambda: np.ascontiguousarray(
             w.astype(x.dtype, copy=False).transpose(0, 2, 3, 1)).reshape(C, kh * kw * M))
         pixels = x.transpose(0, 2, 3, 1).reshape(N * H * W, C)  # a view when channels-last
-        tiles = np.matmul(pixels, wm).reshape(N, H, W, kh, kw, M)
+        tiles = _blas.matmul(pixels, wm).reshape(N, H, W, kh, kw, M)
         out = np.empty((N, H, kh, W, kw, M), x.dtype)
         placed = tiles.transpose(0, 1, 3, 2, 4, 5)
         if b is None:
@@ -1261,7 +1261,7 @@ class DeformConv(_ConvBase):
         cols = cols.reshape(N, G, (C // G) * K, L)
         wm = self.cached_weight(w, lambda a: xp.ascontiguousarray(a, dtype=dt)) \
             .reshape(G, M // G, (C // G) * K)
-        out = xp.matmul(wm, cols).reshape(N, M, *outs)
+        out = _blas.product(xp, wm, cols).reshape(N, M, *outs)
         _add_bias(out, b)  # a fresh array of ours
         return out.astype(x.dtype, copy=False)
 

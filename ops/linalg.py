@@ -10,13 +10,14 @@ with AVX2, 2-16 rows) run as register tiles over the weight packed once (`_tiled
 numba on an AVX-512 or AVX2 CPU); elsewhere, products of 2-4 rows run as one GEMV per row
 where that was measured faster (`_rows_faster`), and products of 4-12 rows by a large
 constant weight as dot products with the rows of its transpose (`_dot_columns`, numba);
-BLAS's thread count is the session's (ember.runtime.threads).
+the products BLAS does go through ops/_blas.py, which cuts them into pieces for ember's kernel
+pool during runs (OpenBLAS then on one thread), or leaves them to OpenBLAS's threads.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ember.ops import _compiled, _tiles
+from ember.ops import _blas, _compiled, _tiles
 from ember.ops._dtypes import is_narrow_float, widen
 from ember.ops.registry import OpImpl, register
 
@@ -35,7 +36,8 @@ def _int_matmul(xp, a, b):
     return xp.matmul(a.astype(np.int64), b.astype(np.int64))
 
 
-# How OpenBLAS (numpy's BLAS) runs small float products fastest, measured on a 2-core AMD EPYC
+# How OpenBLAS (numpy's BLAS) runs small float products fastest on its own threads (without
+# numba, or with EMBER_POOL_PRODUCTS=0: ops/_blas.py), measured on a 2-core AMD EPYC
 # VM with OpenBLAS 0.3.31 (Haswell kernels), M = 1..64 rows, K, N = 256..3072 (report of
 # issue 12; medians of interleaved runs, 100 us of other work between products):
 # * Threads. OpenBLAS runs a GEMM on one thread up to M*N*K = 65536 * GEMM_MULTITHREAD_THRESHOLD
@@ -57,7 +59,7 @@ def _by_row(a, b):
     """A 2- to 4-row product as one GEMV per row (CPU only)."""
     out = np.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a, b))
     for i in range(a.shape[0]):  # 2 to 4 BLAS calls
-        np.matmul(a[i], b, out=out[i])
+        _blas.matmul(a[i:i + 1], b, out=out[i:i + 1])
     return out
 
 
@@ -233,8 +235,10 @@ def _float_matmul(xp, a, b, weight: CachedPack | None = None):
                 a.shape[0] * b.shape[1] * a.itemsize >= _tiles.KEEP_FROM_BYTES):
             # a product of 32 MB or more into a kept buffer (_tiles.empty): allocated afresh
             # it page-faults at every run (ConvNeXt-T's MLP at batch 8: 211 faults each)
-            y = np.matmul(a, b, out=_tiles.empty((a.shape[0], b.shape[1]),
-                                                 np.result_type(a.dtype, b.dtype)))
+            y = _blas.matmul(a, b, out=_tiles.empty((a.shape[0], b.shape[1]),
+                                                    np.result_type(a.dtype, b.dtype)))
+        elif xp is np:
+            y = _blas.matmul(a, b)
         else:
             y = xp.matmul(a, b)
     return y if shape is None else y.reshape(shape)

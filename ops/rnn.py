@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.ops import _compiled, _tiles, _xp
+from ember.ops import _blas, _compiled, _tiles, _xp
 from ember.ops._compiled import chunk_done, exp_float32, tanh_float32, take_chunk, wait_step
 from ember.ops._tiles import columns_from_blocks
 from ember.ops.linalg import dot_columns_loops
@@ -453,7 +453,7 @@ class _RecurrentBase(OpImpl):
         seq, batch, _ = X.shape
         D, G = self.num_directions, self.n_gates * H
         Wt, bias, Rs, Rts, Rbs = self._prepared(W, R, B, cdt, H)
-        XW = xp.matmul(X.reshape(seq * batch, X.shape[2]), Wt).reshape(seq, batch, D * G)
+        XW = _blas.product(xp, X.reshape(seq * batch, X.shape[2]), Wt).reshape(seq, batch, D * G)
         XW += bias
         # each direction's steps contiguous (seq, batch, H), seen as (seq, dirs, batch, H)
         Y = (xp.empty if lens is None else xp.zeros)((D, seq, batch, H), cdt).transpose(

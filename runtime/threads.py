@@ -2,16 +2,19 @@
 
 Three things, all on the host (they matter to the CPU kernels and to host fallbacks):
 
-* Thread count. A session runs with `threads` BLAS threads (`ember.load(..., threads=N)`,
+* Thread count. A session runs with `threads` threads (`ember.load(..., threads=N)`,
   `SessionOptions.intra_op_num_threads` in `ember.InferenceSession`), by default the number of
   physical cores this process may run on (`physical_cores`: the CPUs of
   `os.sched_getaffinity`, hyperthread siblings counted once), as onnxruntime does. BLAS thread
   pools are process-wide, so the count is set when a run starts and the previous one restored
   when the last run in flight returns (with runs of different counts in flight at once, the
-  latest asked wins). The libraries are found with threadpoolctl; OpenBLAS on its own pthreads
-  server is set through its C entry points directly (1 us a call: threadpoolctl's
-  `set_num_threads` costs 5 us and, in threadpoolctl 3.8, does nothing when called from a
-  thread other than the first one that used it, and runs come from any thread).
+  latest asked wins). Where ember's kernel pool runs the products (ember.ops._blas: numba
+  installed, numpy's BLAS an OpenBLAS) the pool takes that count and BLAS is set to one
+  thread for the run instead (`_blas_count`). The libraries are found with threadpoolctl;
+  OpenBLAS on its own pthreads server is set through its C entry points directly (1 us a
+  call: threadpoolctl's `set_num_threads` costs 5 us and, in threadpoolctl 3.8, does nothing
+  when called from a thread other than the first one that used it, and runs come from any
+  thread).
 
 * No spinning after `run()` returns. After each parallel call, OpenBLAS's worker threads
   busy-wait (a `sched_yield` loop) for THREAD_TIMEOUT before they sleep: 2**28 TSC cycles by
@@ -49,7 +52,7 @@ import threadpoolctl
 # log2 of the TSC cycles OpenBLAS workers spin before sleeping (OpenBLAS's default is 28)
 THREAD_TIMEOUT = 18
 
-_AFFIXES = [(p, s) for p in ("", "scipy_") for s in ("", "64_", "_64")]
+AFFIXES = [(p, s) for p in ("", "scipy_") for s in ("", "64_", "_64")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,7 +108,7 @@ class _Lib:
         self.dynlib = getattr(controller, "dynlib", None)
         if (controller.internal_api == "openblas" and self.dynlib is not None
                 and getattr(controller, "threading_layer", None) != "openmp"):
-            for prefix, suffix in _AFFIXES:
+            for prefix, suffix in AFFIXES:
                 get = getattr(self.dynlib, f"{prefix}openblas_get_num_threads{suffix}", None)
                 set_ = getattr(self.dynlib, f"{prefix}openblas_set_num_threads{suffix}", None)
                 if get is not None and set_ is not None:
@@ -149,18 +152,20 @@ _target: int | None = None     # the count the runs in flight asked for
 
 
 def enter(threads: int) -> None:
-    """A run starts: BLAS uses `threads` threads until the last run in flight calls `leave`."""
+    """A run starts: BLAS uses `threads` threads (one where ember's pool runs the products)
+    until the last run in flight calls `leave`."""
     global _active, _saved, _target
+    blas = _blas_count(threads)  # first: the first call may load numba, and a BLAS with it
     libs = blas_libraries()
     with _lock:
         if _active == 0:
             _saved = [(lib, lib.get()) for lib in libs]
             for lib, count in _saved:
-                if count != threads:
-                    lib.set(threads)
+                if count != blas:
+                    lib.set(blas)
         elif threads != _target:
             for lib, _ in _saved:
-                lib.set(threads)
+                lib.set(blas)
         _target = threads
         _active += 1
         in_flight[0] = _active
@@ -172,8 +177,9 @@ def leave() -> None:
         _active -= 1
         in_flight[0] = _active
         if _active == 0:
+            blas = _blas_count(_target)
             for lib, count in _saved:
-                if count is not None and count != _target:
+                if count is not None and count != blas:
                     lib.set(count)
             _saved.clear()
             _target = None
@@ -192,8 +198,15 @@ def adopt_new_libraries() -> None:
             if lib.controller.filepath not in known:
                 count = lib.get()
                 _saved.append((lib, count))
-                if count != _target:
-                    lib.set(_target)
+                if count != _blas_count(_target):
+                    lib.set(_blas_count(_target))
+
+
+def _blas_count(threads: int) -> int:
+    """BLAS's own thread count during runs of `threads` threads: one where the products run
+    on ember's kernel pool (ember.ops._blas), which then has the cores to itself."""
+    from ember.ops import _blas  # here: the ops import this module
+    return 1 if _blas.enabled() else threads
 
 
 def run_threads() -> int:
@@ -212,7 +225,7 @@ def current_threads() -> list[int]:
 # OpenBLAS's idle spin
 
 def _symbol(dynlib: Any, name: str) -> Any:
-    for prefix, suffix in _AFFIXES:
+    for prefix, suffix in AFFIXES:
         fn = getattr(dynlib, f"{prefix}{name}{suffix}", None)
         if fn is not None:
             return fn

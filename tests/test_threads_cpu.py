@@ -28,7 +28,7 @@ import threadpoolctl
 from onnx import TensorProto, helper, numpy_helper
 
 import ember
-from ember.ops import fused, linalg
+from ember.ops import _blas, _compiled, fused, linalg
 from ember.runtime import threads as ember_threads
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,14 +153,24 @@ def _spy_matmul(monkeypatch) -> list[dict[str, int]]:
     return seen
 
 
+def _blas_count_in_runs(threads: int) -> int:
+    """BLAS's own thread count during runs: one where ember's pool runs the products."""
+    return 1 if _blas.enabled() else threads
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_threads_option_honoured_inside_run(monkeypatch, threads):
     before = _blas_threads_reported()
     seen = _spy_matmul(monkeypatch)
+    pool_threads, split_rows = [], _compiled.split_rows
+    monkeypatch.setattr(_compiled, "split_rows", lambda *args, **kw: (
+        pool_threads.append(_compiled.run_threads()), split_rows(*args, **kw)))
     sess = ember.load(TRANSFORMER, threads=threads)
     assert sess.threads == threads
     sess.run(_transformer_feeds())
-    assert seen and all(set(counts.values()) == {threads} for counts in seen), seen
+    blas = _blas_count_in_runs(threads)
+    assert seen and all(set(counts.values()) == {blas} for counts in seen), seen
+    assert set(pool_threads) <= {threads}  # what the kernel pool splits for
     after = _blas_threads_reported()
     assert {lib: after[lib] for lib in before} == before  # restored when run returns
 
@@ -174,6 +184,7 @@ def test_intra_op_num_threads_honoured(monkeypatch):
     assert sess._session.threads == 1
     sess.run(None, _transformer_feeds())
     assert seen and all(set(counts.values()) == {1} for counts in seen), seen
+    assert sess._session.threads == 1
     opts.intra_op_num_threads = 0  # onnxruntime's default: the physical cores
     default = ember.InferenceSession(TRANSFORMER, opts)
     assert default._session.threads == ember_threads.physical_cores()

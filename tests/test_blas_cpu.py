@@ -1,0 +1,117 @@
+"""Products on ember's kernel pool (ember.ops._blas): OpenBLAS's GEMM / GEMV called on pieces of
+a product during runs. Checked against numpy's float64 product (the oracle; float32 results
+within 1e-6 of sum_k |a_ik| |b_kj|, the scale any summation order's rounding is relative to),
+for every layout the pieces address (transposed operands, batches, a matrix by a stack, one row
+or one column, an `out` inside a larger array), and for the same bits whichever threads call."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from ember.ops import _blas, _compiled
+from ember.runtime import threads as ember_threads
+
+pytestmark = pytest.mark.skipif(not _blas.enabled(),
+                                reason="products stay with np.matmul (no numba or OpenBLAS)")
+
+
+def _transposed(x: np.ndarray) -> np.ndarray:
+    """x's values with its last two axes' strides swapped (BLAS's transposed layout)."""
+    return np.ascontiguousarray(np.swapaxes(x, -1, -2)).swapaxes(-1, -2)
+
+
+SHAPES = [((128, 512), (512, 2048)),   # rows < columns: cut by columns
+          ((600, 96), (96, 80)),       # cut by rows
+          ((1, 768), (768, 6000)),     # one row: GEMVs
+          ((3000, 1500), (1500, 1)),   # one column: GEMVs
+          ((4, 64, 300), (4, 300, 96)),  # a batch: cut by items
+          ((3, 1, 64), (3, 64, 4096)),   # a batch of rows
+          ((2, 3, 40, 200), (200, 500)),  # a stack by one matrix
+          ((300, 900), (2, 900, 70))]     # one matrix by a stack
+
+
+@pytest.fixture
+def in_a_run():
+    """The products split as in a run of two threads (BLAS on one thread meanwhile)."""
+    ember_threads.enter(2)
+    yield
+    ember_threads.leave()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shapes", SHAPES, ids=str)
+def test_products_match_float64(in_a_run, monkeypatch, shapes, dtype):
+    rng = np.random.default_rng(sum(map(sum, shapes)))
+    a = rng.standard_normal(shapes[0]).astype(dtype)
+    b = rng.standard_normal(shapes[1]).astype(dtype)
+    splits = []
+    split_rows = _compiled.split_rows
+    monkeypatch.setattr(_compiled, "split_rows", lambda *args, **kw: (
+        splits.append(args[1]), split_rows(*args, **kw)))
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    scale = np.matmul(np.abs(a).astype(np.float64), np.abs(b).astype(np.float64))
+    tolerance = 1e-6 if dtype == np.float32 else 1e-14
+    for a_, b_ in [(a, b), (_transposed(a), b), (a, _transposed(b)),
+                   (_transposed(a), _transposed(b))]:
+        got = _blas.matmul(a_, b_)
+        assert got.dtype == dtype and got.shape == want.shape
+        assert np.all(np.abs(got - want) <= tolerance * scale)
+    assert splits and all(pieces == 2 for pieces in splits)  # the pool took them
+
+
+def test_out_inside_a_larger_array(in_a_run):
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((256, 300), dtype=np.float32)
+    b = rng.standard_normal((300, 500), dtype=np.float32)
+    big = np.full((256, 600), 7.0, np.float32)
+    out = big[:, 50:550]  # rows 600 values apart
+    assert _blas.matmul(a, b, out=out) is out
+    scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
+    assert np.all(np.abs(out - a.astype(np.float64) @ b) <= 1e-6 * scale)
+    assert np.all(big[:, :50] == 7) and np.all(big[:, 550:] == 7)  # nothing written beside
+
+
+def test_same_bits_from_concurrent_callers(in_a_run):
+    """Pieces are cut by the shape and the thread count alone: four threads calling at once
+    (each taking pieces, the pool's helper busy or not) get the bits of one call alone."""
+    rng = np.random.default_rng(2)
+    cases = [(rng.standard_normal(sa, dtype=np.float32), rng.standard_normal(sb, dtype=np.float32))
+             for sa, sb in SHAPES]
+    alone = [_blas.matmul(a, b) for a, b in cases]
+    results: dict[int, list[np.ndarray]] = {}
+
+    def call(worker: int) -> None:
+        results[worker] = [_blas.matmul(a, b) for _ in range(3) for a, b in cases]
+
+    workers = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    for got in results.values():
+        for i, value in enumerate(got):
+            assert np.array_equal(value, alone[i % len(cases)])
+
+
+def test_outside_runs_numpy_does_the_product():
+    """Outside a run OpenBLAS has its own threads: the product is numpy's, bit for bit."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((128, 512), dtype=np.float32)
+    b = rng.standard_normal((512, 2048), dtype=np.float32)
+    assert np.array_equal(_blas.matmul(a, b), np.matmul(a, b))
+
+
+@pytest.mark.parametrize("a_shape, b_shape", [((2, 5, 6), (3, 6, 4)), ((5, 6), (6,)),
+                                              ((0, 6), (6, 4))])
+def test_what_it_does_not_take_goes_to_numpy(in_a_run, a_shape, b_shape):
+    """Broadcast batches, vectors and empty products: numpy's matmul (or its error)."""
+    a, b = np.ones(a_shape, np.float32), np.ones(b_shape, np.float32)
+    try:
+        want = np.matmul(a, b)
+    except ValueError:
+        with pytest.raises(ValueError):
+            _blas.matmul(a, b)
+        return
+    assert np.array_equal(_blas.matmul(a, b), want)

@@ -11,12 +11,13 @@ one pool, awake for the whole run: OpenBLAS runs on one thread during runs
 (ember.runtime.threads.enter), and a product of at least PIECE_MACS multiply-adds a piece is
 cut into one piece per thread of the run (its batch items, rows, or columns in blocks of 16),
 each one sgemm / dgemm call (sgemv / dgemv for one row or column) with the GIL released,
-taken by the caller and the helpers. Smaller products, and GEMVs of fewer than
-_GEMV_MIN_VALUES values, run whole on the calling thread (np.matmul).
+taken by the caller and the helpers (each call from Python: ~5 us). Smaller products,
+stacks of matrices of fewer than PIECE_MACS multiply-adds each, and GEMVs of fewer than
+_GEMV_MIN_VALUES values run whole on the calling thread (np.matmul).
 
 Measured on 2 vCPUs (Zen 3 KVM), paired processes against OpenBLAS's own threads, b1: BERT-small
 0.85x the time, GPT-2 0.85x, MobileNetV2 0.85x, ResNet-50 0.88x, ConvNeXt-T 0.89x, UNet 0.96x,
-LSTM+GRU 1.00x; at batch 8 MobileNetV2 0.92x, the decoder step 0.88x. The cost: GPT-2's decoder
+LSTM+GRU 1.00x; at batch 8 MobileNetV2 0.92x, the decoder step 0.96x. The cost: GPT-2's decoder
 step at batch 1, whose products are GEMVs of 0.6-2.4 M values (memory-bound: OpenBLAS's two
 threads read them 1.2-1.5x faster than one, and a piece handed to the pool starts 100-170 us
 late, from Python), is 1.16x slower.
@@ -26,9 +27,9 @@ thread takes them, so a session gives the same bits run after run, from any numb
 threads; a session with another thread count may round differently (as with OpenBLAS's own
 threads: see tests/test_threads_cpu.py).
 
-Off (np.matmul, OpenBLAS's own threads) where numba is not installed (the helpers then sleep
-between jobs), where numpy's BLAS is not OpenBLAS with its CBLAS symbols, or with
-EMBER_POOL_PRODUCTS=0. Operands that are not float32 / float64 with one unit stride each,
+Off (np.matmul, OpenBLAS's own threads) outside runs, where numba is not installed (the
+helpers then sleep between jobs), where no OpenBLAS with its CBLAS symbols is loaded (numpy's
+is preferred), or with EMBER_POOL_PRODUCTS=0. Operands that are not float32 / float64 with one unit stride each,
 broadcast batches and empty products go to np.matmul.
 """
 from __future__ import annotations
@@ -139,6 +140,8 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
         pieces = min(_compiled.run_threads(), batch * M * N * K // PIECE_MACS)
         if batch == 1 and min(M, N) == 1 and M * N * K < _GEMV_MIN_VALUES:
             pieces = 1
+        elif batch > 1 and M * N * K < PIECE_MACS:
+            pieces = 1  # small matrices (a decoder step's attention): numpy loops over them in C
     if pieces <= 1:  # on one thread: numpy's call is the shortest way to BLAS
         return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)
     if out is None:

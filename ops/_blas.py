@@ -29,8 +29,8 @@ threads: see tests/test_threads_cpu.py).
 
 Off (np.matmul, OpenBLAS's own threads) outside runs, where numba is not installed (the
 helpers then sleep between jobs), where no OpenBLAS with its CBLAS symbols is loaded (numpy's
-is preferred), or with EMBER_POOL_PRODUCTS=0. Operands that are not float32 / float64 with one unit stride each,
-broadcast batches and empty products go to np.matmul.
+is preferred), or with EMBER_POOL_PRODUCTS=0. Operands that are not float32 / float64 with
+one unit stride each, broadcast batches and empty products go to np.matmul.
 """
 from __future__ import annotations
 

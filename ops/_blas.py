@@ -132,7 +132,8 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     """np.matmul(a, b, out=out) for CPU arrays, on the kernel pool where it applies."""
     blas = _blas()
     pieces = 1
-    if blas is not None and blas.in_flight[0] and _fits(a, b, out):
+    layouts = _layouts(a, b, out) if blas is not None and blas.in_flight[0] else None
+    if layouts is not None:
         M, K = a.shape[-2:]
         N = b.shape[-1]
         lead = _lead(a, b)
@@ -156,12 +157,11 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     bounds = [count * i // pieces for i in range(pieces + 1)]
     if axis == _COLUMNS:
         bounds = [min(N, c * _COLUMN_BLOCK) for c in bounds]
-    ta, lda = _matrix(a)
-    tb, ldb = _matrix(b)
+    (ta, lda, sa), (tb, ldb, sb) = layouts
     product = (blas.gemm[a.dtype], blas.gemv[a.dtype], M, N, K,
-               _address(a), ta, lda, _batch_stride(a), _address(b), tb, ldb,
-               _batch_stride(b), _address(out), out.strides[-2] // out.itemsize,
-               _batch_stride(out), a.itemsize, a.dtype.type(1), a.dtype.type(0))
+               _address(a), ta, lda, sa, _address(b), tb, ldb, sb,
+               _address(out), out.strides[-2] // out.itemsize, _batch_stride(out),
+               a.itemsize, a.dtype.type(1), a.dtype.type(0))
     _compiled.split_rows(_run_pieces, pieces, *product, axis, bounds,
                          ns_per_row=_compiled.MIN_PIECE_NS)
     return out
@@ -182,29 +182,34 @@ def _lead(a: np.ndarray, b: np.ndarray) -> tuple[int, ...]:
     return a.shape[:-2] if a.ndim > 2 else b.shape[:-2]
 
 
-def _fits(a, b, out) -> bool:
-    """Whether the pieces can address a, b and out: float32 or float64, each matrix with one
-    unit stride, the batches the same (or one side a single matrix), out not overlapping the
-    operands, and nothing empty."""
+def _layouts(a, b, out) -> tuple[tuple[int, int, int], tuple[int, int, int]] | None:
+    """(transpose flag, leading dimension, batch stride) of a and of b, where the pieces can
+    address a, b and out: float32 or float64, each matrix with one unit stride, the batches
+    the same (or one side a single matrix), out not overlapping the operands, and nothing
+    empty; None where they cannot."""
     if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.ndim < 2 \
             or b.ndim < 2 or a.dtype != b.dtype or a.dtype not in _DTYPES:
-        return False
+        return None
     if (a.ndim > 2 and b.ndim > 2 and a.shape[:-2] != b.shape[:-2]) \
             or a.shape[-1] != b.shape[-2] or 0 in a.shape or 0 in b.shape:
-        return False
-    if _matrix(a) is None or _matrix(b) is None or _batch_stride(a) is None \
-            or _batch_stride(b) is None:
-        return False
+        return None
+    matrix_a, matrix_b = _matrix(a), _matrix(b)
+    stride_a, stride_b = _batch_stride(a), _batch_stride(b)
+    if matrix_a is None or matrix_b is None or stride_a is None or stride_b is None:
+        return None
+    layouts = (*matrix_a, stride_a), (*matrix_b, stride_b)
     if out is None:
-        return True
+        return layouts
     if not (isinstance(out, np.ndarray) and out.dtype == a.dtype and out.flags.writeable
             and out.shape == _lead(a, b) + (a.shape[-2], b.shape[-1])
             and _matrix(out) == (_NO_TRANS, out.strides[-2] // out.itemsize)):
-        return False
+        return None
     stride = _batch_stride(out)
     one_matrix = out.size == out.shape[-2] * out.shape[-1]
-    return (stride is not None and (stride != 0 or one_matrix)
-            and not np.may_share_memory(out, a) and not np.may_share_memory(out, b))
+    if stride is None or (stride == 0 and not one_matrix) or np.may_share_memory(out, a) \
+            or np.may_share_memory(out, b):
+        return None
+    return layouts
 
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))

@@ -15,12 +15,14 @@ taken by the caller and the helpers (each call from Python: ~5 us). Smaller prod
 stacks of matrices of fewer than PIECE_MACS multiply-adds each, and GEMVs of fewer than
 _GEMV_MIN_VALUES values run whole on the calling thread (np.matmul).
 
-Measured on 2 vCPUs (Zen 3 KVM), paired processes against OpenBLAS's own threads, b1: BERT-small
-0.85x the time, GPT-2 0.85x, MobileNetV2 0.85x, ResNet-50 0.88x, ConvNeXt-T 0.89x, UNet 0.96x,
-LSTM+GRU 1.00x; at batch 8 MobileNetV2 0.92x, the decoder step 0.96x. The cost: GPT-2's decoder
-step at batch 1, whose products are GEMVs of 0.6-2.4 M values (memory-bound: OpenBLAS's two
-threads read them 1.2-1.5x faster than one, and a piece handed to the pool starts 100-170 us
-late, from Python), is 1.16x slower.
+Measured on 2 vCPUs (Zen 3 KVM), the median ratio of times to OpenBLAS's own threads over
+12-20 blocks of runs alternated in one process (EMBER_POOL_PRODUCTS switched between blocks),
+b1: ResNet-50 0.81x, DistilBERT 0.89x, MobileNetV2 0.91x, BERT-small 0.91x, LSTM+GRU 0.98x,
+UNet 1.01x, GPT-2's decoder step 1.01x; b8: MobileNetV2 0.89x, the decoder step 0.99x. Paired
+processes gave BERT-small 0.85x, ResNet-50 0.88x, the decoder step 1.03x at b1 and 0.92x at b8.
+The decoder step at batch 1 gains nothing: its products are GEMVs of 0.6-2.4 M values
+(memory-bound: OpenBLAS's two threads read them 1.2-1.5x faster than one, but a piece handed
+to the pool starts 100-170 us late, from Python), so they run whole on one thread.
 
 The pieces are a function of the shape and the session's thread count only, never of which
 thread takes them, so a session gives the same bits run after run, from any number of caller

@@ -10,19 +10,26 @@ spun longer took the core the other pool needed. With the products on ember's po
 one pool, awake for the whole run: OpenBLAS runs on one thread during runs
 (ember.runtime.threads.enter), and a product of at least PIECE_MACS multiply-adds a piece is
 cut into one piece per thread of the run (its batch items, rows, or columns in blocks of 16),
-each one sgemm / dgemm call (sgemv / dgemv for one row or column) with the GIL released,
-taken by the caller and the helpers (each call from Python: ~5 us). Smaller products,
-stacks of matrices of fewer than PIECE_MACS multiply-adds each, and GEMVs of fewer than
+each one sgemm / dgemm call (sgemv / dgemv for one row or column). Smaller products, stacks
+of matrices of fewer than PIECE_MACS multiply-adds each, and GEMVs of fewer than
 _GEMV_MIN_VALUES values run whole on the calling thread (np.matmul).
 
-Measured on 2 vCPUs (Zen 3 KVM), the median ratio of times to OpenBLAS's own threads over
-12-20 blocks of runs alternated in one process (EMBER_POOL_PRODUCTS switched between blocks),
-b1: ResNet-50 0.81x, DistilBERT 0.89x, MobileNetV2 0.91x, BERT-small 0.91x, LSTM+GRU 0.98x,
-UNet 1.01x, GPT-2's decoder step 1.01x; b8: MobileNetV2 0.89x, the decoder step 0.99x. Paired
-processes gave BERT-small 0.85x, ResNet-50 0.88x, the decoder step 1.03x at b1 and 0.92x at b8.
-The decoder step at batch 1 gains nothing: its products are GEMVs of 0.6-2.4 M values
-(memory-bound: OpenBLAS's two threads read them 1.2-1.5x faster than one, but a piece handed
-to the pool starts 100-170 us late, from Python), so they run whole on one thread.
+No Python between the pieces: the caller posts the product on the board (an int64 array of
+its pointers, shape and cuts), and compiled code takes the pieces, on the caller's thread
+and on each helper that is waiting for a job (the helpers watch the board while they spin,
+GIL released: `wait_for_job_or_pieces`); CBLAS is called from compiled code through names
+registered with LLVM. A helper handed a Python job instead needs the GIL back first, which
+the caller holds until its own piece starts: on a 2-vCPU KVM guest it started 100-170 us
+late, a small product's whole time.
+
+Measured on 2 vCPUs (Zen 3 KVM), against OpenBLAS's own threads (EMBER_POOL_PRODUCTS=0),
+the median ratio of times over 12-20 blocks of runs alternated in one process, b1: ResNet-50
+0.81x, DistilBERT 0.89x, MobileNetV2 0.91x, BERT-small 0.91x, LSTM+GRU 0.98x, UNet 1.01x,
+GPT-2's decoder step 1.01x (b8: MobileNetV2 0.89x, decoder step 0.99x), with the pieces
+still handed to the helpers as Python jobs. The board against those Python jobs, alternated
+in one process: MobileNetV2 0.82x, ResNet-50 0.97x, UNet 1.03x; paired processes, b1:
+MobileNetV2 0.85x, UNet 0.88x, BERT-small 0.90x, DistilBERT 0.90x, LSTM+GRU 0.96x, ResNet-50
+0.97x, decoder step 0.97x (b8 0.95x), MobileNetV2 b8 1.01x.
 
 The pieces are a function of the shape and the session's thread count only, never of which
 thread takes them, so a session gives the same bits run after run, from any number of caller
@@ -30,9 +37,10 @@ threads; a session with another thread count may round differently (as with Open
 threads: see tests/test_threads_cpu.py).
 
 Off (np.matmul, OpenBLAS's own threads) outside runs, where numba is not installed (the
-helpers then sleep between jobs), where no OpenBLAS with its CBLAS symbols is loaded (numpy's
-is preferred), or with EMBER_POOL_PRODUCTS=0. Operands that are not float32 / float64 with
-one unit stride each, broadcast batches and empty products go to np.matmul.
+helpers then sleep between jobs), where no OpenBLAS with 64-bit integers and its CBLAS symbols
+is loaded (numpy 2's is one; numpy's is preferred), or with EMBER_POOL_PRODUCTS=0. Operands
+that are not float32 / float64 with one unit stride each, broadcast batches and empty
+products go to np.matmul.
 """
 from __future__ import annotations
 
@@ -40,6 +48,7 @@ import ctypes
 import functools
 import math
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -51,35 +60,25 @@ from ember.ops import _compiled
 PIECE_MACS = 1 << 18
 _COLUMN_BLOCK = 16     # column pieces start at multiples of this (whole vector registers)
 # A GEMV (one row or one column) is cut only from this many matrix values: it reads each
-# value once, so a piece of a smaller one takes less time than the pool's helper takes to
-# start it from Python (100-170 us on 2 vCPUs, Zen 3 KVM: a GEMV of 768 x 3072 took 470-700 us
-# cut in two, 430-500 on one thread, 280-460 on OpenBLAS's two threads); from it (GPT-2's LM
-# head, 768 x 50257) cut in two 4.9-5.8 ms, on one thread 7.2-8.4, OpenBLAS's two 3.7-5.3.
-_GEMV_MIN_VALUES = 1 << 22
+# value once from memory, and smaller ones gain nothing from a second thread. Measured on 2
+# vCPUs (Zen 3 KVM), weights not in cache, one thread / cut in two: 768 x 768 117 / 136 us,
+# 768 x 2304 346 / 306, 768 x 3072 478 / 380, 3072 x 768 577 / 582.
+_GEMV_MIN_VALUES = 1 << 20
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
 
 class _Blas:
-    """The GEMMs and GEMVs of one loaded OpenBLAS through ctypes (which releases the GIL
-    during the call), and the count of runs in flight (products split only during runs:
-    outside them OpenBLAS has its own threads)."""
+    """One loaded OpenBLAS with 64-bit integers (numpy's): its GEMMs and GEMVs (ctypes
+    function objects, whose addresses compiled code calls: _register_cblas), and the count
+    of runs in flight (products are cut only during runs: outside them OpenBLAS has its own
+    threads)."""
 
     def __init__(self, dynlib: Any, prefix: str, suffix: str, in_flight: np.ndarray):
-        index = ctypes.c_int64 if "64" in suffix else ctypes.c_int
-        self.gemm, self.gemv, self.in_flight = {}, {}, in_flight
-        for dtype, letter, scalar in ((np.float32, "s", ctypes.c_float),
-                                      (np.float64, "d", ctypes.c_double)):
-            gemm = getattr(dynlib, f"{prefix}cblas_{letter}gemm{suffix}")
-            gemm.restype = None
-            gemm.argtypes = [ctypes.c_int] * 3 + [index] * 3 + [
-                scalar, ctypes.c_void_p, index, ctypes.c_void_p, index,
-                scalar, ctypes.c_void_p, index]
-            gemv = getattr(dynlib, f"{prefix}cblas_{letter}gemv{suffix}")
-            gemv.restype = None
-            gemv.argtypes = [ctypes.c_int] * 2 + [index] * 2 + [
-                scalar, ctypes.c_void_p, index, ctypes.c_void_p, index,
-                scalar, ctypes.c_void_p, index]
-            self.gemm[np.dtype(dtype)], self.gemv[np.dtype(dtype)] = gemm, gemv
+        self.gemm = {np.dtype(t): getattr(dynlib, f"{prefix}cblas_{letter}gemm{suffix}")
+                     for t, letter in ((np.float32, "s"), (np.float64, "d"))}
+        self.gemv = {np.dtype(t): getattr(dynlib, f"{prefix}cblas_{letter}gemv{suffix}")
+                     for t, letter in ((np.float32, "s"), (np.float64, "d"))}
+        self.in_flight = in_flight
 
 
 @functools.lru_cache(maxsize=1)
@@ -95,11 +94,14 @@ def _blas() -> _Blas | None:
     libs.sort(key=lambda lib: "numpy" not in str(getattr(lib.controller, "filepath", "")))
     for lib in libs:
         for prefix, suffix in threads.AFFIXES:
-            if getattr(lib.dynlib, f"{prefix}cblas_sgemm{suffix}", None) is not None:
+            if "64" in suffix and getattr(lib.dynlib, f"{prefix}cblas_sgemm{suffix}", None) \
+                    is not None:
                 try:
-                    return _Blas(lib.dynlib, prefix, suffix, threads.in_flight)
+                    blas = _Blas(lib.dynlib, prefix, suffix, threads.in_flight)
                 except AttributeError:  # an sgemm without the rest
                     break
+                _register_cblas(blas)
+                return blas
     return None
 
 
@@ -155,18 +157,34 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
         axis, count = _ROWS, M
     else:
         axis, count = _COLUMNS, -(-N // _COLUMN_BLOCK)
-    pieces = min(pieces, count)
+    (ta, lda, sa), (tb, ldb, sb) = layouts
+    pieces = min(pieces, count, _MAX_PIECES)
     bounds = [count * i // pieces for i in range(pieces + 1)]
     if axis == _COLUMNS:
         bounds = [min(N, c * _COLUMN_BLOCK) for c in bounds]
-    (ta, lda, sa), (tb, ldb, sb) = layouts
-    product = (blas.gemm[a.dtype], blas.gemv[a.dtype], M, N, K,
-               _address(a), ta, lda, sa, _address(b), tb, ldb, sb,
-               _address(out), out.strides[-2] // out.itemsize, _batch_stride(out),
-               a.itemsize, a.dtype.type(1), a.dtype.type(0))
-    _compiled.split_rows(_run_pieces, pieces, *product, axis, bounds,
-                         ns_per_row=_compiled.MIN_PIECE_NS)
+    product = np.array([0 if a.dtype == np.float32 else 1, M, N, K,
+                        _address(a), ta, lda, sa, _address(b), tb, ldb, sb,
+                        _address(out), out.strides[-2] // out.itemsize, _batch_stride(out),
+                        a.itemsize, axis, pieces, *bounds], np.int64)
+    _on_board(product)
     return out
+
+
+def _on_board(product: np.ndarray) -> int:
+    """Run `product` (the board's fields from _KIND on) on the shared board, whose pieces the
+    helpers take too; if another thread's product is on it, the same pieces on this thread
+    alone (its own board: the same bits). Returns the pieces this thread ran."""
+    post_and_run = _compiled.jit(_post_and_run)
+    if _board_lock.acquire(blocking=False):
+        try:
+            _compiled.rouse_helpers()
+            return post_and_run(_board, product)
+        finally:
+            _board_lock.release()
+    board = getattr(_private, "board", None)
+    if board is None:
+        board = _private.board = np.zeros_like(_board)
+    return post_and_run(board, product)
 
 
 def _address(x: np.ndarray) -> int:
@@ -217,42 +235,189 @@ def _layouts(a, b, out) -> tuple[tuple[int, int, int], tuple[int, int, int]] | N
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _BATCH, _ROWS, _COLUMNS = range(3)
 
-
-def _run_pieces(gemm, gemv, M, N, K, pa, ta, lda, sa, pb, tb, ldb, sb, pc, ldc, sc, size,
-                one, zero, axis, bounds, p0, p1):
-    """Pieces [p0, p1) of the product (pointers pa, pb, pc; batch strides sa, sb, sc in bytes;
-    leading dimensions in elements): batch items, rows of a and the output, or columns of b
-    and the output, as `bounds` cuts them along `axis`."""
-    for p in range(p0, p1):
-        lo, hi = bounds[p], bounds[p + 1]
-        if axis == _BATCH:
-            for i in range(lo, hi):
-                _product(gemm, gemv, M, N, K, pa + i * sa, ta, lda, pb + i * sb, tb, ldb,
-                         pc + i * sc, ldc, one, zero)
-        elif axis == _ROWS:
-            step = lda if ta == _NO_TRANS else 1
-            _product(gemm, gemv, hi - lo, N, K, pa + lo * step * size, ta, lda, pb, tb, ldb,
-                     pc + lo * ldc * size, ldc, one, zero)
-        else:
-            step = 1 if tb == _NO_TRANS else ldb
-            _product(gemm, gemv, M, hi - lo, K, pa, ta, lda, pb + lo * step * size, tb, ldb,
-                     pc + lo * size, ldc, one, zero)
+# ------------------------------------------------------------------ the board
+# A product's pieces are run by compiled code: the caller posts the product on the board (an
+# int64 array the helpers watch while they wait for jobs, GIL released: `wait_for_job_or_pieces`)
+# and takes pieces itself; each helper that is spinning takes pieces too, never entering
+# Python. Fields: the generation (odd while the product is being written), the helpers reading
+# it, the next piece to take, the pieces done, then the product (_KIND ... _BOUNDS).
+(_GEN, _USERS, _NEXT, _DONE, _KIND, _M, _N, _K, _PA, _TA, _LDA, _SA, _PB, _TB, _LDB, _SB, _PC,
+ _LDC, _SC, _SIZE, _AXIS, _PIECES, _BOUNDS) = range(23)
+_MAX_PIECES = 256
+_board = np.zeros(_BOUNDS + _MAX_PIECES + 1, np.int64)
+_board_lock = threading.Lock()  # one product on the board at a time; others run alone
+_private = threading.local()    # a caller's own board when the shared one is taken
 
 
-def _product(gemm, gemv, M, N, K, pa, ta, lda, pb, tb, ldb, pc, ldc, one, zero):
+def _new_board() -> None:
+    """In a forked child: a board and lock of its own (a parent's helper may have been
+    counted among the board's users, or a parent's thread held the lock, at the fork)."""
+    global _board, _board_lock, _private
+    _board = np.zeros_like(_board)
+    _board_lock = threading.Lock()
+    _private = threading.local()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_board)
+
+
+# CBLAS's functions as compiled code calls them (numba's ExternalFunction): set by _register_cblas
+sgemm = dgemm = sgemv = dgemv = None
+
+
+def _register_cblas(blas: _Blas) -> None:
+    """Make the CBLAS functions above callable from compiled code: their addresses are
+    registered with LLVM under fixed names, which compiled code calls (so numba's disk cache
+    stays valid in another process, where the addresses differ)."""
+    numba = _compiled._numba()
+    import llvmlite.binding as llvm
+    types = numba.types
+    i32, i64, p = types.int32, types.int64, types.intp
+    for dtype, scalar, letter in ((np.float32, types.float32, "s"),
+                                  (np.float64, types.float64, "d")):
+        for kind, fn, args in (
+                ("gemm", blas.gemm[np.dtype(dtype)],
+                 (i32, i32, i32, i64, i64, i64, scalar, p, i64, p, i64, scalar, p, i64)),
+                ("gemv", blas.gemv[np.dtype(dtype)],
+                 (i32, i32, i64, i64, scalar, p, i64, p, i64, scalar, p, i64))):
+            name = f"ember_cblas_{letter}{kind}_ilp64"
+            llvm.add_symbol(name, ctypes.cast(fn, ctypes.c_void_p).value)
+            globals()[f"{letter}{kind}"] = types.ExternalFunction(name, types.void(*args))
+    for fn in (_call, _run_board, _join_board, _wait_for):
+        _compiled.kernel_math(fn)
+
+
+def _call(kind, M, N, K, pa, ta, lda, pb, tb, ldb, pc, ldc):
     """C (M, N) = A (M, K) @ B (K, N), row-major with transpose flags: a GEMV where a side is
     one long (OpenBLAS's GEMM would pack all of the matrix for one row or column of work)."""
+    r, n, t = np.int32(_ROW_MAJOR), np.int32(_NO_TRANS), np.int32(_TRANS)
     if M == 1:  # C's row = B^T a's row
         incx = 1 if ta == _NO_TRANS else lda
-        if tb == _NO_TRANS:
-            gemv(_ROW_MAJOR, _TRANS, K, N, one, pb, ldb, pa, incx, zero, pc, 1)
+        if kind == 0:
+            if tb == _NO_TRANS:
+                sgemv(r, t, K, N, np.float32(1), pb, ldb, pa, incx, np.float32(0), pc, 1)
+            else:
+                sgemv(r, n, N, K, np.float32(1), pb, ldb, pa, incx, np.float32(0), pc, 1)
+        elif tb == _NO_TRANS:
+            dgemv(r, t, K, N, 1.0, pb, ldb, pa, incx, 0.0, pc, 1)
         else:
-            gemv(_ROW_MAJOR, _NO_TRANS, N, K, one, pb, ldb, pa, incx, zero, pc, 1)
+            dgemv(r, n, N, K, 1.0, pb, ldb, pa, incx, 0.0, pc, 1)
     elif N == 1:  # C's column = A b's column
         incx = ldb if tb == _NO_TRANS else 1
-        if ta == _NO_TRANS:
-            gemv(_ROW_MAJOR, _NO_TRANS, M, K, one, pa, lda, pb, incx, zero, pc, ldc)
+        if kind == 0:
+            if ta == _NO_TRANS:
+                sgemv(r, n, M, K, np.float32(1), pa, lda, pb, incx, np.float32(0), pc, ldc)
+            else:
+                sgemv(r, t, K, M, np.float32(1), pa, lda, pb, incx, np.float32(0), pc, ldc)
+        elif ta == _NO_TRANS:
+            dgemv(r, n, M, K, 1.0, pa, lda, pb, incx, 0.0, pc, ldc)
         else:
-            gemv(_ROW_MAJOR, _TRANS, K, M, one, pa, lda, pb, incx, zero, pc, ldc)
+            dgemv(r, t, K, M, 1.0, pa, lda, pb, incx, 0.0, pc, ldc)
+    elif kind == 0:
+        sgemm(r, np.int32(ta), np.int32(tb), M, N, K, np.float32(1), pa, lda, pb, ldb,
+              np.float32(0), pc, ldc)
     else:
-        gemm(_ROW_MAJOR, ta, tb, M, N, K, one, pa, lda, pb, ldb, zero, pc, ldc)
+        dgemm(r, np.int32(ta), np.int32(tb), M, N, K, 1.0, pa, lda, pb, ldb, 0.0, pc, ldc)
+
+
+def _run_board(board):
+    """Take the board's pieces until none is left, each one a CBLAS call: batch items, rows
+    of a and the output, or columns of b and the output, as the bounds cut them. Returns
+    the number of pieces taken."""
+    kind, M, N, K = board[_KIND], board[_M], board[_N], board[_K]
+    pa, ta, lda, sa = board[_PA], board[_TA], board[_LDA], board[_SA]
+    pb, tb, ldb, sb = board[_PB], board[_TB], board[_LDB], board[_SB]
+    pc, ldc, sc, size, axis, pieces = (board[_PC], board[_LDC], board[_SC], board[_SIZE],
+                                       board[_AXIS], board[_PIECES])
+    taken = 0
+    while True:
+        piece = _compiled.fetch_add(board, _NEXT, 1)
+        if piece >= pieces:
+            return taken
+        taken += 1
+        lo, hi = board[_BOUNDS + piece], board[_BOUNDS + piece + 1]
+        if axis == _BATCH:
+            for i in range(lo, hi):
+                _call(kind, M, N, K, pa + i * sa, ta, lda, pb + i * sb, tb, ldb,
+                      pc + i * sc, ldc)
+        elif axis == _ROWS:
+            step = lda if ta == _NO_TRANS else 1
+            _call(kind, hi - lo, N, K, pa + lo * step * size, ta, lda, pb, tb, ldb,
+                  pc + lo * ldc * size, ldc)
+        else:
+            step = 1 if tb == _NO_TRANS else ldb
+            _call(kind, M, hi - lo, K, pa, ta, lda, pb + lo * step * size, tb, ldb,
+                  pc + lo * size, ldc)
+        _compiled.fetch_add(board, _DONE, 1)
+
+
+def _join_board(board, seen):
+    """A helper takes pieces of the product on the board if one was posted since generation
+    `seen`; returns the generation it saw. It counts itself among the board's users before it
+    reads the product, and the poster waits for no users before it writes the next one."""
+    generation = _compiled.load_acquire(board, _GEN)
+    if generation == seen or generation % 2 == 1:
+        return seen
+    _compiled.fetch_add(board, _USERS, 1)
+    if _compiled.load_acquire(board, _GEN) == generation:
+        _run_board(board)
+    _compiled.fetch_add(board, _USERS, -1)
+    return generation
+
+
+def _post_and_run(board, product):
+    """Post `product` (the fields from _KIND on) on the board, take its pieces with the
+    helpers, and return once every piece is done: the number of pieces this thread ran."""
+    generation = board[_GEN]
+    _compiled.exchange(board, _GEN, generation + 1)  # odd: being written
+    _wait_for(board, _USERS, 0)
+    board[_KIND:_KIND + product.shape[0]] = product
+    board[_NEXT] = 0
+    board[_DONE] = 0
+    _compiled.exchange(board, _GEN, generation + 2)
+    taken = _run_board(board)
+    _wait_for(board, _DONE, board[_PIECES])
+    return taken
+
+
+def _wait_for(board, field, value):
+    """Spin until board[field] == value: the CPU's pause, then sched_yield (a helper that
+    holds a piece may have lost its core to another process)."""
+    spins = 0
+    while _compiled.load_acquire(board, field) != value:
+        spins += 1
+        if spins < _compiled.SPINS_BEFORE_YIELD:
+            _compiled.cpu_pause()
+        else:
+            _compiled.os_yield()
+
+
+def wait_for_job_or_pieces(finished, posted, seen, runs, pauses, settle, board):
+    """A helper between jobs (as _compiled.wait_for_job), taking the pieces of the products
+    posted on the board meanwhile; each product taken starts its wait anew."""
+    _compiled.exchange(finished, 0, 1)
+    generation = np.int64(-2)  # a product in progress is joined at once
+    spins = 0
+    while _compiled.load_acquire(posted, 0) == seen and _compiled.load_acquire(runs, 0) > 0:
+        taken = _join_board(board, generation)
+        if taken != generation:
+            generation = taken
+            spins = 0
+            continue
+        spins += 1
+        if spins > pauses:
+            return
+        _compiled.cpu_pause()
+    for _ in range(settle):
+        _compiled.cpu_pause()
+
+
+def helper_wait():
+    """The pool's helpers' wait between jobs where products run on the board, else None."""
+    if _blas() is None:
+        return None
+    wait = _compiled.jit(wait_for_job_or_pieces)
+    return lambda finished, posted, seen, runs, pauses, settle: wait(
+        finished, posted, seen, runs, pauses, settle, _board)
+

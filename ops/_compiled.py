@@ -219,6 +219,14 @@ def run_threads() -> int:
     return _blas_threads().run_threads()
 
 
+def rouse_helpers() -> None:
+    """Products on the board (ops/_blas.py) are taken by the helpers that are awake: one
+    asleep is woken by a job that does nothing, for the products that follow."""
+    pool = _thread_pool()
+    if pool.sleeping and not pool.jobs:
+        pool.submit(_nothing)
+
+
 def _thread_pool() -> _Helpers:
     global _pool
     if _pool is None:
@@ -323,8 +331,8 @@ class _Helpers:
             except IndexError:
                 job = None
             if job is None and finished is not None and wait is not None:
-                wait(finished, self.posted, self.posted[0], _blas_threads().in_flight,
-                     _helper_pauses(), SETTLE_PAUSES)
+                _helper_wait(wait)(finished, self.posted, self.posted[0],
+                                   _blas_threads().in_flight, _helper_pauses(), SETTLE_PAUSES)
                 finished = None
                 continue
             if finished is not None:
@@ -359,6 +367,17 @@ SETTLE_PAUSES = 200   # ~5 us: see wait_for_job
 # KVM), products on the pool, paired runs at b1: HELPER_PAUSES instead of this made
 # BERT-small 1.05x and MobileNetV2 1.11x slower.
 POOL_PRODUCTS_HELPER_PAUSES = 20_000
+
+
+def _nothing() -> None:
+    pass
+
+
+def _helper_wait(wait: Callable) -> Callable:
+    """`wait` (wait_for_job), or where the pool runs the products, the wait that also takes
+    the pieces of the products posted meanwhile (ops/_blas.py)."""
+    from ember.ops import _blas  # here: _blas imports this module
+    return _blas.helper_wait() or wait
 
 
 def _helper_pauses() -> int:

@@ -5,12 +5,14 @@ for every layout the pieces address (transposed operands, batches, a matrix by a
 or one column, an `out` inside a larger array), and for the same bits whichever threads call."""
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
 
-from ember.ops import _blas, _compiled
+from ember.ops import _blas
 from ember.runtime import threads as ember_threads
 
 pytestmark = pytest.mark.skipif(not _blas.enabled(),
@@ -47,9 +49,9 @@ def test_products_match_float64(in_a_run, monkeypatch, shapes, dtype):
     a = rng.standard_normal(shapes[0]).astype(dtype)
     b = rng.standard_normal(shapes[1]).astype(dtype)
     splits = []
-    split_rows = _compiled.split_rows
-    monkeypatch.setattr(_compiled, "split_rows", lambda *args, **kw: (
-        splits.append(args[1]), split_rows(*args, **kw)))
+    on_board = _blas._on_board
+    monkeypatch.setattr(_blas, "_on_board", lambda product: (
+        splits.append(product[_blas._PIECES - _blas._KIND]), on_board(product)))
     want = np.matmul(a.astype(np.float64), b.astype(np.float64))
     scale = np.matmul(np.abs(a).astype(np.float64), np.abs(b).astype(np.float64))
     tolerance = 1e-6 if dtype == np.float32 else 1e-14
@@ -109,7 +111,7 @@ def test_outside_runs_numpy_does_the_product():
 def test_what_it_does_not_take_goes_to_numpy(in_a_run, monkeypatch, a_shape, b_shape):
     """Broadcast batches, vectors, empty products, stacks of small matrices (a decoder
     step's attention) and small GEMVs: numpy's matmul, whole (or its error)."""
-    monkeypatch.setattr(_compiled, "split_rows", None)  # would raise if called
+    monkeypatch.setattr(_blas, "_on_board", None)  # would raise if called
     a, b = np.ones(a_shape, np.float32), np.ones(b_shape, np.float32)
     try:
         want = np.matmul(a, b)
@@ -118,3 +120,51 @@ def test_what_it_does_not_take_goes_to_numpy(in_a_run, monkeypatch, a_shape, b_s
             _blas.matmul(a, b)
         return
     assert np.array_equal(_blas.matmul(a, b), want)
+
+
+def test_helpers_take_pieces_from_the_board(in_a_run, monkeypatch):
+    """A helper waiting for jobs takes pieces of the products posted on the board (compiled
+    code, no Python job): some product's pieces are not all run by the caller."""
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((256, 512), dtype=np.float32)
+    b = rng.standard_normal((512, 512), dtype=np.float32)
+    taken_by_caller = []
+    on_board = _blas._on_board
+    monkeypatch.setattr(_blas, "_on_board", lambda product: (
+        taken_by_caller.append(n := on_board(product)), n)[1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(n < 2 for n in taken_by_caller):
+        got = _blas.matmul(a, b)
+    assert any(n < 2 for n in taken_by_caller)
+    scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
+    assert np.all(np.abs(got - a.astype(np.float64) @ b) <= 1e-6 * scale)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_forked_child_has_a_board_of_its_own():
+    """A child forked while a parent's helper counted itself among the board's users (here
+    set by hand) still runs products: the board and its lock are new in the child."""
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((256, 512), dtype=np.float32)
+    b = rng.standard_normal((512, 512), dtype=np.float32)
+    ember_threads.enter(2)
+    try:
+        want = _blas.matmul(a, b)
+        _blas._board[_blas._USERS] += 1
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 with the parent's bits, 1 otherwise
+            ok = False
+            try:
+                ok = bool(np.array_equal(_blas.matmul(a, b), want))
+            finally:
+                os._exit(0 if ok else 1)
+        _blas._board[_blas._USERS] -= 1
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        ember_threads.leave()

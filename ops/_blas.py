@@ -291,34 +291,27 @@ def _register_cblas(blas: _Blas) -> None:
 def _call(kind, M, N, K, pa, ta, lda, pb, tb, ldb, pc, ldc):
     """C (M, N) = A (M, K) @ B (K, N), row-major with transpose flags: a GEMV where a side is
     one long (OpenBLAS's GEMM would pack all of the matrix for one row or column of work)."""
-    r, n, t = np.int32(_ROW_MAJOR), np.int32(_NO_TRANS), np.int32(_TRANS)
-    if M == 1:  # C's row = B^T a's row
-        incx = 1 if ta == _NO_TRANS else lda
+    if M == 1 or N == 1:
+        if M == 1:  # C's row = B^T a's row
+            matrix, ld, x, incx, incy = pb, ldb, pa, 1 if ta == _NO_TRANS else lda, 1
+            trans = _TRANS if tb == _NO_TRANS else _NO_TRANS
+            rows, cols = (K, N) if tb == _NO_TRANS else (N, K)
+        else:  # C's column = A b's column
+            matrix, ld, x, incx, incy = pa, lda, pb, ldb if tb == _NO_TRANS else 1, ldc
+            trans = ta
+            rows, cols = (M, K) if ta == _NO_TRANS else (K, M)
         if kind == 0:
-            if tb == _NO_TRANS:
-                sgemv(r, t, K, N, np.float32(1), pb, ldb, pa, incx, np.float32(0), pc, 1)
-            else:
-                sgemv(r, n, N, K, np.float32(1), pb, ldb, pa, incx, np.float32(0), pc, 1)
-        elif tb == _NO_TRANS:
-            dgemv(r, t, K, N, 1.0, pb, ldb, pa, incx, 0.0, pc, 1)
+            sgemv(np.int32(_ROW_MAJOR), np.int32(trans), rows, cols, np.float32(1), matrix, ld,
+                  x, incx, np.float32(0), pc, incy)
         else:
-            dgemv(r, n, N, K, 1.0, pb, ldb, pa, incx, 0.0, pc, 1)
-    elif N == 1:  # C's column = A b's column
-        incx = ldb if tb == _NO_TRANS else 1
-        if kind == 0:
-            if ta == _NO_TRANS:
-                sgemv(r, n, M, K, np.float32(1), pa, lda, pb, incx, np.float32(0), pc, ldc)
-            else:
-                sgemv(r, t, K, M, np.float32(1), pa, lda, pb, incx, np.float32(0), pc, ldc)
-        elif ta == _NO_TRANS:
-            dgemv(r, n, M, K, 1.0, pa, lda, pb, incx, 0.0, pc, ldc)
-        else:
-            dgemv(r, t, K, M, 1.0, pa, lda, pb, incx, 0.0, pc, ldc)
+            dgemv(np.int32(_ROW_MAJOR), np.int32(trans), rows, cols, 1.0, matrix, ld, x, incx,
+                  0.0, pc, incy)
     elif kind == 0:
-        sgemm(r, np.int32(ta), np.int32(tb), M, N, K, np.float32(1), pa, lda, pb, ldb,
-              np.float32(0), pc, ldc)
+        sgemm(np.int32(_ROW_MAJOR), np.int32(ta), np.int32(tb), M, N, K, np.float32(1), pa,
+              lda, pb, ldb, np.float32(0), pc, ldc)
     else:
-        dgemm(r, np.int32(ta), np.int32(tb), M, N, K, 1.0, pa, lda, pb, ldb, 0.0, pc, ldc)
+        dgemm(np.int32(_ROW_MAJOR), np.int32(ta), np.int32(tb), M, N, K, 1.0, pa, lda, pb,
+              ldb, 0.0, pc, ldc)
 
 
 def _run_board(board):

@@ -75,6 +75,28 @@ def test_out_inside_a_larger_array(in_a_run):
     assert np.all(big[:, :50] == 7) and np.all(big[:, 550:] == 7)  # nothing written beside
 
 
+def test_an_out_that_overlaps_goes_to_numpy_though_its_geometry_was_planned(in_a_run,
+                                                                            monkeypatch):
+    """How a geometry is cut is decided once (_blas._plan), but whether `out` overlaps an
+    operand is a matter of addresses: checked on every call."""
+    rng = np.random.default_rng(4)
+    buffer = rng.standard_normal((2, 256, 256), dtype=np.float32)
+    a, b = buffer[0], rng.standard_normal((256, 256), dtype=np.float32)
+    apart = np.empty((256, 256), np.float32)
+    calls = []
+    on_board = _blas._on_board
+    monkeypatch.setattr(_blas, "_on_board", lambda product: (calls.append(1),
+                                                             on_board(product))[1])
+    _blas.matmul(a, b, out=apart)
+    assert calls == [1]                      # planned and cut
+    want, exact = np.matmul(a, b), a.astype(np.float64) @ b
+    scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
+    _blas.matmul(a, b, out=buffer[0])        # the same geometry, out is a
+    assert calls == [1]                      # numpy did it (it buffers an overlapping out)
+    assert np.array_equal(buffer[0], want)   # numpy's bits
+    assert np.all(np.abs(apart - exact) <= 1e-6 * scale)
+
+
 def test_same_bits_from_concurrent_callers(in_a_run):
     """Pieces are cut by the shape and the thread count alone: four threads calling at once
     (each taking pieces, the pool's helper busy or not) get the bits of one call alone."""

@@ -25,7 +25,8 @@ and on each helper that is waiting for a job (the helpers watch the board while 
 GIL released: `wait_for_job_or_pieces`); CBLAS is called from compiled code through names
 registered with LLVM. A helper handed a Python job instead needs the GIL back first, which
 the caller holds until its own piece starts: on a 2-vCPU KVM guest it started 100-170 us
-late, a small product's whole time.
+late, a small product's whole time. The board carries the pieces of split compiled kernels
+too (ops/_compiled.py's piece functions: `run_pieces`).
 
 Measured on 2 vCPUs (Zen 3 KVM), against OpenBLAS's own threads (EMBER_POOL_PRODUCTS=0),
 the median ratio of times over 12-20 blocks of runs alternated in one process, b1: ResNet-50
@@ -243,7 +244,22 @@ def product(xp: Any, a, b):
     return matmul(a, b) if xp is np else xp.matmul(a, b)
 
 
+def run_pieces(piece: int, block: np.ndarray, bounds: list[int]) -> int:
+    """A split kernel's pieces on the board (ops/_compiled.py's split_rows): the piece
+    function at address `piece` on `block`, rows [bounds[i], bounds[i + 1]) each, taken by
+    this thread and the helpers. Returns the pieces this thread ran."""
+    pieces = len(bounds) - 1
+    product = np.zeros(_BOUNDS - _KIND + pieces + 1, np.int64)
+    product[0] = _KERNEL
+    product[_PA - _KIND] = piece
+    product[_PB - _KIND] = _address(block)
+    product[_PIECES - _KIND] = pieces
+    product[_BOUNDS - _KIND:] = bounds
+    return _on_board(product)
+
+
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_KERNEL = 2  # the board's kind for a split kernel's pieces (0, 1: float32, float64 products)
 _BATCH, _ROWS, _COLUMNS = range(3)
 
 # ------------------------------------------------------------------ the board
@@ -341,7 +357,9 @@ def _run_board(board):
             return taken
         taken += 1
         lo, hi = board[_BOUNDS + piece], board[_BOUNDS + piece + 1]
-        if axis == _BATCH:
+        if kind == _KERNEL:
+            _compiled.call_piece(pa, pb, lo, hi)
+        elif axis == _BATCH:
             for i in range(lo, hi):
                 _call(kind, M, N, K, pa + i * sa, ta, lda, pb + i * sb, tb, ldb,
                       pc + i * sc, ldc)

@@ -89,6 +89,7 @@ def tile(rows, image, base, taps, channels, packed, bias, lo, hi, out, at, ldc):
         out[at + r * ldc:at + r * ldc + BLOCK] = y
 
 
+@_compiled.kernel_math
 def conv_tiles_loops(image, image_size, pixels, taps, channels, packed, bias, lo, hi, out,
                      images, band, u0, u1):
     """Units [u0, u1) of a convolution's output out (images * L, M), float32. The tiles of
@@ -609,4 +610,18 @@ def run(compiled, image, image_size, pixels, taps, channels, stride, packed, bia
     ns_per_unit = ROWS * BLOCK * packed.shape[1] * 2 / CORE_GFLOPS
     _compiled.split_rows(compiled, blocks * tiles, image, image_size, pixels, taps, channels,
                          packed, bias, np.float32(lo), np.float32(hi), out, images, band,
-                         ns_per_row=ns_per_unit)
+                         ns_per_row=ns_per_unit, piece=_conv_tiles_piece)
+
+
+def _conv_tiles_piece(block, u0, u1):  # pragma: no cover
+    """conv_tiles_loops' piece function (ops/_compiled.py: the helpers run its pieces
+    without Python), its arguments from the block `split_rows` made."""
+    v = _compiled.array_at(block, (21,), np.int64)
+    f = _compiled.array_at(block, (21,), np.float64)
+    conv_tiles_loops(_compiled.array_at(v[0], (v[1],), np.float32), v[2],
+                     _compiled.array_at(v[3], (v[4],), np.int64),
+                     _compiled.array_at(v[5], (v[6],), np.int64), v[7],
+                     _compiled.array_at(v[8], (v[9], v[10], v[11]), np.float32),
+                     _compiled.array_at(v[12], (v[13],), np.float32),
+                     np.float32(f[14]), np.float32(f[15]),
+                     _compiled.array_at(v[16], (v[17], v[18]), np.float32), v[19], v[20], u0, u1)

@@ -499,8 +499,44 @@ def _numba_depthwise():
 def _run_depthwise(kernel, x, w, b, out, *geometry):
     N, rows, Ow, C = out.shape
     taps = w.shape[0] * w.shape[1]
+    three = kernel is _compiled.jit(_depthwise3x3_rows, fastmath={"contract"})
+    piece = _DEPTHWISE_PIECES[three, x.dtype == np.float32]
     _compiled.split_rows(kernel, rows, x, w, b, out, *geometry,
-                         ns_per_row=_DEPTHWISE_TAP_NS * taps * N * Ow * C)
+                         ns_per_row=_DEPTHWISE_TAP_NS * taps * N * Ow * C, piece=piece)
+
+
+# The depthwise kernels' piece functions (ops/_compiled.py: the helpers run their pieces
+# without Python), one per kernel and dtype; `_depthwise_arguments` rebuilds the arguments.
+@_compiled.kernel_math
+def _depthwise_arguments(block, dtype):  # pragma: no cover
+    """(x, w, b, out, ph, pw, sh, sw, dh, dw, lo, hi) from the block `split_rows` made."""
+    v = _compiled.array_at(block, (24,), np.int64)
+    f = _compiled.array_at(block, (24,), np.float64)
+    return (_compiled.array_at(v[0], (v[1], v[2], v[3], v[4]), dtype),
+            _compiled.array_at(v[5], (v[6], v[7], v[8]), dtype),
+            _compiled.array_at(v[9], (v[10],), dtype),
+            _compiled.array_at(v[11], (v[12], v[13], v[14], v[15]), dtype),
+            v[16], v[17], v[18], v[19], v[20], v[21], dtype(f[22]), dtype(f[23]))
+
+
+def _depthwise3x3_piece32(block, row0, row1):  # pragma: no cover
+    _depthwise3x3_rows(*_depthwise_arguments(block, np.float32), row0, row1)
+
+
+def _depthwise3x3_piece64(block, row0, row1):  # pragma: no cover
+    _depthwise3x3_rows(*_depthwise_arguments(block, np.float64), row0, row1)
+
+
+def _depthwise_piece32(block, row0, row1):  # pragma: no cover
+    _depthwise_rows(*_depthwise_arguments(block, np.float32), row0, row1)
+
+
+def _depthwise_piece64(block, row0, row1):  # pragma: no cover
+    _depthwise_rows(*_depthwise_arguments(block, np.float64), row0, row1)
+
+
+_DEPTHWISE_PIECES = {(True, True): _depthwise3x3_piece32, (True, False): _depthwise3x3_piece64,
+                     (False, True): _depthwise_piece32, (False, False): _depthwise_piece64}
 
 
 @_compiled.kernel_math
@@ -518,6 +554,7 @@ def window3x3_offsets(shape, n, r0, q0, dh, dw):
     return a0, a1, a1 + step, m0, m1, m1 + step, z0, z1, z1 + step
 
 
+@_compiled.kernel_math(fastmath={"contract"})
 def _depthwise3x3_rows(x4, w3, b, out4, ph, pw, sh, sw, dh, dw, lo, hi,
                        row0, row1):  # pragma: no cover
     """Output rows [row0, row1): out[n, oh, ow, c] = (sum over taps of x[n, r, q, c] *
@@ -580,6 +617,7 @@ def _pixel_by_taps(x, w, b, out, o, n, r0, q0, dh, dw, lo, hi, shape, kh, kw):  
         out[o + c] = hi if v > hi else v
 
 
+@_compiled.kernel_math(fastmath={"contract"})
 def _depthwise_rows(x4, w3, b, out4, ph, pw, sh, sw, dh, dw, lo, hi,
                     row0, row1):  # pragma: no cover
     """As `_depthwise3x3_rows`, for any kh x kw window (w (kh, kw, C)). A pixel whose window

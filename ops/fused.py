@@ -178,8 +178,31 @@ def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels
         p1 = np.inf    # the upper bound of ReLU's loop (see _epilogue_loops)
     ns = _EPILOGUE_NS + (_GELU_NS if code in _GELU_CODES else 0.0)
     _compiled.split_rows(kernel, rows.shape[0], rows, bias, per_row, residual, code, t(p0), t(p1),
-                         ns_per_row=ns * rows.shape[1])
+                         ns_per_row=ns * rows.shape[1], piece=_EPILOGUE_PIECES[t])
     return True
+
+
+# The epilogue's piece functions (ops/_compiled.py: the helpers run their pieces without
+# Python), one per dtype; `_epilogue_arguments` rebuilds the arguments.
+@_compiled.kernel_math
+def _epilogue_arguments(block, dtype):  # pragma: no cover
+    """(y, bias, bias_per_row, z, code, p0, p1) from the block `split_rows` made."""
+    v = _compiled.array_at(block, (12,), np.int64)
+    f = _compiled.array_at(block, (12,), np.float64)
+    return (_compiled.array_at(v[0], (v[1], v[2]), dtype),
+            _compiled.array_at(v[3], (v[4],), dtype), v[5] != 0,
+            _compiled.array_at(v[6], (v[7], v[8]), dtype), v[9], dtype(f[10]), dtype(f[11]))
+
+
+def _epilogue_piece32(block, row0, row1):  # pragma: no cover
+    _epilogue_loops(*_epilogue_arguments(block, np.float32), row0, row1)
+
+
+def _epilogue_piece64(block, row0, row1):  # pragma: no cover
+    _epilogue_loops(*_epilogue_arguments(block, np.float64), row0, row1)
+
+
+_EPILOGUE_PIECES = {np.float32: _epilogue_piece32, np.float64: _epilogue_piece64}
 
 
 def _epilogue_code(activation: str, params: list[float], dtype) -> int | None:
@@ -210,6 +233,7 @@ def _in_layout_of(y, z):
     return out
 
 
+@_compiled.kernel_math
 def _epilogue_loops(y, bias, bias_per_row, z, code, p0, p1, row0, row1):  # pragma: no cover
     """Rows [row0, row1) of y (rows, C) in place: y + bias if given, along each row (bias
     (C,)) or, with `bias_per_row`, bias[i % bias.size] over all of row i; + z (rows, C) if

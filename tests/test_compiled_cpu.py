@@ -1142,15 +1142,15 @@ def test_conv_matches_onnxruntime_as_tiles_and_on_numpy(tiles, case, activation,
 
 
 def test_tiles_run_the_convolutions_they_fit(monkeypatch):
-    """The tiles do run where `_tiled_fits` says (a spy on the compiled kernel): every
+    """The tiles do run where `_tiled_fits` says (a spy on their entry, _tiles.run): every
     window but 1x1, and the 1x1 convolutions of one image with 64-1023 input channels and a
     large product (ResNet-50's); BLAS keeps the other 1x1 ones. The rule is AVX-512's here
     (the tiles themselves are this CPU's); AVX2's is below."""
-    compiled = _tiles_or_skip()
+    _tiles_or_skip()
     monkeypatch.setattr(_tiles, "WIDE", True)
     calls = []
-    monkeypatch.setitem(_compiled._compiled, _tiles.conv_tiles_loops,
-                        lambda *args: calls.append(args[-2:]) or compiled(*args))
+    run = _tiles.run
+    monkeypatch.setattr(_tiles, "run", lambda *args: calls.append(args[-1]) or run(*args))
     for case in TILE_CASES:
         proto, feeds = _conv_model(case, "relu", False)
         calls.clear()
@@ -1325,3 +1325,72 @@ def test_depthwise_vector_rows_give_the_same_bits_however_split(monkeypatch):
     _compiled.split_rows(compiled, 23, x, vectors, taps, wt, b, pooled, *geometry,
                          ns_per_row=1.0)
     np.testing.assert_array_equal(a, pooled)
+
+
+def _split_kernel_cases():
+    rng = np.random.default_rng(6)
+
+    def depthwise(dtype, k):
+        x = rng.standard_normal((1, 40, 23, 19)).astype(dtype)
+        w = rng.standard_normal((40, 1, k, k)).astype(dtype)
+        b = rng.standard_normal(40).astype(dtype)
+        p = k // 2
+        return lambda: conv.conv_nd(np, x, w, 40, (k, k), (1, 1), (1, 1), (p, p), (p, p), b,
+                                    cache={}, clamp=(0.0, 6.0))
+
+    def epilogue(dtype):
+        y = rng.standard_normal((96, 400)).astype(dtype)
+        row = rng.standard_normal(400).astype(dtype)
+        z = rng.standard_normal((96, 400)).astype(dtype)
+
+        def compute():
+            out = y.copy()
+            assert fused._epilogue_compiled(out, row, z, "Clip", [-0.5, 0.5])
+            return out
+        return compute
+
+    def tiles():
+        x = rng.standard_normal((1, 32, 20, 20)).astype(np.float32)
+        w = rng.standard_normal((48, 32, 3, 3)).astype(np.float32)
+        b = rng.standard_normal(48).astype(np.float32)
+        assert conv._tiled_fits(x, w, 1, [1, 1], [1, 1])
+        return lambda: conv.conv_nd(np, x, w, 1, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), b,
+                                    cache={}, clamp=(0.0, 6.0))
+
+    return {"depthwise3x3-float32": lambda: depthwise(np.float32, 3),
+            "depthwise3x3-float64": lambda: depthwise(np.float64, 3),
+            "depthwise5x5-float32": lambda: depthwise(np.float32, 5),
+            "depthwise5x5-float64": lambda: depthwise(np.float64, 5),
+            "epilogue-float32": lambda: epilogue(np.float32),
+            "epilogue-float64": lambda: epilogue(np.float64),
+            "tiles": tiles}
+
+
+@pytest.mark.parametrize("case", list(_split_kernel_cases()))
+def test_split_kernels_run_their_pieces_on_the_board(case, monkeypatch):
+    """The kernels with a piece function (depthwise, the epilogue, the tiles) put their
+    pieces on the products' board, where the helpers take them without Python: one
+    thread's bits, and some pieces taken by a helper."""
+    pytest.importorskip("numba")
+    from ember.ops import _blas
+    if not _blas.enabled():
+        pytest.skip("no board here (products stay with np.matmul)")
+    if case == "tiles":
+        _tiles_or_skip()
+    compute = _split_kernel_cases()[case]()
+    taken = []
+    run_pieces = _blas.run_pieces
+    monkeypatch.setattr(_blas, "run_pieces", lambda piece, block, bounds: (
+        taken.append((n := run_pieces(piece, block, bounds), len(bounds) - 1)), n)[1])
+    threads.enter(2)
+    try:
+        monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 10 ** 12)   # one thread
+        want = compute()
+        assert not taken
+        monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(n < of for n, of in taken):
+            np.testing.assert_array_equal(compute(), want)
+    finally:
+        threads.leave()
+    assert taken and any(n < of for n, of in taken)

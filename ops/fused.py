@@ -133,7 +133,10 @@ _EPILOGUE_CODES = {"": 0, "Relu": 1, "LeakyRelu": 2, "Clip": 3, "HardSigmoid": 4
                    "HardSwish": 5}
 _GELU_CODES = (6, 7)     # GELU's erf form, its tanh approximation: float32 only
 _GELU_NS = 1.5           # GELU's own time per element (float32)
-_EPILOGUE_MIN = 1 << 14  # elements; below, numpy's passes are as fast as a compiled call
+# elements; below, numpy's passes are as fast as a compiled call, but for GELU's (a pass
+# for each step of its formula: a decoder step's 3072 values took 26 us so, 15 compiled;
+# GELU's erf form 52 and 12)
+_EPILOGUE_MIN = 1 << 14
 _EPILOGUE_NS = 0.3       # its time per element, ~0.15-0.35 ns measured here (split_rows)
 _EPILOGUE_EMPTY = {t: (np.empty(0, t), np.empty((0, 0), t)) for t in (np.float32, np.float64)}
 
@@ -144,7 +147,8 @@ def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels
     _EPILOGUE_MIN elements, C-ordered or channels-last, an activation it knows; `row` (over
     y's last axis) only on a C-ordered y. Returns whether it ran."""
     code = _epilogue_code(activation, params, y.dtype)
-    if code is None or y.size < _EPILOGUE_MIN or y.dtype.type not in _EPILOGUE_EMPTY:
+    if code is None or y.dtype.type not in _EPILOGUE_EMPTY or (
+            y.size < _EPILOGUE_MIN and code not in _GELU_CODES):
         return False
     if code == 0 and row is None and channels is None and z is None:
         return True                            # nothing to do

@@ -32,7 +32,8 @@ before the next. The calling thread runs the whole loop; a pool thread joins whe
 starts and finds only the chunks not taken yet, so a late or busy helper (a loaded machine,
 a session shared by threads) never holds the caller up, and nothing waits for it to start.
 Waiting spins with the CPU's pause for a few microseconds, then yields the core
-(sched_yield); no thread spins once the last step is complete.
+(sched_yield); no thread spins once the last step is complete. With a piece function the
+helpers' part starts and ends on the board, without Python.
 
 Math for kernels: `exp_float32` and `tanh_float32` are float32 functions that LLVM inlines
 and vectorises in a kernel's loop (the C library's expf / tanhf are scalar calls, 5-30 ns each
@@ -155,15 +156,27 @@ def split_rows(kernel: Callable, rows: int, *args: Any, ns_per_row: float,
 
 
 def run_in_lockstep(kernel: Callable, units: int, steps: int, *args: Any, min_units: int,
-                    align: int = 16) -> int:
+                    align: int = 16, piece: Callable | None = None) -> int:
     """kernel(*args, cuts, rank, sync) for `steps` steps over `units` units, on up to one
     thread per core of the run in flight with at least `min_units` units each: `cuts`
     bounds the chunks (multiples of `align`), `rank` is the thread's own chunk, `sync` the
-    steps' claims and counts (see take_chunk). Returns the number of threads asked."""
+    steps' claims and counts (see take_chunk). Returns the number of threads asked.
+
+    `piece`, the kernel's piece function (its row0 is the rank), puts the ranks on the board
+    the helpers watch (as `split_rows` does): a helper then neither starts nor ends its part
+    in Python, where it would take the GIL from the caller, which went on with the next
+    nodes (LSTM+GRU: those waited ~50 us for it after each recurrence)."""
     threads = max(1, min(run_threads(), _CPUS, units // max(1, min_units)))
     cuts = np.array([units * k // threads // align * align for k in range(threads)] + [units],
                     np.int64)
     sync = np.zeros(steps * (threads + 1), np.int64)
+    if threads > 1 and piece is not None and threads <= _MAX_BOARD_PIECES:
+        from ember.ops import _blas  # here: _blas imports this module
+        address = piece_address(piece) if _blas.enabled() else None
+        block = piece_block(args + (cuts, sync)) if address is not None else None
+        if block is not None:
+            _blas.run_pieces(address, block, list(range(threads + 1)))
+            return threads
     cpu = _caller_cpu()
     helpers = [_thread_pool().submit(_away_from, cpu, kernel, *args, cuts, rank, sync)
                for rank in range(1, threads)]

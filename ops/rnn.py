@@ -138,6 +138,7 @@ def _recurrent_product(h, R, P, G, n0, n1):  # pragma: no cover - numba
         dot_columns_loops(h, R, G, n0, n1)
 
 
+@_compiled.kernel_math(fastmath={"contract"})
 def _lstm_steps_loops(XW, R, P, Y, h0, c, G, reverse, cuts, rank,
                       sync):  # pragma: no cover
     """Every step of one direction: XW (seq, batch, 4H), R (4H, H) and P (R^T in column
@@ -159,6 +160,7 @@ def _lstm_steps_loops(XW, R, P, Y, h0, c, G, reverse, cuts, rank,
         wait_step(sync, i, chunks)
 
 
+@_compiled.kernel_math(fastmath={"contract"})
 def _gru_lbr_steps_loops(XW, R, P, Rbn, Y, h0, G, reverse, cuts, rank,
                          sync):  # pragma: no cover
     """As `_lstm_steps_loops`, for a GRU with linear_before_reset (R (3H, H))."""
@@ -175,6 +177,36 @@ def _gru_lbr_steps_loops(XW, R, P, Rbn, Y, h0, G, reverse, cuts, rank,
                 _gru_lbr_cell_units(G, XW[t], Rbn, h, Y[t], u0, u1)
                 chunk_done(sync, i, chunks)
         wait_step(sync, i, chunks)
+
+
+# The team kernels' piece functions (ops/_compiled.py's run_in_lockstep: the helpers run their
+# part without Python), the rank as row0, the arguments rebuilt from the block.
+def _lstm_steps_piece(block, rank, _):  # pragma: no cover
+    v = _compiled.array_at(block, (29,), np.int64)
+    f32 = np.float32
+    _lstm_steps_loops(_compiled.array_at(v[0], (v[1], v[2], v[3]), f32),
+                      _compiled.array_at(v[4], (v[5], v[6]), f32),
+                      _compiled.array_at(v[7], (v[8], v[9], v[10]), f32),
+                      _compiled.array_at(v[11], (v[12], v[13], v[14]), f32),
+                      _compiled.array_at(v[15], (v[16], v[17]), f32),
+                      _compiled.array_at(v[18], (v[19], v[20]), f32),
+                      _compiled.array_at(v[21], (v[22], v[23]), f32), v[24] != 0,
+                      _compiled.array_at(v[25], (v[26],), np.int64), rank,
+                      _compiled.array_at(v[27], (v[28],), np.int64))
+
+
+def _gru_lbr_steps_piece(block, rank, _):  # pragma: no cover
+    v = _compiled.array_at(block, (28,), np.int64)
+    f32 = np.float32
+    _gru_lbr_steps_loops(_compiled.array_at(v[0], (v[1], v[2], v[3]), f32),
+                         _compiled.array_at(v[4], (v[5], v[6]), f32),
+                         _compiled.array_at(v[7], (v[8], v[9], v[10]), f32),
+                         _compiled.array_at(v[11], (v[12],), f32),
+                         _compiled.array_at(v[13], (v[14], v[15], v[16]), f32),
+                         _compiled.array_at(v[17], (v[18], v[19]), f32),
+                         _compiled.array_at(v[20], (v[21], v[22]), f32), v[23] != 0,
+                         _compiled.array_at(v[24], (v[25],), np.int64), rank,
+                         _compiled.array_at(v[26], (v[27],), np.int64))
 
 
 # A step is split among threads only where each gets at least this many multiply-adds of
@@ -492,6 +524,7 @@ class _RecurrentBase(OpImpl):
 
     # The compiled whole-direction kernel (see `_lstm_steps_loops`), where the op has one.
     team_loops = None
+    team_piece = None  # its piece function (ops/_compiled.py)
 
     def _team_kernel(self, cdt, no_masks, extra):
         """`team_loops` compiled, where it serves (numba, the CPU, float32, no sequence_lens,
@@ -525,11 +558,11 @@ class _RecurrentBase(OpImpl):
         self._column_blocks = (kept + ((Rt, packed),))[-self.num_directions:]
         return packed
 
-    @staticmethod
-    def _team_run(kernel, XW, H, *args):
+    def _team_run(self, kernel, XW, H, *args):
         seq, batch, G = XW.shape
         _compiled.run_in_lockstep(kernel, H, seq, XW, *args,
-                                  min_units=-(-_TEAM_MIN_MACS // (batch * G)))
+                                  min_units=-(-_TEAM_MIN_MACS // (batch * G)),
+                                  piece=self.team_piece)
 
     @staticmethod
     def _last_h(Y, h0, reverse):
@@ -647,6 +680,7 @@ class _GRU(_RecurrentBase):
 
     sigmoid_gates = (0, 1)  # z, r
     team_loops = staticmethod(_gru_lbr_steps_loops)
+    team_piece = staticmethod(_gru_lbr_steps_piece)
 
     def _team_applies(self, extra) -> bool:
         return self._lbr()  # without it, two products a step: `_recur_compiled`
@@ -805,6 +839,7 @@ class _LSTM(_RecurrentBase):
 
     sigmoid_gates = (0, 1, 2)  # i, o, f
     team_loops = staticmethod(_lstm_steps_loops)
+    team_piece = staticmethod(_lstm_steps_piece)
 
     def _team_applies(self, extra) -> bool:
         negP, couple = extra

@@ -517,6 +517,34 @@ def test_recurrence_in_lockstep_matches_onnxruntime_and_one_thread(op, direction
     assert len(packed) == (2 * directions if product == "column-blocks" else 0)  # 2 sessions
 
 
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+def test_recurrence_ranks_run_on_the_board(op, monkeypatch):
+    """LSTM's and GRU's (linear_before_reset) lockstep loops have piece functions: the ranks
+    go on the board, a helper takes one without Python, and the bits are those of the loop
+    on one thread."""
+    pytest.importorskip("numba")
+    from ember.ops import _blas
+    if not _blas.enabled():
+        pytest.skip("no board here (products stay with np.matmul)")
+    taken = []
+    run_pieces = _blas.run_pieces
+    monkeypatch.setattr(_blas, "run_pieces", lambda piece, block, bounds: (
+        taken.append((n := run_pieces(piece, block, bounds), len(bounds) - 1)), n)[1])
+    proto, feeds = _big_recurrent_model(op, "forward", 3, seq=24)
+    session = ember.load(proto, threads=2)
+    got = session.run(feeds)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(n < of for n, of in taken):
+        again = session.run(feeds)
+        for name in ("y", "h"):
+            np.testing.assert_array_equal(again[name], got[name])
+    assert taken and all(of == 2 for _, of in taken) and any(n < of for n, of in taken)
+    monkeypatch.setattr(_compiled, "_CPUS", 1)   # the loop on one thread
+    one = ember.load(proto, threads=2).run(feeds)
+    for name in ("y", "h"):
+        np.testing.assert_array_equal(one[name], got[name])
+
+
 def test_a_recurrence_shared_by_threads_gives_sequential_bits(monkeypatch):
     pytest.importorskip("numba")
     asked = _spy_lockstep(monkeypatch)

@@ -200,8 +200,31 @@ def _layernorm_compiled(x, axis, scale, b, epsilon):
     y = np.empty(rows.shape, x.dtype)
     bias = np.zeros(D, x.dtype) if b is None else b.reshape(D)
     _compiled.split_rows(kernel, rows.shape[0], rows, scale.reshape(D), bias,
-                         float(epsilon), y, ns_per_row=_LAYERNORM_NS * D)
+                         float(epsilon), y, ns_per_row=_LAYERNORM_NS * D,
+                         piece=_LAYERNORM_PIECES[x.dtype == np.float32])
     return y.reshape(x.shape)
+
+
+# `_layernorm_rows`' piece functions (ops/_compiled.py: the helpers run its pieces without
+# Python), one per dtype, the arguments rebuilt from the block `split_rows` made.
+@_compiled.kernel_math
+def _layernorm_arguments(block, dtype):  # pragma: no cover - numba
+    v = _compiled.array_at(block, (11,), np.int64)
+    f = _compiled.array_at(block, (11,), np.float64)
+    return (_compiled.array_at(v[0], (v[1], v[2]), dtype),
+            _compiled.array_at(v[3], (v[4],), dtype), _compiled.array_at(v[5], (v[6],), dtype),
+            f[7], _compiled.array_at(v[8], (v[9], v[10]), dtype))
+
+
+def _layernorm_piece32(block, row0, row1):  # pragma: no cover - numba
+    _layernorm_rows(*_layernorm_arguments(block, np.float32), row0, row1)
+
+
+def _layernorm_piece64(block, row0, row1):  # pragma: no cover - numba
+    _layernorm_rows(*_layernorm_arguments(block, np.float64), row0, row1)
+
+
+_LAYERNORM_PIECES = {True: _layernorm_piece32, False: _layernorm_piece64}
 
 
 def _fits(param, dtype, norm_shape, D) -> bool:
@@ -210,6 +233,7 @@ def _fits(param, dtype, norm_shape, D) -> bool:
         param.shape == norm_shape or np.broadcast_shapes(param.shape, norm_shape) == norm_shape)
 
 
+@_compiled.kernel_math(fastmath={"reassoc", "contract"})
 def _layernorm_rows(x, scale, bias, epsilon, y, row0, row1):  # pragma: no cover - numba
     """Rows [row0, row1) of y = (x - mean) / sqrt(var + epsilon) * scale + bias, x (R, D):
     mean and variance summed in float64, then the row normalised in x's dtype as numpy's

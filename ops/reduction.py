@@ -383,10 +383,20 @@ def _softmax_compiled(xp, x, axis, empty_rows_zero):
     rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
     out = np.empty_like(rows)
     _compiled.split_rows(kernel, rows.shape[0], rows, out, empty_rows_zero,
-                         ns_per_row=1.3 * rows.shape[1])  # 1.3 ns an element, measured here
+                         ns_per_row=1.3 * rows.shape[1],  # 1.3 ns an element, measured here
+                         piece=_softmax_rows_piece)
     return out.reshape(x.shape)
 
 
+def _softmax_rows_piece(block, r0, r1):  # pragma: no cover - numba
+    """`_softmax_rows_loops`' piece function (ops/_compiled.py: the helpers run its pieces
+    without Python), its arguments rebuilt from the block `split_rows` made."""
+    v = _compiled.array_at(block, (7,), np.int64)
+    _softmax_rows_loops(_compiled.array_at(v[0], (v[1], v[2]), np.float32),
+                        _compiled.array_at(v[3], (v[4], v[5]), np.float32), v[6] != 0, r0, r1)
+
+
+@_compiled.kernel_math(fastmath={"contract"})
 def _softmax_rows_loops(x, out, empty_rows_zero, r0, r1):  # pragma: no cover - numba
     """The numpy softmax's steps row by row over [r0, r1): the row's max (0 where it is not
     finite), e = exp(x - max), e times the reciprocal of sum(e). The max and the sum run in 8

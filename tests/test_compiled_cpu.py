@@ -1385,7 +1385,19 @@ def _split_kernel_cases():
         return lambda: conv.conv_nd(np, x, w, 1, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), b,
                                     cache={}, clamp=(0.0, 6.0))
 
-    return {"depthwise3x3-float32": lambda: depthwise(np.float32, 3),
+    def softmax():
+        x = rng.standard_normal((64, 300)).astype(np.float32)
+        return lambda: reduction._softmax_compiled(np, x, -1, False)
+
+    def layernorm(dtype):
+        x = rng.standard_normal((96, 400)).astype(dtype)
+        scale, b = rng.standard_normal(400).astype(dtype), rng.standard_normal(400).astype(dtype)
+        return lambda: normalization._layernorm_compiled(x, 1, scale, b, 1e-5)
+
+    return {"softmax": softmax,
+            "layernorm-float32": lambda: layernorm(np.float32),
+            "layernorm-float64": lambda: layernorm(np.float64),
+            "depthwise3x3-float32": lambda: depthwise(np.float32, 3),
             "depthwise3x3-float64": lambda: depthwise(np.float64, 3),
             "depthwise5x5-float32": lambda: depthwise(np.float32, 5),
             "depthwise5x5-float64": lambda: depthwise(np.float64, 5),
@@ -1396,9 +1408,9 @@ def _split_kernel_cases():
 
 @pytest.mark.parametrize("case", list(_split_kernel_cases()))
 def test_split_kernels_run_their_pieces_on_the_board(case, monkeypatch):
-    """The kernels with a piece function (depthwise, the epilogue, the tiles) put their
-    pieces on the products' board, where the helpers take them without Python: one
-    thread's bits, and some pieces taken by a helper."""
+    """The kernels with a piece function (softmax, layer norm, depthwise, the epilogue, the
+    tiles) put their pieces on the products' board, where the helpers take them without
+    Python: one thread's bits, and some pieces taken by a helper."""
     pytest.importorskip("numba")
     from ember.ops import _blas
     if not _blas.enabled():

@@ -248,10 +248,13 @@ def run_threads() -> int:
 
 def rouse_helpers() -> None:
     """Products on the board (ops/_blas.py) are taken by the helpers that are awake: one
-    asleep is woken by a job that does nothing, for the products that follow."""
+    asleep is woken by a job that does nothing, for the products that follow, moved off the
+    caller's CPU if it woke there (`_away_from`): pieces taken on the board never pass
+    through a Python job that would move it, and a helper sharing the caller's core (beside
+    a nice-19 spinner, where Linux wakes it there) stayed there for the whole process."""
     pool = _thread_pool()
     if pool.sleeping and not pool.jobs:
-        pool.submit(_nothing)
+        pool.submit(_away_from, _caller_cpu(), _nothing)
 
 
 def _thread_pool() -> _Helpers:

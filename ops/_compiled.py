@@ -134,13 +134,8 @@ def split_rows(kernel: Callable, rows: int, *args: Any, ns_per_row: float,
         return
     pieces = min(rows, 2 * threads)
     bounds = [rows * i // pieces for i in range(pieces + 1)]
-    if piece is not None and pieces <= _MAX_BOARD_PIECES:
-        from ember.ops import _blas  # here: _blas imports this module
-        address = piece_address(piece) if _blas.enabled() else None
-        block = piece_block(args) if address is not None else None
-        if block is not None:
-            _blas.run_pieces(address, block, bounds)
-            return
+    if piece is not None and _pieces_on_board(piece, args, bounds):
+        return
     take = itertools.count().__next__  # atomic under the GIL
 
     def work() -> None:
@@ -170,13 +165,9 @@ def run_in_lockstep(kernel: Callable, units: int, steps: int, *args: Any, min_un
     cuts = np.array([units * k // threads // align * align for k in range(threads)] + [units],
                     np.int64)
     sync = np.zeros(steps * (threads + 1), np.int64)
-    if threads > 1 and piece is not None and threads <= _MAX_BOARD_PIECES:
-        from ember.ops import _blas  # here: _blas imports this module
-        address = piece_address(piece) if _blas.enabled() else None
-        block = piece_block(args + (cuts, sync)) if address is not None else None
-        if block is not None:
-            _blas.run_pieces(address, block, list(range(threads + 1)))
-            return threads
+    if threads > 1 and piece is not None and _pieces_on_board(piece, args + (cuts, sync),
+                                                              list(range(threads + 1))):
+        return threads
     cpu = _caller_cpu()
     helpers = [_thread_pool().submit(_away_from, cpu, kernel, *args, cuts, rank, sync)
                for rank in range(1, threads)]
@@ -457,6 +448,20 @@ def wait_for_job(finished, posted, seen, runs, pauses, settle):
 # four sets of blocks, b8 0.94x, ResNet-50 b1 0.96x, BERT-small 0.99x: small, as a
 # depthwise layer's input and output move between the two cores' caches either way; the
 # recurrences' lockstep (LSTM+GRU b1) 0.95x.
+
+def _pieces_on_board(piece: Callable, args: tuple, bounds: list[int]) -> bool:
+    """Run the pieces [bounds[i], bounds[i + 1]) of `piece` on `args` on the board, if it
+    can take them (a board, numba, C-ordered arrays, not too many pieces): whether it ran."""
+    from ember.ops import _blas  # here: _blas imports this module
+    if len(bounds) - 1 > _MAX_BOARD_PIECES or not _blas.enabled():
+        return False
+    address = piece_address(piece)
+    block = piece_block(args) if address is not None else None
+    if block is None:
+        return False
+    _blas.run_pieces(address, block, bounds)
+    return True
+
 
 def piece_block(args: tuple) -> np.ndarray | None:
     """A kernel's arguments as a piece function finds them: each array as its address and

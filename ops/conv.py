@@ -499,8 +499,8 @@ def _numba_depthwise():
 def _run_depthwise(kernel, x, w, b, out, *geometry):
     N, rows, Ow, C = out.shape
     taps = w.shape[0] * w.shape[1]
-    three = kernel is _compiled.jit(_depthwise3x3_rows, fastmath={"contract"})
-    piece = _DEPTHWISE_PIECES[three, x.dtype == np.float32]
+    # the kernel _depthwise_cl chose: the 3x3 one for 3x3 windows
+    piece = _DEPTHWISE_PIECES[w.shape[:2] == (3, 3), x.dtype == np.float32]
     _compiled.split_rows(kernel, rows, x, w, b, out, *geometry,
                          ns_per_row=_DEPTHWISE_TAP_NS * taps * N * Ow * C, piece=piece)
 

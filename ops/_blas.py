@@ -116,30 +116,54 @@ def enabled() -> bool:
     return _blas() is not None
 
 
+def in_run() -> bool:
+    """Whether products go on the board now: enabled, and a run is in flight."""
+    blas = _blas()
+    return blas is not None and bool(blas.in_flight[0])
+
+
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """np.matmul(a, b, out=out) for CPU arrays, on the kernel pool where it applies."""
-    blas = _blas()
-    plan = None
-    if blas is not None and blas.in_flight[0] and isinstance(a, np.ndarray) \
-            and isinstance(b, np.ndarray) and (out is None or isinstance(out, np.ndarray)):
-        plan = _plan(a.shape, a.strides, b.shape, b.strides, a.dtype, b.dtype,
-                     None if out is None else (out.shape, out.strides, out.dtype),
-                     _compiled.run_threads())
-        if plan is not None and out is not None and (
-                not out.flags.writeable or np.may_share_memory(out, a)
-                or np.may_share_memory(out, b)):
-            plan = None
+    plan = _plan_of(a, b, out)
     if plan is None:  # on one thread: numpy's call is the shortest way to BLAS
         return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)
     shape, fields = plan
     if out is None:
         out = np.empty(shape, a.dtype)
+    _on_board(_with_addresses(fields, a, b, out))
+    return out
+
+
+def product_fields(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray | None:
+    """The board's fields (from _KIND on, addresses filled in) for out = a @ b where `matmul`
+    would cut it into pieces on the board, else None: for a kernel that runs the pieces
+    itself (`product_piece`) and does more on each (ops/fused.py's epilogue)."""
+    plan = _plan_of(a, b, out)
+    return None if plan is None else _with_addresses(plan[1], a, b, out)
+
+
+def _plan_of(a, b, out):
+    """`_plan` for these operands during a run, or None (also where out overlaps them)."""
+    blas = _blas()
+    if blas is None or not blas.in_flight[0] or not isinstance(a, np.ndarray) \
+            or not isinstance(b, np.ndarray) or not (out is None or isinstance(out, np.ndarray)):
+        return None
+    plan = _plan(a.shape, a.strides, b.shape, b.strides, a.dtype, b.dtype,
+                 None if out is None else (out.shape, out.strides, out.dtype),
+                 _compiled.run_threads())
+    if plan is not None and out is not None and (
+            not out.flags.writeable or np.may_share_memory(out, a)
+            or np.may_share_memory(out, b)):
+        return None
+    return plan
+
+
+def _with_addresses(fields, a, b, out):
     product = fields.copy()
     product[_PA - _KIND] = _address(a)
     product[_PB - _KIND] = _address(b)
     product[_PC - _KIND] = _address(out)
-    _on_board(product)
-    return out
+    return product
 
 
 @functools.lru_cache(maxsize=4096)
@@ -274,6 +298,9 @@ _MAX_PIECES = 256
 _board = np.zeros(_BOUNDS + _MAX_PIECES + 1, np.int64)
 _board_lock = threading.Lock()  # one product on the board at a time; others run alone
 _private = threading.local()    # a caller's own board when the shared one is taken
+# where a product's fields (product_fields) hold its shape, addresses and cuts
+M_FIELD, N_FIELD, A_FIELD, C_FIELD, BOUNDS_FIELD = (i - _KIND for i in (_M, _N, _PA, _PC,
+                                                                      _BOUNDS))
 
 
 def _new_board() -> None:
@@ -311,7 +338,7 @@ def _register_cblas(blas: _Blas) -> None:
             name = f"ember_cblas_{letter}{kind}_ilp64"
             llvm.add_symbol(name, ctypes.cast(fn, ctypes.c_void_p).value)
             globals()[f"{letter}{kind}"] = types.ExternalFunction(name, types.void(*args))
-    for fn in (_call, _run_board, _join_board, _wait_for):
+    for fn in (_call, product_piece, _run_board, _join_board, _wait_for):
         _compiled.kernel_math(fn)
 
 
@@ -342,14 +369,9 @@ def _call(kind, M, N, K, pa, ta, lda, pb, tb, ldb, pc, ldc):
 
 
 def _run_board(board):
-    """Take the board's pieces until none is left, each one a CBLAS call: batch items, rows
-    of a and the output, or columns of b and the output, as the bounds cut them. Returns
-    the number of pieces taken."""
-    kind, M, N, K = board[_KIND], board[_M], board[_N], board[_K]
-    pa, ta, lda, sa = board[_PA], board[_TA], board[_LDA], board[_SA]
-    pb, tb, ldb, sb = board[_PB], board[_TB], board[_LDB], board[_SB]
-    pc, ldc, sc, size, axis, pieces = (board[_PC], board[_LDC], board[_SC], board[_SIZE],
-                                       board[_AXIS], board[_PIECES])
+    """Take the board's pieces until none is left: a split kernel's (its piece function on
+    them) or a product's (`product_piece`). Returns the number of pieces taken."""
+    pieces = board[_PIECES]
     taken = 0
     while True:
         piece = _compiled.fetch_add(board, _NEXT, 1)
@@ -357,21 +379,36 @@ def _run_board(board):
             return taken
         taken += 1
         lo, hi = board[_BOUNDS + piece], board[_BOUNDS + piece + 1]
-        if kind == _KERNEL:
-            _compiled.call_piece(pa, pb, lo, hi)
-        elif axis == _BATCH:
-            for i in range(lo, hi):
-                _call(kind, M, N, K, pa + i * sa, ta, lda, pb + i * sb, tb, ldb,
-                      pc + i * sc, ldc)
-        elif axis == _ROWS:
-            step = lda if ta == _NO_TRANS else 1
-            _call(kind, hi - lo, N, K, pa + lo * step * size, ta, lda, pb, tb, ldb,
-                  pc + lo * ldc * size, ldc)
+        if board[_KIND] == _KERNEL:
+            _compiled.call_piece(board[_PA], board[_PB], lo, hi)
         else:
-            step = 1 if tb == _NO_TRANS else ldb
-            _call(kind, M, hi - lo, K, pa, ta, lda, pb + lo * step * size, tb, ldb,
-                  pc + lo * size, ldc)
+            product_piece(board, _KIND, lo, hi)
         _compiled.fetch_add(board, _DONE, 1)
+
+
+def product_piece(fields, at, lo, hi):
+    """Piece [lo, hi) of the product whose board fields (from _KIND on) start at fields[at],
+    each one CBLAS call: batch items, rows of a and the output, or columns of b and the
+    output, as the bounds cut them. Returns the output's rows and columns it wrote, (r0, r1,
+    c0, c1), of each matrix. Compiled code only."""
+    o = at - _KIND
+    kind, M, N, K = fields[o + _KIND], fields[o + _M], fields[o + _N], fields[o + _K]
+    pa, ta, lda, sa = fields[o + _PA], fields[o + _TA], fields[o + _LDA], fields[o + _SA]
+    pb, tb, ldb, sb = fields[o + _PB], fields[o + _TB], fields[o + _LDB], fields[o + _SB]
+    pc, ldc, sc, size, axis = (fields[o + _PC], fields[o + _LDC], fields[o + _SC],
+                               fields[o + _SIZE], fields[o + _AXIS])
+    if axis == _BATCH:
+        for i in range(lo, hi):
+            _call(kind, M, N, K, pa + i * sa, ta, lda, pb + i * sb, tb, ldb, pc + i * sc, ldc)
+        return 0, M, 0, N
+    if axis == _ROWS:
+        step = lda if ta == _NO_TRANS else 1
+        _call(kind, hi - lo, N, K, pa + lo * step * size, ta, lda, pb, tb, ldb,
+              pc + lo * ldc * size, ldc)
+        return lo, hi, 0, N
+    step = 1 if tb == _NO_TRANS else ldb
+    _call(kind, M, hi - lo, K, pa, ta, lda, pb + lo * step * size, tb, ldb, pc + lo * size, ldc)
+    return 0, M, lo, hi
 
 
 def _join_board(board, seen):

@@ -128,12 +128,24 @@ def split_rows(kernel: Callable, rows: int, *args: Any, ns_per_row: float,
     `piece`, the kernel's piece function (see `piece_address`), puts the pieces on the board
     the helpers watch, where they take them without Python; without one (or where the board
     is not watched, or an argument is not C-ordered) the helpers take them as Python jobs."""
+    run_rows(kernel, row_bounds(rows, ns_per_row), *args, piece=piece)
+
+
+def row_bounds(rows: int, ns_per_row: float) -> list[int]:
+    """How split_rows cuts `rows` rows in the run in flight: the pieces' bounds."""
     threads = max(1, min(run_threads(), int(rows * ns_per_row // MIN_PIECE_NS)))
-    if threads == 1:  # most calls: no lists, no pool
-        kernel(*args, 0, rows)
+    pieces = 1 if threads == 1 else min(rows, 2 * threads)
+    return [rows * i // pieces for i in range(pieces + 1)]
+
+
+def run_rows(kernel: Callable, bounds: list[int], *args: Any,
+             piece: Callable | None = None) -> None:
+    """split_rows with its cuts made (`row_bounds`): kernel(*args, row0, row1) on each piece
+    [bounds[i], bounds[i + 1])."""
+    pieces = len(bounds) - 1
+    if pieces == 1:  # most calls: no lists, no pool
+        kernel(*args, bounds[0], bounds[1])
         return
-    pieces = min(rows, 2 * threads)
-    bounds = [rows * i // pieces for i in range(pieces + 1)]
     if piece is not None and _pieces_on_board(piece, args, bounds):
         return
     take = itertools.count().__next__  # atomic under the GIL
@@ -143,7 +155,8 @@ def split_rows(kernel: Callable, rows: int, *args: Any, ns_per_row: float,
             kernel(*args, bounds[piece], bounds[piece + 1])
 
     cpu = _caller_cpu()
-    jobs = [_thread_pool().submit(_away_from, cpu, work) for _ in range(threads - 1)]
+    helpers = -(-pieces // 2) - 1   # two pieces a thread (row_bounds)
+    jobs = [_thread_pool().submit(_away_from, cpu, work) for _ in range(helpers)]
     work()
     for job in jobs:
         if not job.cancel():

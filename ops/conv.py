@@ -251,7 +251,7 @@ def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, 
     assert clamp is None, "a clamp only where clamps_in_pass"
 
     if K == 1 and not any(begin) and not any(end):
-        if xp is np and _channels_last(x):
+        if xp is np and _channels_last(x):   # (as pointwise_cl_fits says, past the above)
             return _pointwise_cl(x, w, group, strides, outs, bias, cache)
         # pointwise: plain matmul over (strided) pixels
         if any(s != 1 for s in strides):
@@ -358,28 +358,12 @@ def _depthwise_fast(x, w, group, kernel, begin, end):
 def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp=None):
     N, C, H, W = x.shape
     (kh, kw), (sh, sw), (dh, dw), (Oh, Ow) = kernel, strides, dilations, outs
-    vector = None
-    if (_tiles.WIDE and x.dtype == np.float32 and C % _tiles.LANES == 0
-            and kh * kw in _tiles.DEPTHWISE_TAPS):
-        vector = _tiles.depthwise_kernel(_depthwise_vector_rows)
-    compiled = vector or (_numba_depthwise3x3() if kh == kw == 3 else _numba_depthwise())
-    if compiled is not None:
-        xt = x.transpose(0, 2, 3, 1)
-        if not xt.flags.c_contiguous:
-            xt = np.ascontiguousarray(xt)
-        wt = _remembered(cache, "dw-taps", lambda: np.ascontiguousarray(
-            w.reshape(C, kh, kw).transpose(1, 2, 0)))
-        out = _tiles.empty((N, Oh, Ow, C), x.dtype)
-        b = np.zeros(C, x.dtype) if bias is None else np.ascontiguousarray(bias)
-        lo, hi = (x.dtype.type(v) for v in (clamp or (-np.inf, np.inf)))
-        geometry = (begin[0], begin[1], sh, sw, dh, dw, lo, hi)
-        if vector is None:
-            _run_depthwise(compiled, xt, wt, b, out, *geometry)
-        else:
-            _compiled.split_rows(vector, Oh, xt, *_vector_weights(wt, W, dh, dw, cache), wt,
-                                 b, out, *geometry,
-                                 ns_per_row=_DEPTHWISE_VECTOR_NS * kh * kw * N * Ow * C)
-        return out.transpose(0, 3, 1, 2)
+    route = _DepthwiseRoute.make(x, w, bias, clamp, kernel, strides, dilations, begin, outs,
+                                 cache)
+    if route is not None:
+        if cache is not None:
+            cache[route_key(x, clamp)] = route
+        return route.run(x)
     # Width tap j reads padded column sw*ow + j*dw = sw*(ow + dj) + ph: the padded input is
     # split by column phase ph (Q[ph][:, :, q] = padded column sw*q + ph, channels last), so
     # that every tap reads rows of Ow*C contiguous values; taps become (row tap, phase, dj),
@@ -418,6 +402,62 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache, cl
     if clamp is not None:
         np.clip(out, *clamp, out=out)
     return out.transpose(0, 3, 1, 2)
+
+
+class _DepthwiseRoute:
+    """A depthwise convolution of a channels-last image by a compiled kernel, with its bias
+    and clip, worked out once for an input geometry and the run's thread count (kept in
+    conv_nd's per-weight cache: Conv.run finds it under `route_key`): a call allocates the
+    output and runs the kernel's pieces. Around the kernel, conv_nd's way to it took ~50 us
+    a call (MobileNetV2: 17 depthwise layers a run)."""
+
+    @classmethod
+    def make(cls, x, w, bias, clamp, kernel, strides, dilations, begin, outs, cache):
+        """The route, or None where no compiled kernel serves (numba not installed)."""
+        (kh, kw), C = kernel, x.shape[1]
+        vector = None
+        if (_tiles.WIDE and x.dtype == np.float32 and C % _tiles.LANES == 0
+                and kh * kw in _tiles.DEPTHWISE_TAPS):
+            vector = _tiles.depthwise_kernel(_depthwise_vector_rows)
+        compiled = vector or (_numba_depthwise3x3() if kh == kw == 3 else _numba_depthwise())
+        if compiled is None:
+            return None
+        return cls(x, w, bias, clamp, kernel, strides, dilations, begin, outs, cache, compiled,
+                   vector is not None)
+
+    def __init__(self, x, w, bias, clamp, kernel, strides, dilations, begin, outs, cache,
+                 compiled, vector):
+        N, C, H, W = x.shape
+        (kh, kw), (sh, sw), (dh, dw), (Oh, Ow) = kernel, strides, dilations, outs
+        wt = _remembered(cache, "dw-taps", lambda: np.ascontiguousarray(
+            w.reshape(C, kh, kw).transpose(1, 2, 0)))
+        self.b = np.zeros(C, x.dtype) if bias is None else np.ascontiguousarray(bias)
+        lo, hi = (x.dtype.type(v) for v in (clamp or (-np.inf, np.inf)))
+        self.geometry = (begin[0], begin[1], sh, sw, dh, dw, lo, hi)
+        self.out_shape = (N, Oh, Ow, C)
+        self.kernel = compiled
+        if vector:
+            self.weights, self.piece = (*_vector_weights(wt, W, dh, dw, cache), wt), None
+            ns = _DEPTHWISE_VECTOR_NS
+        else:
+            self.weights = (wt,)
+            self.piece = _DEPTHWISE_PIECES[(kh, kw) == (3, 3), x.dtype == np.float32]
+            ns = _DEPTHWISE_TAP_NS
+        self.bounds = _compiled.row_bounds(Oh, ns * kh * kw * N * Ow * C)
+
+    def run(self, x):
+        xt = x.transpose(0, 2, 3, 1)
+        if not xt.flags.c_contiguous:
+            xt = np.ascontiguousarray(xt)
+        out = _tiles.empty(self.out_shape, x.dtype)
+        _compiled.run_rows(self.kernel, self.bounds, xt, *self.weights, self.b, out,
+                           *self.geometry, piece=self.piece)
+        return out.transpose(0, 3, 1, 2)
+
+
+def route_key(x, clamp):
+    """Where conv_nd's cache keeps the route of a convolution of x (and clamp) in this run."""
+    return "conv-route", x.shape, x.strides, x.dtype, clamp, _compiled.run_threads()
 
 
 # The depthwise convolution as explicit vector code (ops/_tiles.py; AVX-512, channels a
@@ -494,15 +534,6 @@ def _numba_depthwise3x3():
 def _numba_depthwise():
     """The compiled kernel for any window (arguments as above), or None."""
     return _compiled.jit(_depthwise_rows, fastmath={"contract"})
-
-
-def _run_depthwise(kernel, x, w, b, out, *geometry):
-    N, rows, Ow, C = out.shape
-    taps = w.shape[0] * w.shape[1]
-    # the kernel _depthwise_cl chose: the 3x3 one for 3x3 windows
-    piece = _DEPTHWISE_PIECES[w.shape[:2] == (3, 3), x.dtype == np.float32]
-    _compiled.split_rows(kernel, rows, x, w, b, out, *geometry,
-                         ns_per_row=_DEPTHWISE_TAP_NS * taps * N * Ow * C, piece=piece)
 
 
 # The depthwise kernels' piece functions (ops/_compiled.py: the helpers run their pieces
@@ -672,6 +703,21 @@ def _depthwise_rows(x4, w3, b, out4, ph, pw, sh, sw, dh, dw, lo, hi,
                     out[o + c] = hi if v > hi else v
 
 
+def pointwise_cl_fits(xp, x, w, group, kernel, begin, end) -> bool:
+    """Whether conv_nd runs this convolution as `_pointwise_cl` (a 1x1 convolution of a
+    channels-last x: one product, (pixels, C) @ pointwise_weights)."""
+    return (xp is np and math.prod(kernel) == 1 and not any(begin) and not any(end)
+            and _channels_last(x) and not _depthwise_fast(x, w, group, kernel, begin, end)
+            and not _tiled_fits(x, w, group, begin, end))
+
+
+def pointwise_weights(w, cache):
+    """A 1x1 convolution's weights (M, C, 1, ...) as the C-ordered (C, M) matrix
+    `_pointwise_cl` multiplies by (kept in conv_nd's per-weight `cache`)."""
+    M = w.shape[0]
+    return _remembered(cache, "pw-cl", lambda: np.ascontiguousarray(w.reshape(M, -1).T))
+
+
 def _pointwise_cl(x, w, group, strides, outs, bias, cache):
     """1x1 convolution of a channels-last x, returned channels-last."""
     N, C = x.shape[:2]
@@ -698,7 +744,7 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
     if group == 1:
         # the weights as a C-ordered (C, M) matrix: BLAS runs short products (7x7, 14x14
         # images) 1.1-1.4x faster from it than from the transposed view of w (M, C)
-        wt = _remembered(cache, "pw-cl", lambda: np.ascontiguousarray(w.reshape(M, C).T))
+        wt = pointwise_weights(w, cache)
         # aligned to a cache line for the vector kernels that read it (a depthwise one next)
         out = _blas.matmul(xt.reshape(L, C), wt, out=_tiles.empty((L, M), x.dtype))
     else:
@@ -996,6 +1042,12 @@ class _ConvBase(OpImpl):
             raise self.fail("strides/dilations/pads do not match the number of spatial axes")
         return kernel, strides, dilations, begin, end
 
+    def weight_and_cache(self, w, b, dtype):
+        """(w in `dtype`, C-ordered; conv_nd's `cache` for it), kept while w and b (a bias
+        folded into the weights, or None) are the same constants."""
+        xp = self.xp
+        return self.cached_weight(w, lambda a: (xp.ascontiguousarray(a, dtype=dtype), {}), b)
+
     def cached_weight(self, w, convert, *extra):
         """`convert(w)`, remembered across runs while w (and the `extra` arrays it depends on)
         are the same read-only numpy constants (the CUDA kernels override this: device
@@ -1021,10 +1073,14 @@ class Conv(_ConvBase):
         # don't say) is added afterwards: folding it into the weight matrix, conv_nd's way
         # with a constant bias, would copy the whole weight on every run
         late_bias = b is not None and getattr(b.flags, "writeable", True) and clamp is None
-        wc, cache = self.cached_weight(w, lambda a: (xp.ascontiguousarray(a, dtype=dt), {}),
-                                       None if late_bias else b)
-        out = conv_nd(xp, x.astype(dt, copy=False), wc, self.group, kernel, strides, dilations,
-                      begin, end, bias=None if late_bias else b, cache=cache, clamp=clamp)
+        wc, cache = self.weight_and_cache(w, None if late_bias else b, dt)
+        xc = x.astype(dt, copy=False)
+        route = cache.get(route_key(xc, clamp))
+        if route is not None:   # (a depthwise convolution of this geometry, run before)
+            out = route.run(xc)
+        else:
+            out = conv_nd(xp, xc, wc, self.group, kernel, strides, dilations, begin, end,
+                          bias=None if late_bias else b, cache=cache, clamp=clamp)
         if late_bias:
             out = _add_bias(out, b.astype(dt, copy=False))
         return out.astype(x.dtype, copy=False)

@@ -15,10 +15,13 @@ separate ops' allocations (and, for GELU, runs the formula block by block in cac
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from ember.ops import _compiled
-from ember.ops.conv import Conv, _channels_last, clamps_in_pass
+from ember.ops import _blas, _compiled, _tiles
+from ember.ops.conv import (Conv, _channels_last, clamps_in_pass, pointwise_cl_fits,
+                            pointwise_weights)
 from ember.ops.activations import gelu, gelu_erf_float32, gelu_tanh_float32
 from ember.ops.linalg import CachedPack, Gemm7, matmul
 from ember.ops.registry import OpImpl, register
@@ -297,6 +300,126 @@ def _epilogue_loops(y, bias, bias_per_row, z, code, p0, p1, row0, row1):  # prag
                 out[c] = gelu_tanh_float32(out[c])
 
 
+# --- the epilogue in a product's pieces: where a fused op's result is one product on the board
+# (a 1x1 convolution of a channels-last image: (pixels, channels) = (pixels, inputs) @
+# (inputs, channels)), each piece of the product is finished (bias over its columns, residual,
+# activation) right after its GEMM by the thread that computed it: no call and no pass of its
+# own over the output. Same bits: the same kernel (_epilogue_loops) over the same values.
+
+def product_with_epilogue(a, b, out, bias, z, activation: str, params: list[float]):
+    """How to compute out = activation(a @ b + bias + z) for 2-D a, b and a C-ordered out
+    (bias over out's columns, z of out's shape) with the epilogue in the product's pieces on
+    the board: (piece function's address, block, bounds) for `_blas.run_pieces`; None where
+    the product is not cut on the board or the kernel lacks this epilogue."""
+    code = _epilogue_code(activation, params, out.dtype)
+    if code is None or a.ndim != 2 or b.ndim != 2 or out.dtype.type not in _EPILOGUE_EMPTY \
+            or not out.flags.c_contiguous or any(
+                v is not None and (v.dtype != out.dtype or not v.flags.c_contiguous)
+                for v in (bias, z)) \
+            or (z is not None and z.shape != out.shape) \
+            or (bias is not None and bias.shape != (out.shape[1],)):
+        return None
+    product = _blas.product_fields(a, b, out)
+    piece = None if product is None else _compiled.piece_address(
+        _PRODUCT_EPILOGUE_PIECES[out.dtype.type])
+    if piece is None:
+        return None
+    block = np.empty(_PRODUCT_HEAD + product.size, np.int64)
+    p0, p1 = (_with_defaults(activation, params) + [0.0, 0.0])[:2]
+    if activation == "Relu":
+        p1 = np.inf    # see _epilogue_loops
+    block[:_PRODUCT_HEAD] = (block.size, 0 if bias is None else _address(bias),
+                             0 if z is None else _address(z), 0 if z is None else z.strides[0],
+                             out.itemsize, code, 0, 0, _address(out), out.strides[0])
+    block[6:8] = np.array([p0, p1], np.float64).view(np.int64)
+    block[_PRODUCT_HEAD:] = product
+    return piece, block, list(product[_blas.BOUNDS_FIELD:])
+
+
+# the block's fields: its length, bias, residual and its row stride (bytes), the item size,
+# the epilogue's code and parameters (float64 bits), the output and its row stride; then the
+# product's fields (_blas.product_fields)
+_Z_FIELD, _OUT_FIELD, _PRODUCT_HEAD = 2, 8, 10
+
+
+def _address(x: np.ndarray) -> int:
+    return x.__array_interface__["data"][0]
+
+
+@_compiled.kernel_math
+def _product_epilogue(block, row0, row1, dtype):  # pragma: no cover
+    """Piece [row0, row1) of the product in the block product_with_epilogue made, then the
+    epilogue on the part of the output it wrote: whole rows at once, or row by row."""
+    fields = _compiled.array_at(block, (1,), np.int64)[0]
+    v = _compiled.array_at(block, (fields,), np.int64)
+    f = _compiled.array_at(block, (fields,), np.float64)
+    r0, r1, c0, c1 = _blas.product_piece(v, _PRODUCT_HEAD, row0, row1)
+    bias_at, z_at, z_row, size, code, out_at, out_row = v[1], v[2], v[3], v[4], v[5], v[8], \
+        v[9]
+    width = c1 - c0
+    bias = _compiled.array_at(bias_at + c0 * size, (width if bias_at else 0,), dtype)
+    no_residual = _compiled.array_at(z_at, (0, 0), dtype)
+    p0, p1 = dtype(f[6]), dtype(f[7])
+    rows = 1
+    if width * size == out_row and (z_at == 0 or z_row == out_row):   # whole rows: one block
+        rows, r1 = r1 - r0, r0 + 1
+    for r in range(r0, r1):
+        y = _compiled.array_at(out_at + r * out_row + c0 * size, (rows, width), dtype)
+        z = no_residual if z_at == 0 else \
+            _compiled.array_at(z_at + r * z_row + c0 * size, (rows, width), dtype)
+        _epilogue_loops(y, bias, False, z, code, p0, p1, 0, rows)
+
+
+def _product_epilogue_piece32(block, row0, row1):  # pragma: no cover
+    _product_epilogue(block, row0, row1, np.float32)
+
+
+def _product_epilogue_piece64(block, row0, row1):  # pragma: no cover
+    _product_epilogue(block, row0, row1, np.float64)
+
+
+_PRODUCT_EPILOGUE_PIECES = {np.float32: _product_epilogue_piece32,
+                            np.float64: _product_epilogue_piece64}
+
+
+class _PointwiseRoute:
+    """A FusedConv that is one 1x1 product of a channels-last image (conv.pointwise_cl_fits,
+    stride 1, group 1) with its epilogue in the product's pieces, worked out once for an
+    input geometry: a run fills in three addresses and posts the pieces. The convolution's
+    own path took ~60 us a node around its product (MobileNetV2: 35 such nodes a run)."""
+
+    def __init__(self, x, wt, b, z, activation, params):
+        N, C, *spatial = x.shape
+        M = wt.shape[1]
+        self.rows_shape = (N, *spatial, M)
+        self.axes = (0, x.ndim - 1, *range(1, x.ndim - 1))   # back to (N, M, *spatial)
+        bias = b.reshape(-1).astype(x.dtype)
+        out = _tiles.empty((N * math.prod(spatial), M), x.dtype)
+        self.plan = product_with_epilogue(_rows(x), wt, out, bias, _rows(z), activation,
+                                          params)
+        self.kept = (wt, bias)   # the block holds their addresses
+
+    def run(self, x, z):
+        piece, template, bounds = self.plan
+        out = _tiles.empty((template[_PRODUCT_HEAD + _blas.M_FIELD],
+                            template[_PRODUCT_HEAD + _blas.N_FIELD]), x.dtype)
+        block = template.copy()
+        block[_PRODUCT_HEAD + _blas.A_FIELD] = _address(x)
+        block[_PRODUCT_HEAD + _blas.C_FIELD] = block[_OUT_FIELD] = _address(out)
+        if z is not None:
+            block[_Z_FIELD] = _address(z)
+        _blas.run_pieces(piece, block, bounds)
+        return out.reshape(self.rows_shape).transpose(self.axes)
+
+
+def _rows(x):
+    """A channels-last (N, C, *spatial) array as its (pixels, C) rows (a view), or None."""
+    if x is None:
+        return None
+    rows = x.transpose(0, *range(2, x.ndim), 1)
+    return rows.reshape(-1, x.shape[1]) if rows.flags.c_contiguous else None
+
+
 class _Activated(OpImpl):
     """Base of the fused ops: reads the activation attributes once, applies the epilogue over
     `self.xp`."""
@@ -336,10 +459,40 @@ class FusedConv(Conv, _Activated):
                 return super().run(x, w, b, clamp=self._clamp)
         if b is not None and self.xp is np and x.dtype in (np.float32, np.float64) \
                 and b.size == w.shape[0] and x.ndim >= 3:
-            # the epilogue's pass adds the bias: the convolution then neither copies its
-            # input beside a ones row nor makes a pass of its own over the output for it
+            # the epilogue adds the bias: the convolution then neither copies its input
+            # beside a ones row nor makes a pass of its own over the output for it
+            route = self._pointwise_route(x, w, b, z)
+            if route is not None:
+                return route.run(x, z)
             return self.finish(super().run(x, w), z=z, channel_bias=b)
         return self.finish(super().run(x, w, b), z=z)
+
+
+    def _pointwise_route(self, x, w, b, z) -> _PointwiseRoute | None:
+        """The route for this input geometry during a run (made on its first call), where
+        this is a 1x1 convolution whose product goes on the board; else None. Kept in the
+        weights' cache (a new weight array starts anew), by the bias's identity: both are
+        constants (read-only) where there is a route, kept alive by the op's inputs."""
+        if not _blas.in_run():
+            return None
+        _, cache = self.weight_and_cache(w, None, x.dtype)
+        key = ("pointwise-route", x.shape, x.strides, x.dtype, id(b),
+               None if z is None else (z.shape, z.strides, z.dtype), _compiled.run_threads())
+        route = cache.get(key, False)
+        if route is False:
+            cache[key] = route = self._new_route(x, w, b, z, cache)
+        return route
+
+    def _new_route(self, x, w, b, z, cache) -> _PointwiseRoute | None:
+        kernel, strides, _, begin, end = self.geometry(x, w)
+        if self.group != 1 or any(s != 1 for s in strides) or w.flags.writeable \
+                or b.flags.writeable or (z is not None and _rows(z) is None) \
+                or not pointwise_cl_fits(np, x, w, self.group, kernel, begin, end):
+            return None   # (weights and bias computed in the run are not kept)
+        wc, _ = self.weight_and_cache(w, None, x.dtype)
+        route = _PointwiseRoute(x, pointwise_weights(wc, cache), b, z, self.activation_name,
+                                self.activation_args)
+        return route if route.plan is not None else None
 
 
 @register("FusedGemm", versions=[1], domain=DOMAIN)

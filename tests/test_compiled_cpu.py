@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -245,9 +246,11 @@ def test_rows_split_among_threads_give_the_same_bits(kernel, window, stride, dil
     for i in range(0, oh, 3):  # uneven pieces, in any order
         compiled(x, w, b, c, *args, i, min(oh, i + 3))
     np.testing.assert_array_equal(a, c)
-    split = np.empty_like(a)
-    conv._run_depthwise(compiled, x, w, b, split, *args)  # over the pool
-    np.testing.assert_array_equal(a, split)
+    route = conv._DepthwiseRoute.make(  # over the pool; x and w as a Conv's (N, C, H, W)
+        x.transpose(0, 3, 1, 2), w.transpose(2, 0, 1)[:, None], b, (0, 6), window,
+        (stride, stride), (dilation, dilation), (pad, pad), (oh, ow), {})
+    assert len(route.bounds) > 2
+    np.testing.assert_array_equal(a, route.run(x.transpose(0, 3, 1, 2)).transpose(0, 2, 3, 1))
 
 
 def _run_from_threads(session, feeds, repeats=3):
@@ -750,6 +753,121 @@ def test_fused_conv_bias_in_the_epilogue_matches_onnxruntime(case):
     want = ort.InferenceSession(proto.SerializeToString(),
                                 providers=["CPUExecutionProvider"]).run(None, {first: x})[0]
     np.testing.assert_allclose(sess.run({first: x})["y"], want, rtol=1e-5, atol=1e-5)
+
+
+# depthwise conv -> 1x1 Conv(bias) [-> + the depthwise result] -> activation: the 1x1 one a
+# FusedConv of a channels-last input, whose product goes on the board with the epilogue in
+# its pieces. (channels, output channels, image size, batch, activation, residual): rows
+# cut (more pixels than channels), columns cut (7x7 images).
+POINTWISE_ROUTES = {
+    "rows, ReLU6": (32, 192, 28, 1, "Clip", False),
+    "rows, residual": (96, 96, 20, 2, "", True),
+    "columns, HardSwish": (160, 960, 7, 1, "HardSwish", False),
+    "columns, ReLU, residual": (320, 320, 7, 2, "Relu", True),
+}
+
+
+@pytest.mark.parametrize("case", list(POINTWISE_ROUTES))
+def test_pointwise_fused_conv_finishes_in_the_products_pieces(case, monkeypatch):
+    """The route (fused._PointwiseRoute) runs, gives the bits of the convolution's own path
+    with its separate epilogue, in a session shared by threads too, and matches onnxruntime."""
+    pytest.importorskip("numba")
+    from ember.ops import _blas
+    if not _blas.enabled():
+        pytest.skip("no board here (products stay with np.matmul)")
+    c, m, size, batch, activation, residual = POINTWISE_ROUTES[case]
+    rng = np.random.default_rng(len(case))
+    inits = [numpy_helper.from_array(rng.standard_normal((c, 1, 3, 3)).astype(np.float32), "dw"),
+             numpy_helper.from_array((rng.standard_normal((m, c, 1, 1)) / c ** 0.5)
+                                     .astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(m).astype(np.float32), "b")]
+    nodes = [helper.make_node("Conv", ["x", "dw"], ["d"], group=c, pads=[1] * 4),
+             helper.make_node("Conv", ["d", "w", "b"], ["p"])]
+    last = "p"
+    if residual:
+        nodes.append(helper.make_node("Add", [last, "d"], ["r"]))
+        last = "r"
+    if activation:
+        attrs = {"min": 0.0, "max": 6.0} if activation == "Clip" else {}
+        inits += [numpy_helper.from_array(np.float32(v), n) for n, v in attrs.items()]
+        nodes.append(helper.make_node(activation, [last] + list(attrs), ["a"]))
+        last = "a"
+    graph = helper.make_graph(nodes, "pointwise", [helper.make_tensor_value_info(
+        "x", F, [batch, c, size, size])], [helper.make_tensor_value_info(last, F, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    sess = ember.load(proto.SerializeToString(), threads=2)
+    assert [op for _, op, _ in sess.placement][-1] == "FusedConv"
+    x = rng.standard_normal((batch, c, size, size)).astype(np.float32)
+    routed = []
+    run = fused._PointwiseRoute.run
+    monkeypatch.setattr(fused._PointwiseRoute, "run",
+                        lambda self, *a: (routed.append(1), run(self, *a))[1])
+    got = sess.run({"x": x})[last]
+    with ThreadPoolExecutor(3) as pool:
+        shared = list(pool.map(lambda _: sess.run({"x": x})[last], range(6)))
+    assert len(routed) == 7
+    monkeypatch.setattr(fused.FusedConv, "_pointwise_route", lambda *a: None)
+    want = sess.run({"x": x})[last]
+    for y in [got] + shared:
+        np.testing.assert_array_equal(y, want)
+    expected = ort.InferenceSession(proto.SerializeToString(),
+                                    providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("activation", ["Clip", ""])
+def test_depthwise_conv_takes_its_route_from_the_second_run(activation, monkeypatch):
+    """A depthwise convolution's route (conv._DepthwiseRoute), kept after the first run,
+    serves the next runs, from several threads too, with conv_nd's bits; a new weight array
+    is not served the old weights' route."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(7)
+    c = 48
+    inits = [numpy_helper.from_array(rng.standard_normal((c, 1, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b")]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], group=c, pads=[1] * 4)]
+    out = "y"
+    if activation:
+        inits += [numpy_helper.from_array(np.float32(v), n) for n, v in (("lo", 0), ("hi", 6))]
+        nodes.append(helper.make_node("Clip", ["y", "lo", "hi"], ["a"]))
+        out = "a"
+    graph = helper.make_graph(nodes, "dw", [helper.make_tensor_value_info(
+        "x", F, [1, c, 40, 40])], [helper.make_tensor_value_info(out, F, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    sess = ember.load(proto.SerializeToString(), threads=2)
+    x = rng.standard_normal((1, c, 40, 40)).astype(np.float32)
+    routed = []
+    run = conv._DepthwiseRoute.run
+    monkeypatch.setattr(conv._DepthwiseRoute, "run",
+                        lambda self, x: (routed.append(1), run(self, x))[1])
+    made = []
+    make = conv._DepthwiseRoute.make
+    monkeypatch.setattr(conv._DepthwiseRoute, "make", classmethod(
+        lambda cls, *a: (made.append(1), make(*a))[1]))
+    first = sess.run({"x": x})[out]
+    with ThreadPoolExecutor(3) as pool:
+        later = list(pool.map(lambda _: sess.run({"x": x})[out], range(6)))
+    assert len(made) == 1 and len(routed) == 7
+    for y in later:
+        np.testing.assert_array_equal(y, first)
+    monkeypatch.setattr(conv, "route_key", lambda x, clamp: object())   # never found
+    np.testing.assert_array_equal(sess.run({"x": x})[out], first)
+    expected = ort.InferenceSession(proto.SerializeToString(),
+                                    providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(first, expected, rtol=1e-5, atol=1e-5)
+    # the route lives in the weights' cache: another weight array of the same shape misses it
+    op = conv.Conv.__new__(conv.Conv)
+    op.xp, op.group = np, c
+    monkeypatch.setattr(conv, "route_key", lambda x, clamp: ("conv-route", x.shape))
+    w1, w2 = (rng.standard_normal((c, 1, 3, 3)).astype(np.float32) for _ in range(2))
+    for w in (w1, w2):
+        w.flags.writeable = False
+    op.kernel_shape, op.pads, op.strides, op.dilations, op.auto_pad = [3, 3], [1] * 4, None, \
+        None, "NOTSET"
+    op.setup()
+    for w in (w1, w2, w1):
+        want = conv.conv_nd(np, x, w, c, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1))
+        np.testing.assert_array_equal(op.run(x, w), want)
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])

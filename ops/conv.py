@@ -361,8 +361,6 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache, cl
     route = _DepthwiseRoute.make(x, w, bias, clamp, kernel, strides, dilations, begin, outs,
                                  cache)
     if route is not None:
-        if cache is not None:
-            cache[route_key(x, clamp)] = route
         return route.run(x)
     # Width tap j reads padded column sw*ow + j*dw = sw*(ow + dj) + ph: the padded input is
     # split by column phase ph (Q[ph][:, :, q] = padded column sw*q + ph, channels last), so
@@ -406,10 +404,9 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache, cl
 
 class _DepthwiseRoute:
     """A depthwise convolution of a channels-last image by a compiled kernel, with its bias
-    and clip, worked out once for an input geometry and the run's thread count (kept in
-    conv_nd's per-weight cache: Conv.run finds it under `route_key`): a call allocates the
-    output and runs the kernel's pieces. Around the kernel, conv_nd's way to it took ~50 us
-    a call (MobileNetV2: 17 depthwise layers a run)."""
+    and clip, worked out once for an input geometry and the run's thread count (Conv.route):
+    a call allocates the output and runs the kernel's pieces. Around the kernel, conv_nd's
+    way to it took ~50 us a call (MobileNetV2: 17 depthwise layers a run)."""
 
     @classmethod
     def make(cls, x, w, bias, clamp, kernel, strides, dilations, begin, outs, cache):
@@ -456,8 +453,10 @@ class _DepthwiseRoute:
 
 
 def route_key(x, clamp):
-    """Where conv_nd's cache keeps the route of a convolution of x (and clamp) in this run."""
-    return "conv-route", x.shape, x.strides, x.dtype, clamp, _compiled.run_threads()
+    """Where conv_nd's per-weight cache keeps the route of a convolution of x (and clamp):
+    per input geometry, and the run's thread count and board (Conv.route)."""
+    return ("conv-route", x.shape, x.strides, x.dtype, clamp, _compiled.run_threads(),
+            _blas.in_run())
 
 
 # The depthwise convolution as explicit vector code (ops/_tiles.py; AVX-512, channels a
@@ -1075,8 +1074,8 @@ class Conv(_ConvBase):
         late_bias = b is not None and getattr(b.flags, "writeable", True) and clamp is None
         wc, cache = self.weight_and_cache(w, None if late_bias else b, dt)
         xc = x.astype(dt, copy=False)
-        route = cache.get(route_key(xc, clamp))
-        if route is not None:   # (a depthwise convolution of this geometry, run before)
+        route = self.route(xc, wc, None if late_bias else b, clamp, cache)
+        if route is not None:
             out = route.run(xc)
         else:
             out = conv_nd(xp, xc, wc, self.group, kernel, strides, dilations, begin, end,
@@ -1084,6 +1083,38 @@ class Conv(_ConvBase):
         if late_bias:
             out = _add_bias(out, b.astype(dt, copy=False))
         return out.astype(x.dtype, copy=False)
+
+    def route(self, x, w, b, clamp, cache):
+        """The route of this convolution for x's geometry: its kernel's call worked out once
+        (on the first call; kept in the weights' `cache`, which a new weight or bias array
+        does not share), or None where conv_nd serves: a depthwise convolution by a compiled
+        kernel, a 1x1 one of a channels-last image whose product goes on the board."""
+        key = route_key(x, clamp)
+        if key not in cache:
+            cache[key] = self._new_route(x, w, b, clamp, cache)
+        return cache[key]
+
+    def _new_route(self, x, w, b, clamp, cache):
+        if self.xp is not np or x.dtype not in (np.float32, np.float64):
+            return None
+        kernel, strides, dilations, begin, end = self.geometry(x, w)
+        N, C, M = x.shape[0], x.shape[1], w.shape[0]
+        outs = out_size(x.shape[2:], kernel, strides, dilations, begin, end)
+        limits.check_shape((N, M, *outs), x.dtype)
+        if 0 in (N, M, *outs):
+            return None
+        bias = None if b is None else b.astype(x.dtype, copy=False).reshape(M)
+        if _depthwise_fast(x, w, self.group, kernel, begin, end):
+            return _DepthwiseRoute.make(x, w, bias, clamp, kernel, strides, dilations, begin,
+                                        outs, cache)
+        # a 1x1 convolution whose bias _pointwise_cl adds after its product (not folded into
+        # the product: C < M), as the route's epilogue does: the same bits
+        if clamp is None and _blas.in_run() and self.group == 1 and all(
+                s == 1 for s in strides) and (b is None or C >= M) and pointwise_cl_fits(
+                np, x, w, self.group, kernel, begin, end):
+            from ember.ops import fused  # here: fused imports this module
+            return fused.pointwise_route(x, pointwise_weights(w, cache), bias, None, "", [])
+        return None
 
 
 def _exact_int_conv(xp, op, x, w, x_zp, w_zp, bias=None):

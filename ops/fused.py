@@ -382,24 +382,33 @@ _PRODUCT_EPILOGUE_PIECES = {np.float32: _product_epilogue_piece32,
                             np.float64: _product_epilogue_piece64}
 
 
+def pointwise_route(x, wt, b, z, activation: str, params: list[float]) -> _PointwiseRoute | None:
+    """The route of a 1x1 convolution of the channels-last x by wt (C, M) (conv's
+    pointwise_weights), then bias b, residual z and the activation, where its product goes
+    on the board; else None."""
+    route = _PointwiseRoute(x, wt, b, z, activation, params)
+    return route if route.plan is not None else None
+
+
 class _PointwiseRoute:
-    """A FusedConv that is one 1x1 product of a channels-last image (conv.pointwise_cl_fits,
-    stride 1, group 1) with its epilogue in the product's pieces, worked out once for an
-    input geometry: a run fills in three addresses and posts the pieces. The convolution's
-    own path took ~60 us a node around its product (MobileNetV2: 35 such nodes a run)."""
+    """A 1x1 convolution of a channels-last image (conv.pointwise_cl_fits, stride 1, group 1)
+    as one product with its epilogue in the product's pieces, worked out once for an input
+    geometry: a run fills in three addresses and posts the pieces. The convolution's own path
+    took ~40-70 us a node around its product (MobileNetV2: 35 such FusedConv nodes a run, and
+    7 Conv ones)."""
 
     def __init__(self, x, wt, b, z, activation, params):
         N, C, *spatial = x.shape
         M = wt.shape[1]
         self.rows_shape = (N, *spatial, M)
         self.axes = (0, x.ndim - 1, *range(1, x.ndim - 1))   # back to (N, M, *spatial)
-        bias = b.reshape(-1).astype(x.dtype)
+        bias = None if b is None else b.reshape(-1).astype(x.dtype)
         out = _tiles.empty((N * math.prod(spatial), M), x.dtype)
         self.plan = product_with_epilogue(_rows(x), wt, out, bias, _rows(z), activation,
                                           params)
         self.kept = (wt, bias)   # the block holds their addresses
 
-    def run(self, x, z):
+    def run(self, x, z=None):
         piece, template, bounds = self.plan
         out = _tiles.empty((template[_PRODUCT_HEAD + _blas.M_FIELD],
                             template[_PRODUCT_HEAD + _blas.N_FIELD]), x.dtype)
@@ -480,19 +489,18 @@ class FusedConv(Conv, _Activated):
                None if z is None else (z.shape, z.strides, z.dtype), _compiled.run_threads())
         route = cache.get(key, False)
         if route is False:
-            cache[key] = route = self._new_route(x, w, b, z, cache)
+            cache[key] = route = self._new_pointwise_route(x, w, b, z, cache)
         return route
 
-    def _new_route(self, x, w, b, z, cache) -> _PointwiseRoute | None:
+    def _new_pointwise_route(self, x, w, b, z, cache) -> _PointwiseRoute | None:
         kernel, strides, _, begin, end = self.geometry(x, w)
         if self.group != 1 or any(s != 1 for s in strides) or w.flags.writeable \
                 or b.flags.writeable or (z is not None and _rows(z) is None) \
                 or not pointwise_cl_fits(np, x, w, self.group, kernel, begin, end):
             return None   # (weights and bias computed in the run are not kept)
         wc, _ = self.weight_and_cache(w, None, x.dtype)
-        route = _PointwiseRoute(x, pointwise_weights(wc, cache), b, z, self.activation_name,
-                                self.activation_args)
-        return route if route.plan is not None else None
+        return pointwise_route(x, pointwise_weights(wc, cache), b, z, self.activation_name,
+                               self.activation_args)
 
 
 @register("FusedGemm", versions=[1], domain=DOMAIN)

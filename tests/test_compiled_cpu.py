@@ -755,22 +755,25 @@ def test_fused_conv_bias_in_the_epilogue_matches_onnxruntime(case):
     np.testing.assert_allclose(sess.run({first: x})["y"], want, rtol=1e-5, atol=1e-5)
 
 
-# depthwise conv -> 1x1 Conv(bias) [-> + the depthwise result] -> activation: the 1x1 one a
-# FusedConv of a channels-last input, whose product goes on the board with the epilogue in
-# its pieces. (channels, output channels, image size, batch, activation, residual): rows
+# depthwise conv -> 1x1 Conv(bias) [-> + the depthwise result] [-> activation]: the 1x1 one a
+# FusedConv (or a Conv) of a channels-last input, whose product goes on the board with the
+# epilogue in its pieces. (channels, output channels, image size, batch, activation, residual): rows
 # cut (more pixels than channels), columns cut (7x7 images).
 POINTWISE_ROUTES = {
     "rows, ReLU6": (32, 192, 28, 1, "Clip", False),
     "rows, residual": (96, 96, 20, 2, "", True),
     "columns, HardSwish": (160, 960, 7, 1, "HardSwish", False),
     "columns, ReLU, residual": (320, 320, 7, 2, "Relu", True),
+    "rows, a plain Conv": (96, 24, 20, 1, "", False),
+    "columns, a plain Conv": (960, 160, 7, 2, "", False),
 }
 
 
 @pytest.mark.parametrize("case", list(POINTWISE_ROUTES))
 def test_pointwise_fused_conv_finishes_in_the_products_pieces(case, monkeypatch):
     """The route (fused._PointwiseRoute) runs, gives the bits of the convolution's own path
-    with its separate epilogue, in a session shared by threads too, and matches onnxruntime."""
+    with its separate epilogue, in a session shared by threads too, and matches onnxruntime.
+    A plain Conv (its bias the only epilogue) takes it too."""
     pytest.importorskip("numba")
     from ember.ops import _blas
     if not _blas.enabled():
@@ -796,7 +799,8 @@ def test_pointwise_fused_conv_finishes_in_the_products_pieces(case, monkeypatch)
         "x", F, [batch, c, size, size])], [helper.make_tensor_value_info(last, F, None)], inits)
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     sess = ember.load(proto.SerializeToString(), threads=2)
-    assert [op for _, op, _ in sess.placement][-1] == "FusedConv"
+    assert [op for _, op, _ in sess.placement][-1] == \
+        ("FusedConv" if activation or residual else "Conv")
     x = rng.standard_normal((batch, c, size, size)).astype(np.float32)
     routed = []
     run = fused._PointwiseRoute.run
@@ -807,6 +811,7 @@ def test_pointwise_fused_conv_finishes_in_the_products_pieces(case, monkeypatch)
         shared = list(pool.map(lambda _: sess.run({"x": x})[last], range(6)))
     assert len(routed) == 7
     monkeypatch.setattr(fused.FusedConv, "_pointwise_route", lambda *a: None)
+    monkeypatch.setattr(conv.Conv, "route", lambda *a: None)
     want = sess.run({"x": x})[last]
     for y in [got] + shared:
         np.testing.assert_array_equal(y, want)
@@ -850,7 +855,7 @@ def test_depthwise_conv_takes_its_route_from_the_second_run(activation, monkeypa
     assert len(made) == 1 and len(routed) == 7
     for y in later:
         np.testing.assert_array_equal(y, first)
-    monkeypatch.setattr(conv, "route_key", lambda x, clamp: object())   # never found
+    monkeypatch.setattr(conv.Conv, "route", lambda self, *a: None)   # conv_nd's way
     np.testing.assert_array_equal(sess.run({"x": x})[out], first)
     expected = ort.InferenceSession(proto.SerializeToString(),
                                     providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]

@@ -434,7 +434,8 @@ class _DepthwiseRoute:
         self.out_shape = (N, Oh, Ow, C)
         self.kernel = compiled
         if vector:
-            self.weights, self.piece = (*_vector_weights(wt, W, dh, dw, cache), wt), None
+            self.weights = (*_vector_weights(wt, W, dh, dw, cache), wt)
+            self.piece = _depthwise_vector_piece
             ns = _DEPTHWISE_VECTOR_NS
         else:
             self.weights = (wt,)
@@ -468,7 +469,17 @@ def route_key(x, clamp):
 # AVX2, where LLVM vectorises the numba loops to the same width: the vector code was no
 # faster there (Zen 3, in the model: MobileNetV2 0.99-1.03x at batch 1, 1.37x at batch 8,
 # ConvNeXt-T 1.03x).
-_DEPTHWISE_VECTOR_NS = 0.03  # time per tap of an output value (split_rows)
+#
+# The inner pixels are taken in bands of output rows whose input rows fill at most
+# _DEPTHWISE_BAND_BYTES, each band by every block of channels in turn: the band's input
+# stays in cache for the next block. Block by block over the whole image, each block read
+# the image from memory again, 64 bytes of each pixel (on a 2-core Xeon with AVX-512: 96
+# channels at 112x112, stride 2, 501 -> 287 us on one thread).
+# The split's estimate is this machine's: 18-20 GFMA/s a core for the 3x3 layers at 28x28 to
+# 112x112 (their data does not stay in cache). At the Zen 4 figure, 0.03 ns, the 112x112 and
+# 56x56 layers ran on one thread: 32 channels at 112x112 195 us on one, 87 us on two.
+_DEPTHWISE_BAND_BYTES = 512 << 10
+_DEPTHWISE_VECTOR_NS = 0.06  # time per tap of an output value (split_rows)
 
 
 def _vector_weights(wt, W, dh, dw, cache):
@@ -484,6 +495,7 @@ def _vector_weights(wt, W, dh, dw, cache):
     return _remembered(cache, ("dw-vector", W), make)
 
 
+@_compiled.kernel_math
 def _depthwise_vector_rows(x4, vectors, taps, w3, b, out4, ph, pw, sh, sw, dh, dw, lo, hi,
                            row0, row1):  # pragma: no cover
     """As `_depthwise_rows` (rows [row0, row1) of every image), float32, C a multiple of
@@ -507,14 +519,32 @@ def _depthwise_vector_rows(x4, vectors, taps, w3, b, out4, ph, pw, sh, sw, dh, d
                 o = np.uint64(((n * Oh + oh) * Ow + ow) * C)
                 _pixel_by_taps(x, w, b, out, o, n, oh * sh - ph, ow * sw - pw, dh, dw, lo, hi,
                                x4.shape, kh, kw)
-        if z > a and right > left:
-            for block in range(C // _tiles.LANES):
+        band = max(1, _DEPTHWISE_BAND_BYTES // (sh * W * C * 4))
+        for r0 in range(a, z, band):
+            rows = min(z, r0 + band) - r0
+            for block in range(C // _tiles.LANES if right > left else 0):
                 c0 = block * _tiles.LANES
                 _tiles.depthwise_segment(
-                    kh * kw, x, ((n * H + a * sh - ph) * W + left * sw - pw) * C + c0, sw * C,
+                    kh * kw, x, ((n * H + r0 * sh - ph) * W + left * sw - pw) * C + c0, sw * C,
                     taps, vectors[block], b[c0:c0 + _tiles.LANES], lo, hi, out,
-                    ((n * Oh + a) * Ow + left) * C + c0, C, right - left, z - a, sh * W * C,
+                    ((n * Oh + r0) * Ow + left) * C + c0, C, right - left, rows, sh * W * C,
                     Ow * C)
+
+
+def _depthwise_vector_piece(block, row0, row1):  # pragma: no cover
+    """_depthwise_vector_rows' piece function (ops/_compiled.py: the helpers run its pieces
+    without Python), its arguments from the block `split_rows` made."""
+    v = _compiled.array_at(block, (30,), np.int64)
+    f = _compiled.array_at(block, (30,), np.float64)
+    _depthwise_vector_rows(
+        _compiled.array_at(v[0], (v[1], v[2], v[3], v[4]), np.float32),
+        _compiled.array_at(v[5], (v[6], v[7], v[8]), np.float32),
+        _compiled.array_at(v[9], (v[10],), np.int64),
+        _compiled.array_at(v[11], (v[12], v[13], v[14]), np.float32),
+        _compiled.array_at(v[15], (v[16],), np.float32),
+        _compiled.array_at(v[17], (v[18], v[19], v[20], v[21]), np.float32),
+        v[22], v[23], v[24], v[25], v[26], v[27], np.float32(f[28]), np.float32(f[29]),
+        row0, row1)
 
 
 # --- optional compiled depthwise kernels (numba: ops/_compiled.py), one for 3x3 windows and
@@ -794,8 +824,11 @@ def _tiled_fits(x, w, group, begin, end):
 # Elsewhere BLAS stays: 16-32 channels (MobileNetV2's) run 1.9-2.5x slower as tiles, 1024 and
 # more 1.1-1.2x, the smaller products of MobileNetV2's 7x7 and 14x14 layers 1.02-1.06x; a
 # batch keeps BLAS's blocking. AVX-512 only: AVX2's tiles ran 64 -> 256 channels at 56x56 2x
-# slower than OpenBLAS (one core, Zen 3).
-_POINTWISE_TILE_CHANNELS = (64, 1024)   # input channels, [lo, hi)
+# slower than OpenBLAS (one core, Zen 3). From 512 input channels: on a 2-core Xeon with
+# AVX-512, ResNet-50's 1x1 layers of 64-256 input channels (at 56x56 to 14x14) ran 1.1-2.3x
+# slower as tiles than OpenBLAS's GEMM in the model, those of 512 (stride 2 at 28x28, and at
+# 7x7) 0.8-0.9x; the model at batch 1, in-process alternation, 0.97x (0.94-0.98).
+_POINTWISE_TILE_CHANNELS = (512, 1024)   # input channels, [lo, hi)
 _POINTWISE_TILE_MIN_MACS = 1 << 24      # input pixels x input x output channels
 
 

@@ -1202,10 +1202,11 @@ TILE_CASES = [  # batch, channels in, size, channels out, kernel, strides, dilat
     (2, 40, 10, 33, [1, 1], [2, 2], [1, 1], [0, 0, 0, 0]),    # 1x1 strided
     (1, 32, 6, 64, [1, 1], [1, 1], [1, 1], [1, 0, 0, 1]),     # 1x1 padded
     (1, 8, 2, 5, [3, 3], [1, 1], [1, 1], [1, 1, 1, 1]),       # fewer pixels than a tile
-    (1, 64, 56, 256, [1, 1], [1, 1], [1, 1], [0, 0, 0, 0]),   # ResNet-50's 1x1: tiles too
-    (1, 128, 28, 208, [1, 1], [2, 2], [1, 1], [0, 0, 0, 0]),  # and strided, 16 channels left
+    (1, 64, 56, 256, [1, 1], [1, 1], [1, 1], [0, 0, 0, 0]),   # ResNet-50's 1x1 at 56x56: BLAS
+    (1, 512, 7, 2048, [1, 1], [1, 1], [1, 1], [0, 0, 0, 0]),  # and at 7x7: tiles too
+    (1, 512, 28, 208, [1, 1], [2, 2], [1, 1], [0, 0, 0, 0]),  # and strided, 16 channels left
 ]
-POINTWISE_AS_TILES = {(1, 64, 56, 256), (1, 128, 28, 208)}  # the 1x1 cases `_tiled_fits` takes
+POINTWISE_AS_TILES = {(1, 512, 7, 2048), (1, 512, 28, 208)}  # the 1x1 cases `_tiled_fits` takes
 
 
 def _tiles_or_skip():
@@ -1294,7 +1295,7 @@ def test_conv_matches_onnxruntime_as_tiles_and_on_numpy(tiles, case, activation,
 
 def test_tiles_run_the_convolutions_they_fit(monkeypatch):
     """The tiles do run where `_tiled_fits` says (a spy on their entry, _tiles.run): every
-    window but 1x1, and the 1x1 convolutions of one image with 64-1023 input channels and a
+    window but 1x1, and the 1x1 convolutions of one image with 512-1023 input channels and a
     large product (ResNet-50's); BLAS keeps the other 1x1 ones. The rule is AVX-512's here
     (the tiles themselves are this CPU's); AVX2's is below."""
     _tiles_or_skip()
@@ -1307,12 +1308,12 @@ def test_tiles_run_the_convolutions_they_fit(monkeypatch):
         calls.clear()
         ember.load(proto).run(feeds)
         assert bool(calls) == (case[4] != [1, 1] or case[:4] in POINTWISE_AS_TILES), case
-    one_by_one = np.ones((256, 64, 1, 1), np.float32)   # 56x56 images: 51M multiply-adds
-    for x_shape, fits in [((1, 64, 56, 56), True), ((2, 64, 56, 56), False),  # a batch: BLAS
-                          ((1, 64, 28, 28), False),                          # 12.8M: BLAS
-                          ((1, 63, 56, 56), False), ((1, 1024, 56, 56), False)]:
+    for x_shape, fits in [((1, 512, 28, 28), True),                         # 103M multiply-adds
+                          ((2, 512, 28, 28), False),                        # a batch: BLAS
+                          ((1, 512, 7, 7), False),                          # 6.4M: BLAS
+                          ((1, 256, 56, 56), False), ((1, 1024, 28, 28), False)]:
         x = np.ones(x_shape, np.float32)
-        w = one_by_one if x_shape[1] == 64 else np.ones((256, x_shape[1], 1, 1), np.float32)
+        w = np.ones((256, x_shape[1], 1, 1), np.float32)
         assert conv._tiled_fits(x, w, 1, [0, 0], [0, 0]) == fits, x_shape
     # AVX2: no 1x1 convolution, and sums of at most 1536 terms (3x3 by 128 channels, not 256)
     monkeypatch.setattr(_tiles, "WIDE", False)
@@ -1428,6 +1429,8 @@ VECTOR_DEPTHWISE_CASES = [  # c, size, kernel, strides, dilations, pads
     (32, 14, [5, 5], [2, 2], [1, 1], [2, 2, 2, 2]),
     (96, 20, [7, 7], [1, 1], [1, 1], [3, 3, 3, 3]),    # ConvNeXt's
     (16, 14, [7, 7], [1, 2], [1, 2], [2, 1, 4, 0]),
+    (96, 120, [3, 3], [2, 2], [1, 1], [1, 1, 1, 1]),   # bands of 5 output rows
+    (48, 100, [3, 3], [1, 1], [1, 1], [1, 1, 1, 1]),   # bands of 27
 ]
 
 
@@ -1443,9 +1446,13 @@ def test_depthwise_as_vector_code_matches_onnxruntime(case, batch, monkeypatch):
     if compiled is None:
         pytest.skip("no AVX-512 or AVX2 here: the vector kernel is off")
     monkeypatch.setattr(_tiles, "WIDE", True)  # AVX2 keeps the numba loops: run it anyway
-    calls = []
+    calls = []  # the kernel's calls, or its pieces on the board (larger images are split)
     monkeypatch.setitem(_compiled._compiled, conv._depthwise_vector_rows,
                         lambda *args: calls.append(args[-2:]) or compiled(*args))
+    on_board = _compiled._pieces_on_board
+    monkeypatch.setattr(_compiled, "_pieces_on_board", lambda piece, args, bounds: (
+        piece is conv._depthwise_vector_piece and calls.append(bounds)
+        or on_board(piece, args, bounds)))
     proto, feeds = _model(*case, True, batch)
     want = ort.InferenceSession(proto, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     got = ember.load(proto).run(feeds)["y"]
@@ -1517,7 +1524,20 @@ def _split_kernel_cases():
         scale, b = rng.standard_normal(400).astype(dtype), rng.standard_normal(400).astype(dtype)
         return lambda: normalization._layernorm_compiled(x, 1, scale, b, 1e-5)
 
+    def depthwise_vector():
+        x = rng.standard_normal((1, 48, 23, 19)).astype(np.float32)
+        w = rng.standard_normal((48, 1, 3, 3)).astype(np.float32)
+        b = rng.standard_normal(48).astype(np.float32)
+
+        def compute():  # the route's cuts are made with it: under the test's MIN_PIECE_NS
+            route = conv._DepthwiseRoute.make(x, w, b, (0.0, 6.0), (3, 3), (1, 1), (1, 1),
+                                              (1, 1), (23, 19), {})
+            assert route.piece is conv._depthwise_vector_piece
+            return route.run(x)
+        return compute
+
     return {"softmax": softmax,
+            "depthwise-vector": depthwise_vector,
             "layernorm-float32": lambda: layernorm(np.float32),
             "layernorm-float64": lambda: layernorm(np.float64),
             "depthwise3x3-float32": lambda: depthwise(np.float32, 3),
@@ -1540,6 +1560,10 @@ def test_split_kernels_run_their_pieces_on_the_board(case, monkeypatch):
         pytest.skip("no board here (products stay with np.matmul)")
     if case == "tiles":
         _tiles_or_skip()
+    if case == "depthwise-vector":
+        if _tiles.depthwise_kernel(conv._depthwise_vector_rows) is None:
+            pytest.skip("no AVX-512 or AVX2 here: the vector kernel is off")
+        monkeypatch.setattr(_tiles, "WIDE", True)  # AVX2 keeps the numba loops: run it anyway
     compute = _split_kernel_cases()[case]()
     taken = []
     run_pieces = _blas.run_pieces

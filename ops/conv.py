@@ -816,19 +816,18 @@ def _tiled_fits(x, w, group, begin, end):
 
 
 # 1x1 convolutions of one image run as tiles too where the product is large and the input
-# channels mid-sized. There the tiles take about the time of OpenBLAS's GEMM plus the
-# epilogue's pass (ResNet-50's 1x1 layers, standalone: 0.82-0.98x), and, on ember's pool,
-# they keep it beside a busy process, where OpenBLAS's own workers end up sharing a core with
-# it: ResNet-50 b1 beside a nice-19 spin process, paired runs, 0.84x (interquartile range
-# 0.81-0.95, 16 rounds); alone 1.01x and 0.99x (two runs of 20 rounds).
-# Elsewhere BLAS stays: 16-32 channels (MobileNetV2's) run 1.9-2.5x slower as tiles, 1024 and
-# more 1.1-1.2x, the smaller products of MobileNetV2's 7x7 and 14x14 layers 1.02-1.06x; a
-# batch keeps BLAS's blocking. AVX-512 only: AVX2's tiles ran 64 -> 256 channels at 56x56 2x
-# slower than OpenBLAS (one core, Zen 3). From 512 input channels: on a 2-core Xeon with
-# AVX-512, ResNet-50's 1x1 layers of 64-256 input channels (at 56x56 to 14x14) ran 1.1-2.3x
-# slower as tiles than OpenBLAS's GEMM in the model, those of 512 (stride 2 at 28x28, and at
-# 7x7) 0.8-0.9x; the model at batch 1, in-process alternation, 0.97x (0.94-0.98).
-_POINTWISE_TILE_CHANNELS = (512, 1024)   # input channels, [lo, hi)
+# channels many: the tiles read weights packed once, where OpenBLAS packs them again on every
+# call (8 MB for ResNet-50's 1024 -> 2048 layer, for 49 rows of 7x7 pixels). On a 2-core
+# Xeon with AVX-512, in the model (ResNet-50 b1), those of 512-1024 input channels ran
+# 0.63-0.9x OpenBLAS's time as tiles (the model 0.97x, then 0.97x again with 1024-2048,
+# in-process alternation), those of 64-256 1.1-2.3x, so those stay with BLAS. (On Zen 4 the
+# tiles had run 64-1023 channels at 0.82-0.98x OpenBLAS's time standalone, and kept ResNet-50
+# beside a busy process, 0.84x; 1024 and more 1.1-1.2x: without the weights' prefetch.)
+# Elsewhere BLAS stays: MobileNetV2's 16-32 channels ran 1.9-2.5x slower as tiles, the
+# smaller products of its 7x7 and 14x14 layers 1.02-1.06x (Zen 4), and with 64 channels or
+# more at 14x14 and 7x7 the model 1.06x (Xeon); a batch keeps BLAS's blocking. AVX-512 only:
+# AVX2's tiles ran 64 -> 256 channels at 56x56 2x slower than OpenBLAS (one core, Zen 3).
+_POINTWISE_TILE_CHANNELS = (512, 2049)   # input channels, [lo, hi)
 _POINTWISE_TILE_MIN_MACS = 1 << 24      # input pixels x input x output channels
 
 

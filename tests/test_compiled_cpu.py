@@ -1295,7 +1295,7 @@ def test_conv_matches_onnxruntime_as_tiles_and_on_numpy(tiles, case, activation,
 
 def test_tiles_run_the_convolutions_they_fit(monkeypatch):
     """The tiles do run where `_tiled_fits` says (a spy on their entry, _tiles.run): every
-    window but 1x1, and the 1x1 convolutions of one image with 512-1023 input channels and a
+    window but 1x1, and the 1x1 convolutions of one image with 512-2048 input channels and a
     large product (ResNet-50's); BLAS keeps the other 1x1 ones. The rule is AVX-512's here
     (the tiles themselves are this CPU's); AVX2's is below."""
     _tiles_or_skip()
@@ -1311,7 +1311,8 @@ def test_tiles_run_the_convolutions_they_fit(monkeypatch):
     for x_shape, fits in [((1, 512, 28, 28), True),                         # 103M multiply-adds
                           ((2, 512, 28, 28), False),                        # a batch: BLAS
                           ((1, 512, 7, 7), False),                          # 6.4M: BLAS
-                          ((1, 256, 56, 56), False), ((1, 1024, 28, 28), False)]:
+                          ((1, 256, 56, 56), False), ((1, 2048, 7, 7), True),
+                          ((1, 4096, 7, 7), False)]:
         x = np.ones(x_shape, np.float32)
         w = np.ones((256, x_shape[1], 1, 1), np.float32)
         assert conv._tiled_fits(x, w, 1, [0, 0], [0, 0]) == fits, x_shape

@@ -185,10 +185,15 @@ def _dot_columns(a, b, weight: CachedPack):
 # summed, 1.2-1.6x slower than BLAS. With AVX2's tiles (6 rows by 16 columns) only the
 # decoder step's rows: 128 x 768 x 768 and x 3072 ran 1.05x slower than OpenBLAS (one core,
 # Zen 3), 8 x 768 x 768 0.77x of the dot products.
+# Where N is over _TILE_WIDE_N (a vocabulary: GPT-2's LM head, 768 x 50257), at most 48
+# rows: the tiles store their rows' 32 columns 200 KB apart, and from 64 rows OpenBLAS was
+# faster (2 cores of a Xeon with AVX-512, weights from memory: 48 rows 14.6 / 19.5 ms, 64
+# rows 22.7 / 22.2, 128 rows 45 / 35; with N = 16384 the tiles were faster up to 96 rows).
 _TILE_ROWS = range(2, 513)
 _TILE_ANY_K_ROWS = range(2, 17)   # a decoder step: any K; more rows, AVX-512 and _TILE_MAX_K
 _TILE_MAX_K = 1536
 _TILE_MIN_KN = 1 << 18
+_TILE_WIDE_N, _TILE_WIDE_N_ROWS = 16384, range(2, 49)
 
 
 def _tiled_product(a, b, weight: CachedPack):
@@ -197,7 +202,7 @@ def _tiled_product(a, b, weight: CachedPack):
     m, k = a.shape
     n = b.shape[1]
     if m not in _TILE_ROWS or k * n < _TILE_MIN_KN or a.dtype != np.float32 \
-            or b.dtype != np.float32 \
+            or b.dtype != np.float32 or (n > _TILE_WIDE_N and m not in _TILE_WIDE_N_ROWS) \
             or (m not in _TILE_ANY_K_ROWS and (k > _TILE_MAX_K or not _tiles.WIDE)):
         return None
     kernel = _tiles.kernel()

@@ -112,8 +112,12 @@ def _numba() -> Any:
 # pool's threads would need, so a piece handed over right after a GEMM may wait that long.
 # Measured on MobileNetV2 (2 cores, runs paired in two processes): splitting every kernel of
 # at least 16k values, as before, was 10% slower than this; 60 us was 1-4% faster than
-# 250 us on MobileNetV2 and UNet.
-MIN_PIECE_NS = 60_000
+# 250 us on MobileNetV2 and UNet. With the pieces on the board (no Python job to hand over),
+# 30 us against 60 (2-core Xeon with AVX-512, paired processes, b1): MobileNetV2 0.94-0.98x
+# (its depthwise layers at 28x28 now split), BERT-small 0.96-0.99x, LSTM+GRU 0.97-1.01x,
+# UNet 1.00-1.01x, the decoder step 0.99-1.00x; MobileNetV2 b8 1.01-1.03x. 15 us against 30:
+# MobileNetV2 b1 0.96-1.01x.
+MIN_PIECE_NS = 30_000
 
 
 def split_rows(kernel: Callable, rows: int, *args: Any, ns_per_row: float,

@@ -617,10 +617,14 @@ def pack(w_taps_last: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, 
 # A band's input, about this many bytes, is read by every block of weights in turn: sized
 # to stay in a core's L2 cache (1 MB on Zen 4) beside one block of weights
 BAND_BYTES = 192 << 10
-# An input of at most this many bytes is one band: each band reads all the weights again,
+# An input of at most ONE_BAND_BYTES is one band: each band reads all the weights again,
 # from memory where they are large (GPT-2's LM head, 128 rows of 768 by 154 MB of weights,
-# in 3 bands: 53 -> 45 ms)
+# in 3 bands: 53 -> 45 ms). Up to twice that where the weights are at least 4x the input (a
+# transformer's second MLP product, 128 rows of 3072 by 3072 x 768: in bands of one tile it
+# read its 9.4 MB of weights 11 times); ViT-S's 197 rows of 1536 by 1536 x 384 (weights 2x
+# its input) ran slower as one band (the model 1.04x).
 ONE_BAND_BYTES = 1 << 20
+ONE_BAND_WEIGHTS_RATIO = 4
 
 
 def run(compiled, image, image_size, pixels, taps, channels, stride, packed, bias, clamp,
@@ -630,7 +634,9 @@ def run(compiled, image, image_size, pixels, taps, channels, stride, packed, bia
     blocks = packed.shape[0]
     tiles = images * math.ceil(pixels.shape[0] / ROWS)
     band = max(1, min(tiles, BAND_BYTES // (ROWS * stride * channels * 4)))
-    if images * image_size * 4 <= ONE_BAND_BYTES:
+    input_bytes = images * image_size * 4
+    if input_bytes <= ONE_BAND_BYTES or (input_bytes <= 2 * ONE_BAND_BYTES and packed.nbytes
+                                         >= ONE_BAND_WEIGHTS_RATIO * input_bytes):
         band = tiles
     lo, hi = clamp if clamp is not None else (-np.inf, np.inf)
     ns_per_unit = ROWS * BLOCK * packed.shape[1] * 2 / CORE_GFLOPS

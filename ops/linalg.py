@@ -5,7 +5,7 @@ bfloat16) are multiplied in float32 and cast back. Integer products of 8-bit ope
 float64 BLAS, which is exact for them (|a*b| < 2**16, so sums stay exact below 2**53), then are
 wrapped to int32 as the spec allows.
 
-On the CPU, products of 2-512 rows by a large constant weight (K at most 1536 from 17 rows;
+On the CPU, products of 2-512 rows by a large constant weight (K at most 3072 from 17 rows;
 with AVX2, 2-16 rows) run as register tiles over the weight packed once (`_tiled_product`,
 numba on an AVX-512 or AVX2 CPU); elsewhere, products of 2-4 rows run as one GEMV per row
 where that was measured faster (`_rows_faster`), and products of 4-12 rows by a large
@@ -185,13 +185,18 @@ def _dot_columns(a, b, weight: CachedPack):
 # summed, 1.2-1.6x slower than BLAS. With AVX2's tiles (6 rows by 16 columns) only the
 # decoder step's rows: 128 x 768 x 768 and x 3072 ran 1.05x slower than OpenBLAS (one core,
 # Zen 3), 8 x 768 x 768 0.77x of the dot products.
+# K up to 3072 since such an input (128 x 3072: 1.5 MB) is one band of tiles where the weights
+# are 4x its size (ops/_tiles.py: ONE_BAND_BYTES), each block of weights then read once: on
+# 2 cores of a Xeon with AVX-512, paired processes, b1: BERT-base 0.87-0.92x, DistilBERT
+# 0.88-0.97x, GPT-2 0.95-0.99x, BERT-small 1.01x, the decoder step 0.98-0.99x (BERT-base b8
+# 0.99x: its products are BLAS's).
 # Where N is over _TILE_WIDE_N (a vocabulary: GPT-2's LM head, 768 x 50257), at most 48
 # rows: the tiles store their rows' 32 columns 200 KB apart, and from 64 rows OpenBLAS was
 # faster (2 cores of a Xeon with AVX-512, weights from memory: 48 rows 14.6 / 19.5 ms, 64
 # rows 22.7 / 22.2, 128 rows 45 / 35; with N = 16384 the tiles were faster up to 96 rows).
 _TILE_ROWS = range(2, 513)
 _TILE_ANY_K_ROWS = range(2, 17)   # a decoder step: any K; more rows, AVX-512 and _TILE_MAX_K
-_TILE_MAX_K = 1536
+_TILE_MAX_K = 3072
 _TILE_MIN_KN = 1 << 18
 _TILE_WIDE_N, _TILE_WIDE_N_ROWS = 16384, range(2, 49)
 

@@ -1106,9 +1106,10 @@ def few_rows(request, monkeypatch) -> tuple[range, list]:
 
 @pytest.mark.parametrize("rows, k, n", [(2, 768, 1367), (4, 768, 1367), (5, 2048, 513),
                                         (8, 768, 3072), (12, 1024, 1025), (16, 512, 777),
-                                        (45, 1536, 257), (128, 512, 520), (48, 64, 16385)])
+                                        (45, 1536, 257), (128, 512, 520), (48, 64, 16385),
+                                        (20, 3072, 96)])
 def test_few_rows_by_a_constant_weight_match_onnxruntime(rows, k, n, few_rows, monkeypatch):
-    """Few rows by a large constant weight (2-512 as tiles, K at most 1536 from 17 rows; 4-12
+    """Few rows by a large constant weight (2-512 as tiles, K at most 3072 from 17 rows; 4-12
     as dot products; odd row and column counts included), plain and fused with bias and
     GELU; within 1e-6 of sum_k |x_k| |w_kn| of the float64 product, and close to
     onnxruntime. The tiles are this CPU's (AVX2's too, whose rule keeps BLAS from 17 rows)."""
@@ -1131,12 +1132,12 @@ def test_few_rows_by_a_constant_weight_match_onnxruntime(rows, k, n, few_rows, m
     np.testing.assert_allclose(got["g"], want[1], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows, k, n, wide", [(17, 1537, 512, True), (513, 512, 512, True),
+@pytest.mark.parametrize("rows, k, n, wide", [(17, 3073, 512, True), (513, 512, 512, True),
                                               (49, 64, 16385, True), (17, 512, 512, False),
                                               (128, 768, 512, False)])
 def test_tiles_leave_long_products_and_batches_to_blas(rows, k, n, wide, few_rows,
                                                        monkeypatch):
-    """From 17 rows, a K above 1536 (the weights no longer stay in cache between tiles), from
+    """From 17 rows, a K above 3072 (the weights no longer stay in cache between tiles), from
     513 rows (a batch of tokens), and from 49 rows where N is above 16384 (a vocabulary) the
     products stay with BLAS; with AVX2's tiles (`wide` False) all from 17 rows; the results
     still match onnxruntime."""

@@ -180,8 +180,9 @@ def _dot_columns(a, b, weight: CachedPack):
 # about even (1576 x 384 x 1152 1.02-1.04x) and BLAS keeps them. In models at batch 1,
 # paired runs: BERT-small 0.96x, BERT-base 0.95x, DistilBERT 0.97x, GPT-2 0.92x, ViT-S
 # 0.94x. The cost is the packed copy kept beside each such weight: BERT-base's resident
-# memory after its first runs 607 -> 860 MB (onnxruntime: 564). Tried: the weights read in
-# place (rows N values apart) 1.1-3.6x slower; K > 1536 cut into 2-4 products of shorter K,
+# memory after its first runs 607 -> 860 MB (onnxruntime: 564; with K up to 3072, on a
+# Xeon: 625 -> 990 MB). Tried: the weights read in place (rows N values apart) 1.1-3.6x
+# slower; K > 1536 cut into 2-4 products of shorter K,
 # summed, 1.2-1.6x slower than BLAS. With AVX2's tiles (6 rows by 16 columns) only the
 # decoder step's rows: 128 x 768 x 768 and x 3072 ran 1.05x slower than OpenBLAS (one core,
 # Zen 3), 8 x 768 x 768 0.77x of the dot products.

@@ -510,6 +510,7 @@ def _depthwise_vector_rows(x4, vectors, taps, w3, b, out4, ph, pw, sh, sw, dh, d
     bottom = max(top, min(Oh, (H - 1 - (kh - 1) * dh + ph) // sh + 1))
     right = max(left, min(Ow, (W - 1 - (kw - 1) * dw + pw) // sw + 1))
     a, z = max(row0, top), min(row1, bottom)
+    band = max(1, _DEPTHWISE_BAND_BYTES // (sh * W * C * x4.itemsize))  # output rows
     for n in range(N):
         for oh in range(row0, row1):
             inner = a <= oh < z
@@ -519,10 +520,11 @@ def _depthwise_vector_rows(x4, vectors, taps, w3, b, out4, ph, pw, sh, sw, dh, d
                 o = np.uint64(((n * Oh + oh) * Ow + ow) * C)
                 _pixel_by_taps(x, w, b, out, o, n, oh * sh - ph, ow * sw - pw, dh, dw, lo, hi,
                                x4.shape, kh, kw)
-        band = max(1, _DEPTHWISE_BAND_BYTES // (sh * W * C * 4))
+        if right <= left:
+            continue
         for r0 in range(a, z, band):
             rows = min(z, r0 + band) - r0
-            for block in range(C // _tiles.LANES if right > left else 0):
+            for block in range(C // _tiles.LANES):
                 c0 = block * _tiles.LANES
                 _tiles.depthwise_segment(
                     kh * kw, x, ((n * H + r0 * sh - ph) * W + left * sw - pw) * C + c0, sw * C,

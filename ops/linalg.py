@@ -173,17 +173,17 @@ def _dot_columns(a, b, weight: CachedPack):
 # where N = 768), 16 rows 0.9-1.7x. One row stays a GEMV (BLAS's is 2-4x faster than a
 # tile that computes 4 rows for 1).
 # A transformer's projections at batch 1 (17-512 rows: tokens) run as tiles too where K is
-# at most 1536: warm, 2 cores, against OpenBLAS, 0.69-0.95x (BERT's 128 x 768 x 768 0.75-
-# 0.81x, 128 x 768 x 3072 0.80-0.89x, ViT-S's 197 x 1536 x 384 0.69x; one core 0.83-0.95x);
-# with K of 2048 or 3072 (an MLP's second product) the weights no longer stay in cache
-# between tiles and they ran 1.1-1.5x slower on 2 cores; from ~400 rows (a batch) it is
-# about even (1576 x 384 x 1152 1.02-1.04x) and BLAS keeps them. In models at batch 1,
-# paired runs: BERT-small 0.96x, BERT-base 0.95x, DistilBERT 0.97x, GPT-2 0.92x, ViT-S
-# 0.94x. The cost is the packed copy kept beside each such weight: BERT-base's resident
-# memory after its first runs 607 -> 860 MB (onnxruntime: 564; with K up to 3072, on a
-# Xeon: 625 -> 990 MB). Tried: the weights read in place (rows N values apart) 1.1-3.6x
-# slower; K > 1536 cut into 2-4 products of shorter K,
-# summed, 1.2-1.6x slower than BLAS. With AVX2's tiles (6 rows by 16 columns) only the
+# at most 1536 (3072 now: below): warm, 2 cores, against OpenBLAS, 0.69-0.95x (BERT's 128 x
+# 768 x 768 0.75-0.81x, 128 x 768 x 3072 0.80-0.89x, ViT-S's 197 x 1536 x 384 0.69x; one core
+# 0.83-0.95x); with K of 2048 or 3072 (an MLP's second product), in bands of tiles, the
+# weights no longer stayed in cache between tiles and they ran 1.1-1.5x slower on 2 cores;
+# from ~400 rows (a batch) it is about even (1576 x 384 x 1152 1.02-1.04x) and BLAS keeps
+# them. In models at batch 1, paired runs: BERT-small 0.96x, BERT-base 0.95x, DistilBERT
+# 0.97x, GPT-2 0.92x, ViT-S 0.94x. The cost is the packed copy kept beside each such weight:
+# BERT-base's resident memory after its first runs 607 -> 860 MB (onnxruntime: 564; with K
+# up to 3072, on a Xeon: 625 -> 990 MB). Tried: the weights read in place (rows N values
+# apart) 1.1-3.6x slower; K > 1536 cut into 2-4 products of shorter K, summed, 1.2-1.6x
+# slower than BLAS. With AVX2's tiles (6 rows by 16 columns) only the
 # decoder step's rows: 128 x 768 x 768 and x 3072 ran 1.05x slower than OpenBLAS (one core,
 # Zen 3), 8 x 768 x 768 0.77x of the dot products.
 # K up to 3072 since such an input (128 x 3072: 1.5 MB) is one band of tiles where the weights

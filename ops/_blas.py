@@ -65,6 +65,18 @@ from ember.ops import _compiled
 # threshold for a second thread (65536 * GEMM_MULTITHREAD_THRESHOLD, see ops/linalg.py)
 PIECE_MACS = 1 << 18
 _COLUMN_BLOCK = 16     # column pieces start at multiples of this (whole vector registers)
+# A product of at least this many rows by weights of at most _ROWS_CUT_MAX_WEIGHT_BYTES is cut
+# into rows even where it has more columns: the ops before and after it mostly cut theirs
+# into rows too (pixels, tokens), and the caller takes the first pieces, a helper the last
+# (the board), so that each thread reads rows its own core wrote. Cut into columns, every
+# row's halves came from both cores. On 2 cores of a Xeon with AVX-512, MobileNetV2's 96 ->
+# 576 products at 14x14 then the depthwise 3x3: 94 + 43 -> 79 + 36 us; the model at b1
+# 0.80-0.90x (paired processes, with the board's ends); BERT-small, GPT-2 0.96-1.04x. Not
+# from 64 rows: a recurrence's input projection (LSTM+GRU's 64 steps) feeds steps that cut
+# its columns (the model 1.02-1.16x); nor with larger weights: each piece read all of GPT-2's
+# LM head from memory (154 MB; the model 1.07-1.11x).
+_ROWS_CUT_MIN_ROWS = 128
+_ROWS_CUT_MAX_WEIGHT_BYTES = 1 << 20
 # A GEMV (one row or one column) is cut only from this many matrix values: it reads each
 # value once from memory, and smaller ones gain nothing from a second thread. Measured on 2
 # vCPUs (Zen 3 KVM), weights not in cache, one thread / cut in two: 768 x 768 117 / 136 us,
@@ -206,7 +218,9 @@ def _plan(a_shape, a_strides, b_shape, b_strides, a_dtype, b_dtype, out_geometry
     (ta, lda), (tb, ldb) = matrix_a, matrix_b
     if batch > 1:
         axis, count = _BATCH, batch
-    elif M >= N:  # cut the longer side: each piece packs all of the other operand
+    elif M >= N or (M >= _ROWS_CUT_MIN_ROWS and K * N * size <= _ROWS_CUT_MAX_WEIGHT_BYTES):
+        # rows: the longer side (each piece packs all of the other operand), or rows that
+        # stay with their thread (see _ROWS_CUT_MIN_ROWS)
         axis, count = _ROWS, M
     else:
         axis, count = _COLUMNS, -(-N // _COLUMN_BLOCK)
@@ -291,10 +305,20 @@ _BATCH, _ROWS, _COLUMNS = range(3)
 # int64 array the helpers watch while they wait for jobs, GIL released: `wait_for_job_or_pieces`)
 # and takes pieces itself; each helper that is spinning takes pieces too, never entering
 # Python. Fields: the generation (odd while the product is being written), the helpers reading
-# it, the next piece to take, the pieces done, then the product (_KIND ... _BOUNDS).
-(_GEN, _USERS, _NEXT, _DONE, _KIND, _M, _N, _K, _PA, _TA, _LDA, _SA, _PB, _TB, _LDB, _SB, _PC,
+# it, the pieces claimed, the pieces done, then the product (_KIND ... _BOUNDS).
+#
+# The caller takes pieces from the first on, the helpers from the last back, until they meet:
+# both counts in one int64 (`_CLAIMS`: from the front in the low 32 bits, from the back in the
+# high), so one atomic add claims a piece and sees every claim before it. Kernels cut rows
+# (pixels, tokens) into pieces in order, so the caller keeps to the first rows of every op and
+# a helper to the last: the rows an op reads are mostly those its thread wrote in the op
+# before, in its own core's cache. Taken in turn from one counter, a thread's rows changed
+# from op to op, and read another core's writes cost more than they saved here (2-core Xeon:
+# a 96 -> 576 product at 14x14, then the depthwise 3x3 on it, 105 + 51 us -> 84 + 38).
+(_GEN, _USERS, _CLAIMS, _DONE, _KIND, _M, _N, _K, _PA, _TA, _LDA, _SA, _PB, _TB, _LDB, _SB, _PC,
  _LDC, _SC, _SIZE, _AXIS, _PIECES, _BOUNDS) = range(23)
 _MAX_PIECES = 256
+_BACK_CLAIM, _FRONT_MASK = 1 << 32, (1 << 32) - 1
 _board = np.zeros(_BOUNDS + _MAX_PIECES + 1, np.int64)
 _board_lock = threading.Lock()  # one product on the board at a time; others run alone
 _private = threading.local()    # a caller's own board when the shared one is taken
@@ -368,15 +392,18 @@ def _call(kind, M, N, K, pa, ta, lda, pb, tb, ldb, pc, ldc):
               ldb, 0.0, pc, ldc)
 
 
-def _run_board(board):
+def _run_board(board, from_back):
     """Take the board's pieces until none is left: a split kernel's (its piece function on
-    them) or a product's (`product_piece`). Returns the number of pieces taken."""
+    them) or a product's (`product_piece`). The caller takes them from the first on, the
+    helpers from the last back (`_CLAIMS`). Returns the number of pieces taken."""
     pieces = board[_PIECES]
     taken = 0
     while True:
-        piece = _compiled.fetch_add(board, _NEXT, 1)
-        if piece >= pieces:
+        claims = _compiled.fetch_add(board, _CLAIMS, _BACK_CLAIM if from_back else 1)
+        front, back = claims & _FRONT_MASK, claims >> 32
+        if front + back >= pieces:
             return taken
+        piece = pieces - 1 - back if from_back else front
         taken += 1
         lo, hi = board[_BOUNDS + piece], board[_BOUNDS + piece + 1]
         if board[_KIND] == _KERNEL:
@@ -420,7 +447,7 @@ def _join_board(board, seen):
         return seen
     _compiled.fetch_add(board, _USERS, 1)
     if _compiled.load_acquire(board, _GEN) == generation:
-        _run_board(board)
+        _run_board(board, True)
     _compiled.fetch_add(board, _USERS, -1)
     return generation
 
@@ -432,10 +459,10 @@ def _post_and_run(board, product):
     _compiled.exchange(board, _GEN, generation + 1)  # odd: being written
     _wait_for(board, _USERS, 0)
     board[_KIND:_KIND + product.shape[0]] = product
-    board[_NEXT] = 0
+    board[_CLAIMS] = 0
     board[_DONE] = 0
     _compiled.exchange(board, _GEN, generation + 2)
-    taken = _run_board(board)
+    taken = _run_board(board, False)
     _wait_for(board, _DONE, board[_PIECES])
     return taken
 

@@ -104,9 +104,14 @@ def conv_tiles_loops(image, image_size, pixels, taps, channels, packed, bias, lo
     ROWS pixels, image after image, are taken in bands of `band` tiles; a unit is one tile
     by one column block, ordered by band, then block, then tile: a band's input stays in
     cache while each block of weights is applied to it in turn. `image` holds the padded
-    channels-last images, `image_size` values apart; `pixels` (L,) each output pixel's
+    images (channels-last, or an image's planes: ops/conv.py), `image_size` values apart; `pixels` (L,) each output pixel's
     window origin in an image; `taps` (T,) each tap's offset from it; `packed` (blocks,
-    T * channels, BLOCK); `bias` (blocks * BLOCK,)."""
+    T * channels, BLOCK); `bias` (blocks * BLOCK,).
+
+    One loop, no function taking arrays per unit: numba counts references to the arrays a
+    function is handed, 16 atomic increments and decrements a unit, ~100 ns (a 1x1
+    convolution of 16 -> 96 channels at 28x28, one core of a Xeon: 187 -> 101 ns a unit of
+    12 pixels by 32 channels)."""
     L = pixels.shape[0]
     M = out.shape[1]
     blocks = packed.shape[0]
@@ -132,39 +137,33 @@ def conv_tiles_loops(image, image_size, pixels, taps, channels, packed, bias, lo
             width = min(BLOCK, M - block * BLOCK)
             n, p = first // per_image, (first % per_image) * ROWS
             for _ in range(in_band):
-                if u0 <= u < u1:
-                    _tile_at(image, image_size, pixels, taps, channels, weights, b, lo, hi,
-                             flat, M, base, scratch, n, p, L, width, block)
+                if u0 <= u < u1:  # pixels [p, p + ROWS) of image n by column block `block`
+                    rows = min(ROWS, L - p)
+                    at = (n * L + p) * M + block * BLOCK
+                    origin = n * image_size
+                    if rows == ROWS:
+                        for r in range(ROWS):
+                            base[r] = origin + pixels[p + r]
+                        if width == BLOCK:
+                            tile(ROWS, image, base, taps, channels, weights, b, lo, hi, flat,
+                                 at, M)
+                        else:
+                            tile(ROWS, image, base, taps, channels, weights, b, lo, hi,
+                                 scratch, 0, BLOCK)
+                    else:  # an image's last pixels: tiles of SMALL_ROWS, in the scratch
+                        for q in range(0, rows, SMALL_ROWS):
+                            for r in range(SMALL_ROWS):
+                                base[r] = origin + pixels[p + min(q + r, rows - 1)]
+                            tile(SMALL_ROWS, image, base, taps, channels, weights, b, lo, hi,
+                                 scratch, q * BLOCK, BLOCK)
+                    if rows < ROWS or width < BLOCK:
+                        for r in range(rows):
+                            for j in range(width):
+                                flat[at + r * M + j] = scratch[r * BLOCK + j]
                 u += 1
                 p += ROWS
                 if p >= L:
                     n, p = n + 1, 0
-
-
-@_compiled.kernel_math
-def _tile_at(image, image_size, pixels, taps, channels, weights, b, lo, hi, flat, M, base,
-             scratch, n, p, L, width, block):
-    """One unit of conv_tiles_loops: pixels [p, p + ROWS) of image n by column block
-    `block` (`width` of its BLOCK columns real)."""
-    rows = min(ROWS, L - p)
-    at = (n * L + p) * M + block * BLOCK
-    origin = n * image_size
-    if rows == ROWS:
-        for r in range(ROWS):
-            base[r] = origin + pixels[p + r]
-        if width == BLOCK:
-            tile(ROWS, image, base, taps, channels, weights, b, lo, hi, flat, at, M)
-            return
-        tile(ROWS, image, base, taps, channels, weights, b, lo, hi, scratch, 0, BLOCK)
-    else:  # an image's last pixels: tiles of SMALL_ROWS, in the scratch
-        for q in range(0, rows, SMALL_ROWS):
-            for r in range(SMALL_ROWS):
-                base[r] = origin + pixels[p + min(q + r, rows - 1)]
-            tile(SMALL_ROWS, image, base, taps, channels, weights, b, lo, hi, scratch,
-                 q * BLOCK, BLOCK)
-    for r in range(rows):
-        for j in range(width):
-            flat[at + r * M + j] = scratch[r * BLOCK + j]
 
 
 def depthwise_pixels(pixels, taps_count, image, start, step, taps, weights, bias, lo, hi,

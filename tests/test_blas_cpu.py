@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from ember.ops import _blas
+from ember.ops import _blas, _compiled
 from ember.runtime import threads as ember_threads
 
 pytestmark = pytest.mark.skipif(not _blas.enabled(),
@@ -25,6 +25,7 @@ def _transposed(x: np.ndarray) -> np.ndarray:
 
 
 SHAPES = [((128, 512), (512, 2048)),   # rows < columns: cut by columns
+          ((196, 96), (96, 576)),      # rows < columns, small weights: cut by rows
           ((600, 96), (96, 80)),       # cut by rows
           ((1, 768), (768, 6000)),     # one row: GEMVs
           ((3000, 1500), (1500, 1)),   # one column: GEMVs
@@ -61,6 +62,17 @@ def test_products_match_float64(in_a_run, monkeypatch, shapes, dtype):
         assert got.dtype == dtype and got.shape == want.shape
         assert np.all(np.abs(got - want) <= tolerance * scale)
     assert splits and all(pieces == 2 for pieces in splits)  # the pool took them
+
+
+@pytest.mark.parametrize("a_shape, b_shape, axis", [
+    ((196, 96), (96, 576), _blas._ROWS),        # small weights: rows stay with their thread
+    ((128, 512), (512, 2048), _blas._COLUMNS),  # 4 MB of weights: each read once
+    ((64, 128), (128, 1024), _blas._COLUMNS),   # too few rows (a recurrence's inputs)
+    ((600, 96), (96, 80), _blas._ROWS)])        # the longer side
+def test_how_a_product_is_cut(in_a_run, a_shape, b_shape, axis):
+    a, b = np.ones(a_shape, np.float32), np.ones(b_shape, np.float32)
+    fields = _blas.product_fields(a, b, np.empty((a_shape[0], b_shape[1]), np.float32))
+    assert fields is not None and fields[_blas._AXIS - _blas._KIND] == axis
 
 
 def test_out_inside_a_larger_array(in_a_run):
@@ -190,3 +202,44 @@ def test_a_forked_child_has_a_board_of_its_own():
         assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
     finally:
         ember_threads.leave()
+
+
+def _record_piece(block, row0, row1):  # pragma: no cover - compiled: a piece function
+    """Appends row0 to the int64 log at the block's address (log[0] counts the entries)."""
+    log = _compiled.array_at(block, (16,), np.int64)
+    log[0] += 1
+    log[log[0]] = row0
+
+
+@pytest.mark.parametrize("claimed, caller, helper", [
+    (0, [0, 1, 2, 3, 4], None),             # the caller alone: from the first piece on
+    (0, None, [4, 3, 2, 1, 0]),             # a helper alone: from the last back
+    (2 + (1 << 32), [2, 3], None),          # two taken from the front and one from the back
+    (1 + (2 << 32), None, [2, 1]),          # what is left, from the back
+    (3 + (2 << 32), [], []),                # all taken
+])
+def test_the_caller_takes_pieces_from_the_front_and_helpers_from_the_back(claimed, caller,
+                                                                           helper):
+    """The board's pieces are claimed from both ends of one count: the caller from the first
+    on, helpers from the last back, each piece once, so that over a run the caller keeps to
+    the first rows of every op and a helper to the last (the cache its core wrote)."""
+    run_board = _compiled.jit(_blas._join_board)
+    address = _compiled.piece_address(_record_piece)
+    assert run_board is not None and address is not None
+    for side, want in (("caller", caller), ("helper", helper)):
+        if want is None:
+            continue
+        log = np.zeros(16, np.int64)
+        board = np.zeros_like(_blas._board)
+        board[_blas._KIND] = _blas._KERNEL
+        board[_blas._PA] = address
+        board[_blas._PB] = log.__array_interface__["data"][0]
+        board[_blas._PIECES] = 5
+        board[_blas._BOUNDS:_blas._BOUNDS + 6] = range(6)
+        board[_blas._CLAIMS] = claimed
+        if side == "caller":  # as _post_and_run takes them, on a board already claimed from
+            _compiled.jit(_blas._run_board)(board, False)
+        else:
+            board[_blas._GEN] = 2  # a product posted, not yet seen by this helper
+            run_board(board, 0)
+        assert list(log[1:1 + log[0]]) == want

@@ -1201,6 +1201,9 @@ TILE_CASES = [  # batch, channels in, size, channels out, kernel, strides, dilat
     (1, 64, 14, 64, [3, 3], [1, 1], [1, 1], [1, 1, 1, 1]),    # ResNet-50's 3x3, 196 pixels
     (2, 32, 13, 40, [3, 3], [2, 2], [1, 1], [1, 1, 1, 1]),    # a part-filled block of 32
     (1, 3, 30, 16, [7, 7], [2, 2], [1, 1], [3, 3, 3, 3]),     # a stem: 3 channels, 7x7
+    (2, 3, 33, 32, [3, 3], [2, 2], [1, 1], [1, 1, 1, 1]),     # a stem, batch 2: planes padded
+    (1, 1, 12, 40, [3, 3], [1, 1], [1, 1], [0, 0, 0, 0]),     # gray: planes where they lie
+    (1, 3, 17, 8, [3, 3], [1, 1], [2, 2], [2, 2, 2, 2]),      # dilated: made channels-last
     (3, 16, 9, 7, [3, 5], [1, 2], [2, 1], [2, 0, 1, 3]),      # dilated, uneven pads
     (1, 48, 7, 96, [1, 1], [1, 1], [1, 1], [0, 0, 0, 0]),     # 1x1: 49 pixels, 4 left over
     (2, 40, 10, 33, [1, 1], [2, 2], [1, 1], [0, 0, 0, 0]),    # 1x1 strided

@@ -115,9 +115,13 @@ def _numba() -> Any:
 # 250 us on MobileNetV2 and UNet. With the pieces on the board (no Python job to hand over),
 # 30 us against 60 (2-core Xeon with AVX-512, paired processes, b1): MobileNetV2 0.94-0.98x
 # (its depthwise layers at 28x28 now split), BERT-small 0.96-0.99x, LSTM+GRU 0.97-1.01x,
-# UNet 1.00-1.01x, the decoder step 0.99-1.00x; MobileNetV2 b8 1.01-1.03x. 15 us against 30:
-# MobileNetV2 b1 0.96-1.01x.
-MIN_PIECE_NS = 30_000
+# UNet 1.00-1.01x, the decoder step 0.99-1.00x; MobileNetV2 b8 1.01-1.03x. 15 us against 30,
+# once each thread kept to its own rows (ops/_blas.py: the board's ends; a core reads what the
+# other wrote at half the speed it reads memory, here), two sessions alternated in one process:
+# MobileNetV2 0.974x (b8 0.971x; its depthwise layers at 14x14 now split, their inputs split
+# by the products before them), ConvNeXt-T 0.99x, LSTM+GRU, BERT-small, UNet and the decoder
+# step 1.00-1.01x; 8 us no faster than 15.
+MIN_PIECE_NS = 15_000
 
 
 def split_rows(kernel: Callable, rows: int, *args: Any, ns_per_row: float,

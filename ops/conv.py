@@ -863,8 +863,6 @@ def _conv_tiled(x, w, kernel, strides, dilations, begin, outs, bias, cache, clam
             image = _zero_border(_tiles.empty((N, C, Hp, Wp, 1)), begin, (H, W))[..., 0]
             image[:, :, begin[0]:begin[0] + H, begin[1]:begin[1] + W] = x
         run, plane, channel_step = kw, C * Hp * Wp, 1
-        tap_origins = (np.arange(C, dtype=np.int64)[:, None] * (Hp * Wp)
-                       + np.arange(kh, dtype=np.int64) * (dh * Wp))
     else:
         packed, packed_bias = _remembered(cache, "tiles", lambda: _tiles.pack(
             _taps_last(w, None).reshape(kh * kw * C, M), bias))
@@ -878,13 +876,17 @@ def _conv_tiled(x, w, kernel, strides, dilations, begin, outs, bias, cache, clam
         # the packed weights' order: one tap of kw * C channels each (an image's 3 channels
         # make runs of 21 values for a 7x7 window, not 7 runs of 3)
         run, plane, channel_step = (kw * C if dw == 1 else C), Hp * Wp * C, C
-        columns = np.arange(kw if dw != 1 else 1, dtype=np.int64) * dw
-        tap_origins = (np.arange(kh, dtype=np.int64)[:, None] * (dh * Wp) + columns) * C
 
     def offsets():
         rows = np.arange(Ho, dtype=np.int64) * (sh * Wp)
         pixels = (rows[:, None] + np.arange(Wo, dtype=np.int64) * sw).reshape(-1)
-        return pixels * channel_step, tap_origins.reshape(-1)
+        window_rows = np.arange(kh, dtype=np.int64) * (dh * Wp)
+        if planar:  # (channel, window row)
+            taps = np.arange(C, dtype=np.int64)[:, None] * (Hp * Wp) + window_rows
+        else:       # (window row, column), channels-last
+            columns = np.arange(kw if dw != 1 else 1, dtype=np.int64) * dw
+            taps = (window_rows[:, None] + columns) * C
+        return pixels * channel_step, taps.reshape(-1)
     pixels, taps = _remembered(cache, ("tile-offsets", planar, Hp, Wp, C, Ho, Wo), offsets)
     out = _tiles.empty((N, Ho, Wo, M))
     _tiles.run(_tiles.kernel(), image.reshape(-1), plane, pixels, taps, run, sh * sw,

@@ -626,22 +626,32 @@ ONE_BAND_BYTES = 1 << 20
 ONE_BAND_WEIGHTS_RATIO = 4
 
 
+def band_tiles(tiles, images, image_size, channels, stride, packed) -> int:
+    """The tiles of a band (conv_tiles_loops) for `tiles` tiles over `images` images of
+    `image_size` values, `channels` values a tap, `stride` input pixels per output pixel."""
+    input_bytes = images * image_size * 4
+    if input_bytes <= ONE_BAND_BYTES or (input_bytes <= 2 * ONE_BAND_BYTES and packed.nbytes
+                                         >= ONE_BAND_WEIGHTS_RATIO * input_bytes):
+        return tiles
+    return max(1, min(tiles, BAND_BYTES // (ROWS * stride * channels * 4)))
+
+
+def unit_ns(packed) -> float:
+    """A unit's time on one core, roughly (a tile by a block of the packed weights)."""
+    return ROWS * BLOCK * packed.shape[1] * 2 / CORE_GFLOPS
+
+
 def run(compiled, image, image_size, pixels, taps, channels, stride, packed, bias, clamp,
         out, images) -> None:
     """The whole convolution into out (images * L, M), on the run's threads. `stride`: the
     product of the strides, input pixels per output pixel."""
     blocks = packed.shape[0]
     tiles = images * math.ceil(pixels.shape[0] / ROWS)
-    band = max(1, min(tiles, BAND_BYTES // (ROWS * stride * channels * 4)))
-    input_bytes = images * image_size * 4
-    if input_bytes <= ONE_BAND_BYTES or (input_bytes <= 2 * ONE_BAND_BYTES and packed.nbytes
-                                         >= ONE_BAND_WEIGHTS_RATIO * input_bytes):
-        band = tiles
+    band = band_tiles(tiles, images, image_size, channels, stride, packed)
     lo, hi = clamp if clamp is not None else (-np.inf, np.inf)
-    ns_per_unit = ROWS * BLOCK * packed.shape[1] * 2 / CORE_GFLOPS
     _compiled.split_rows(compiled, blocks * tiles, image, image_size, pixels, taps, channels,
                          packed, bias, np.float32(lo), np.float32(hi), out, images, band,
-                         ns_per_row=ns_per_unit, piece=_conv_tiles_piece)
+                         ns_per_row=unit_ns(packed), piece=_conv_tiles_piece)
 
 
 def _conv_tiles_piece(block, u0, u1):  # pragma: no cover

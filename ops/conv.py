@@ -797,10 +797,9 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
 # cores of a Zen 4 EPYC, ResNet-50's 3x3 layers at 150-200 GF/s where OpenBLAS's GEMM on
 # the patch rows ran 60-130 (with the copies), the 7x7 stem at batch 1 2.2 -> 1.4 ms,
 # UNet's 32-channel layers 2-3x faster than the shifted GEMMs below. Elsewhere the kernels
-# below serve. Most 1x1 convolutions stay with BLAS: in ResNet-50 at batch 8 the tiles ran
-# them 10-30% slower than OpenBLAS's GEMM (with only 64-1024 input channels a tile's loop
-# is short, and its stores of 12 rows miss the cache), and MobileNetV2 ran 1.17x slower
-# with them; but see `_pointwise_tiles_fit` for one image.
+# below serve. In runs, a 1x1 convolution of a channels-last image takes the tiles as a
+# route of its own, its residual and activation in its pieces (fused._TilesPointwiseRoute);
+# conv_nd's path takes them for 1x1 ones only where `_pointwise_tiles_fit` says.
 #
 # On AVX2 the tiles are 6 pixels by 16 channels and serve sums of at most _NARROW_TILES_MAX_K
 # terms (taps x input channels): measured on one core of a Zen 3 EPYC against OpenBLAS on the
@@ -817,9 +816,11 @@ def _tiled_fits(x, w, group, begin, end):
             and min(begin) >= 0 and min(end) >= 0 and _tiles.kernel() is not None)
 
 
-# 1x1 convolutions of one image run as tiles too where the product is large and the input
-# channels many: the tiles read weights packed once, where OpenBLAS packs them again on every
-# call (8 MB for ResNet-50's 1024 -> 2048 layer, for 49 rows of 7x7 pixels). On a 2-core
+# conv_nd's 1x1 convolutions of one image (outside runs; in runs, see above) run as tiles
+# where the product is large and the input channels many (measured before the tiles stopped
+# counting references per unit: ops/_tiles.py): the tiles read weights packed once, where
+# OpenBLAS packs them again on every call (8 MB for ResNet-50's 1024 -> 2048 layer, for 49
+# rows of 7x7 pixels). On a 2-core
 # Xeon with AVX-512, in the model (ResNet-50 b1), those of 512-1024 input channels ran
 # 0.63-0.9x OpenBLAS's time as tiles (the model 0.97x, then 0.97x again with 1024-2048,
 # in-process alternation), those of 64-256 1.1-2.3x, so those stay with BLAS. (On Zen 4 the
@@ -1154,12 +1155,17 @@ class Conv(_ConvBase):
         if _depthwise_fast(x, w, self.group, kernel, begin, end):
             return _DepthwiseRoute.make(x, w, bias, clamp, kernel, strides, dilations, begin,
                                         outs, cache)
+        from ember.ops import fused  # here: fused imports this module
+        if not w.flags.writeable and (b is None or not b.flags.writeable) \
+                and fused.tiles_pointwise_fits(x, w, self.group, strides, begin, end):
+            route = fused.tiles_pointwise_route(x, w, bias, None, clamp, "", [])
+            if route is not None:
+                return route
         # a 1x1 convolution whose bias _pointwise_cl adds after its product (not folded into
         # the product: C < M), as the route's epilogue does: the same bits
         if clamp is None and _blas.in_run() and self.group == 1 and all(
                 s == 1 for s in strides) and (b is None or C >= M) and pointwise_cl_fits(
                 np, x, w, self.group, kernel, begin, end):
-            from ember.ops import fused  # here: fused imports this module
             return fused.pointwise_route(x, pointwise_weights(w, cache), bias, None, "", [])
         return None
 

@@ -769,15 +769,21 @@ POINTWISE_ROUTES = {
 }
 
 
+@pytest.mark.parametrize("route", ["products", "tiles"])
 @pytest.mark.parametrize("case", list(POINTWISE_ROUTES))
-def test_pointwise_fused_conv_finishes_in_the_products_pieces(case, monkeypatch):
-    """The route (fused._PointwiseRoute) runs, gives the bits of the convolution's own path
-    with its separate epilogue, in a session shared by threads too, and matches onnxruntime.
-    A plain Conv (its bias the only epilogue) takes it too."""
+def test_pointwise_fused_conv_finishes_in_its_pieces(case, route, monkeypatch):
+    """The route runs: the product's (fused._PointwiseRoute: the bits of the convolution's
+    own path with its separate epilogue) or the tiles' (fused._TilesPointwiseRoute: the bits
+    of one thread), in a session shared by threads too, and matches onnxruntime. A plain
+    Conv (its bias the only epilogue) takes it too."""
     pytest.importorskip("numba")
     from ember.ops import _blas
     if not _blas.enabled():
         pytest.skip("no board here (products stay with np.matmul)")
+    if route == "tiles" and (_tiles.kernel() is None or not _tiles.WIDE):
+        pytest.skip("the tiles serve 1x1 convolutions on AVX-512 only")
+    if route == "products":
+        monkeypatch.setattr(fused, "tiles_pointwise_size", lambda x, w: False)
     c, m, size, batch, activation, residual = POINTWISE_ROUTES[case]
     rng = np.random.default_rng(len(case))
     inits = [numpy_helper.from_array(rng.standard_normal((c, 1, 3, 3)).astype(np.float32), "dw"),
@@ -803,16 +809,20 @@ def test_pointwise_fused_conv_finishes_in_the_products_pieces(case, monkeypatch)
         ("FusedConv" if activation or residual else "Conv")
     x = rng.standard_normal((batch, c, size, size)).astype(np.float32)
     routed = []
-    run = fused._PointwiseRoute.run
-    monkeypatch.setattr(fused._PointwiseRoute, "run",
-                        lambda self, *a: (routed.append(1), run(self, *a))[1])
+    kind = fused._PointwiseRoute if route == "products" else fused._TilesPointwiseRoute
+    run = kind.run
+    monkeypatch.setattr(kind, "run", lambda self, *a: (routed.append(1), run(self, *a))[1])
     got = sess.run({"x": x})[last]
     with ThreadPoolExecutor(3) as pool:
         shared = list(pool.map(lambda _: sess.run({"x": x})[last], range(6)))
     assert len(routed) == 7
-    monkeypatch.setattr(fused.FusedConv, "_pointwise_route", lambda *a: None)
-    monkeypatch.setattr(conv.Conv, "route", lambda *a: None)
-    want = sess.run({"x": x})[last]
+    if route == "products":
+        monkeypatch.setattr(fused.FusedConv, "_pointwise_route", lambda *a: None)
+        monkeypatch.setattr(conv.Conv, "route", lambda *a: None)
+        want = sess.run({"x": x})[last]
+    else:
+        want = ember.load(proto.SerializeToString(), threads=1).run({"x": x})[last]
+        assert len(routed) == 8
     for y in [got] + shared:
         np.testing.assert_array_equal(y, want)
     expected = ort.InferenceSession(proto.SerializeToString(),

@@ -648,10 +648,31 @@ def run(compiled, image, image_size, pixels, taps, channels, stride, packed, bia
     blocks = packed.shape[0]
     tiles = images * math.ceil(pixels.shape[0] / ROWS)
     band = band_tiles(tiles, images, image_size, channels, stride, packed)
+    bounds = _compiled.row_bounds(blocks * tiles, unit_ns(packed))
+    pieces = len(bounds) - 1
+    if pieces > 1 and packed.nbytes <= out.nbytes * ROWS_SPLIT_WEIGHTS_RATIO:
+        band, bounds = rows_split(tiles, blocks, band, pieces)
     lo, hi = clamp if clamp is not None else (-np.inf, np.inf)
-    _compiled.split_rows(compiled, blocks * tiles, image, image_size, pixels, taps, channels,
-                         packed, bias, np.float32(lo), np.float32(hi), out, images, band,
-                         ns_per_row=unit_ns(packed), piece=_conv_tiles_piece)
+    _compiled.run_rows(compiled, bounds, image, image_size, pixels, taps, channels, packed,
+                       bias, np.float32(lo), np.float32(hi), out, images, band,
+                       piece=_conv_tiles_piece)
+
+
+# Where the packed weights are at most ROWS_SPLIT_WEIGHTS_RATIO times the output's size, the
+# pieces are whole bands (every block of output channels for their pixels), so that each
+# thread keeps to its own rows, as the products' pieces do (ops/_blas.py); cut in blocks,
+# each thread wrote part of every row. Two sessions alternated in one process, 2-core Xeon,
+# against blocks always: ResNet-50 b1 0.986x (b8 1.01x), MobileNetV2 0.983x (b8 0.95x), UNet
+# 0.993x, BERT-small 0.988x; with 8 times the output instead: ResNet-50 0.993x, UNet 1.007x.
+ROWS_SPLIT_WEIGHTS_RATIO = 1
+
+
+def rows_split(tiles, blocks, band, pieces):
+    """(band, bounds in units) for `pieces` pieces of whole bands of at most `band` tiles."""
+    band = min(band, -(-tiles // pieces))
+    bands = -(-tiles // band)
+    cuts = sorted({min(tiles, bands * i // pieces * band) for i in range(pieces + 1)})
+    return band, [t * blocks for t in cuts]
 
 
 def _conv_tiles_piece(block, u0, u1):  # pragma: no cover

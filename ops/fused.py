@@ -467,9 +467,9 @@ class _TilesPointwiseRoute:
         blocks = packed.shape[0]
         tiles = -(-L // _tiles.ROWS)
         pieces = len(_compiled.row_bounds(tiles, blocks * _tiles.unit_ns(packed))) - 1
-        band = min(_tiles.band_tiles(tiles, 1, L * C, C, 1, packed), -(-tiles // pieces))
-        bands = -(-tiles // band)
-        self.bounds = sorted({min(tiles, bands * i // pieces * band) for i in range(pieces + 1)})
+        band, units = _tiles.rows_split(tiles, blocks, _tiles.band_tiles(
+            tiles, 1, L * C, C, 1, packed), pieces)
+        self.bounds = [u // blocks for u in units]   # in tiles
         if z is None and (clamp is not None or not activation):   # no epilogue
             (lo, hi), code = clamp or (-np.inf, np.inf), -1
         else:

@@ -266,7 +266,8 @@ def _maxpool2d(x, kernel, strides, dilations, begin, outs):
             return None
         out = np.empty((N, oh, ow, C), x.dtype)
         _compiled.split_rows(rows_kernel, N * oh, x.transpose(0, 2, 3, 1), out, *geometry,
-                             ns_per_row=_MAXPOOL_NS * ow * C * taps)
+                             ns_per_row=_MAXPOOL_NS * ow * C * taps,
+                             piece=_CHANNELS_LAST_PIECES.get(x.dtype.type))
         return out.transpose(0, 3, 1, 2)
     # planes: only stride 2 along the rows (CNNs' downsampling pools), 1.3-1.7x faster here;
     # at stride 1 numpy's flat passes (_reduce_last_flat) were faster than this
@@ -287,6 +288,7 @@ def _max_or_nan(a, m):
     return a if (a > m or a != a) else m
 
 
+@_compiled.kernel_math
 def _maxpool2d_channels_last_rows(x4, out4, kh, kw, sh, sw, ph, pw, dh, dw, row0, row1
                                   ):  # pragma: no cover - numba
     """Rows [row0, row1) of out (N, Oh, Ow, C), n = row // Oh: the max over each window of
@@ -339,6 +341,28 @@ def _maxpool2d_channels_last_rows(x4, out4, kh, kw, sh, sw, ph, pw, dh, dw, row0
                     at = np.uint64(((n * H + r) * W + q) * C)
                     for c in range(uC):
                         out[o + c] = _max_or_nan(x[at + c], out[o + c])
+
+
+# The channels-last kernel's piece functions (ops/_compiled.py: the helpers run its pieces
+# without Python, where a Python job waited for the GIL: ResNet-50's stem pool at b1 took
+# 250 us on 2 threads, onnxruntime's 83), one per dtype, the arguments from the block.
+def _channels_last_piece32(block, row0, row1):  # pragma: no cover - numba
+    v = _compiled.array_at(block, (18,), np.int64)
+    _maxpool2d_channels_last_rows(
+        _compiled.array_at(v[0], (v[1], v[2], v[3], v[4]), np.float32),
+        _compiled.array_at(v[5], (v[6], v[7], v[8], v[9]), np.float32),
+        v[10], v[11], v[12], v[13], v[14], v[15], v[16], v[17], row0, row1)
+
+
+def _channels_last_piece64(block, row0, row1):  # pragma: no cover - numba
+    v = _compiled.array_at(block, (18,), np.int64)
+    _maxpool2d_channels_last_rows(
+        _compiled.array_at(v[0], (v[1], v[2], v[3], v[4]), np.float64),
+        _compiled.array_at(v[5], (v[6], v[7], v[8], v[9]), np.float64),
+        v[10], v[11], v[12], v[13], v[14], v[15], v[16], v[17], row0, row1)
+
+
+_CHANNELS_LAST_PIECES = {np.float32: _channels_last_piece32, np.float64: _channels_last_piece64}
 
 
 def _maxpool2d_plane_rows(x, out, kh, kw, sh, sw, ph, pw, dh, dw, row0, row1

@@ -978,15 +978,33 @@ def test_maxpool_matches_onnxruntime(case, channels_last):
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["planes", "channels-last"])
-@pytest.mark.parametrize("pieces", [1, 3])
-def test_compiled_maxpool_gives_the_numpy_kernels_bits(channels_last, pieces, monkeypatch):
+@pytest.mark.parametrize("pieces, in_run, dtype", [(1, False, np.float32),
+                                                   (3, False, np.float32),
+                                                   (2, True, np.float32),
+                                                   (2, True, np.float64)])
+def test_compiled_maxpool_gives_the_numpy_kernels_bits(channels_last, pieces, in_run, dtype,
+                                                       monkeypatch):
     """NaN wins a window as in np.maximum (whichever tap holds it), a window wholly in the
-    padding is -inf, and any split of the rows among threads gives the same bits."""
+    padding is -inf, and any split of the rows among threads gives the same bits: as Python
+    jobs, or in a run on the board (the channels-last kernel's piece functions)."""
     pytest.importorskip("numba")
     monkeypatch.delenv("EMBER_NUMBA", raising=False)
     monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
-    monkeypatch.setattr(threads, "run_threads", lambda: pieces)
-    x = np.random.default_rng(5).standard_normal((2, 16, 21, 20)).astype(np.float32)
+    if in_run:
+        threads.enter(pieces)
+    else:
+        monkeypatch.setattr(threads, "run_threads", lambda: pieces)
+    try:
+        _maxpool_bits(channels_last, dtype)
+    finally:
+        if in_run:
+            threads.leave()
+    if in_run and channels_last:   # its pieces went on the board
+        assert _compiled._pieces.get(pool._CHANNELS_LAST_PIECES[dtype])
+
+
+def _maxpool_bits(channels_last, dtype):
+    x = np.random.default_rng(5).standard_normal((2, 16, 21, 20)).astype(dtype)
     x[0, 3, 4, 7] = x[1, 0, 0, 0] = x[1, 15, 20, 19] = np.nan
     x[0, 5, :6, :6] = -np.inf
     if channels_last:

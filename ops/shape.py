@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from ember import limits
+from ember.ops import _compiled
 from ember.ops.conv import _channels_last
 from ember.ops.registry import OpImpl, register
 
@@ -299,14 +300,49 @@ def _mostly_channels_last(xs) -> bool:
 def _concat_channels_last(xs):
     """The channel concatenation written channels-last, returned as a (N, C, H, W) view: each
     channels-last input is then copied in contiguous runs of its channels, where numpy's
-    channels-first result made a transposing copy of it (UNet's skip connections)."""
+    channels-first result made a transposing copy of it (UNet's skip connections). Two
+    float32 channels-last inputs are copied pixel by pixel on the run's threads, each
+    thread its own rows (`_concat_pixels`)."""
     N, _, H, W = xs[0].shape
     out = np.empty((N, H, W, sum(x.shape[1] for x in xs)), xs[0].dtype)
+    if len(xs) == 2 and xs[0].dtype == np.float32 and all(_channels_last(x) for x in xs):
+        kernel = _compiled.jit(_concat_pixels)
+        if kernel is not None:
+            a, b = (x.transpose(0, 2, 3, 1).reshape(N * H * W, x.shape[1]) for x in xs)
+            rows = out.reshape(N * H * W, -1)
+            _compiled.split_rows(kernel, rows.shape[0], a, b, rows,
+                                 ns_per_row=_CONCAT_NS_PER_VALUE * rows.shape[1],
+                                 piece=_concat_pixels_piece)
+            return out.transpose(0, 3, 1, 2)
     c0 = 0
     for x in xs:
         out[..., c0:c0 + x.shape[1]] = x.transpose(0, 2, 3, 1)
         c0 += x.shape[1]
     return out.transpose(0, 3, 1, 2)
+
+
+# numpy's copy into the channels of a channels-last result runs one short inner loop per
+# pixel: UNet's 32 + 32 channels at 128x128 took 690 us (onnxruntime's concatenation 170)
+_CONCAT_NS_PER_VALUE = 0.3   # time per value copied (split_rows)
+
+
+@_compiled.kernel_math
+def _concat_pixels(a, b, out, row0, row1):  # pragma: no cover - numba
+    """Pixels [row0, row1) of out (pixels, A + B): a's channels, then b's."""
+    width, rest = a.shape[1], b.shape[1]
+    for r in range(row0, row1):   # plain loops: numba's slice copies cost ~15 ns each a row
+        for c in range(width):
+            out[r, c] = a[r, c]
+        for c in range(rest):
+            out[r, width + c] = b[r, c]
+
+
+def _concat_pixels_piece(block, row0, row1):  # pragma: no cover - numba
+    """_concat_pixels' piece function (ops/_compiled.py), its arguments from the block."""
+    v = _compiled.array_at(block, (9,), np.int64)
+    _concat_pixels(_compiled.array_at(v[0], (v[1], v[2]), np.float32),
+                   _compiled.array_at(v[3], (v[4], v[5]), np.float32),
+                   _compiled.array_at(v[6], (v[7], v[8]), np.float32), row0, row1)
 
 
 # ----------------------------------------------------------------------------- Split

@@ -1617,3 +1617,24 @@ def test_split_kernels_run_their_pieces_on_the_board(case, monkeypatch):
     finally:
         threads.leave()
     assert taken and any(n < of for n, of in taken)
+
+
+@pytest.mark.parametrize("in_run", [False, True])
+def test_channels_last_concat_of_two_images_copies_them_pixel_by_pixel(in_run):
+    """Concat of two channels-last float32 images along the channels (UNet's skips): the
+    compiled copy (shape._concat_pixels, its pieces on the board in a run) gives numpy's
+    concatenation, channels-last."""
+    pytest.importorskip("numba")
+    from ember.ops import shape
+    rng = np.random.default_rng(3)
+    a, b = (np.ascontiguousarray(rng.standard_normal((2, 37, 29, c)).astype(np.float32))
+            .transpose(0, 3, 1, 2) for c in (24, 40))
+    if in_run:
+        threads.enter(2)
+    try:
+        got = shape._concat_channels_last([a, b])
+    finally:
+        if in_run:
+            threads.leave()
+    assert conv._channels_last(got)
+    np.testing.assert_array_equal(got, np.concatenate([a, b], axis=1))

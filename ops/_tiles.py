@@ -105,9 +105,9 @@ def conv_tiles_loops(image, image_size, pixels, taps, channels, packed, bias, lo
     ROWS pixels, image after image, are taken in bands of `band` tiles; a unit is one tile
     by one column block, ordered by band, then block, then tile: a band's input stays in
     cache while each block of weights is applied to it in turn. `image` holds the padded
-    images (channels-last, or an image's planes: ops/conv.py), `image_size` values apart; `pixels` (L,) each output pixel's
-    window origin in an image; `taps` (T,) each tap's offset from it; `packed` (blocks,
-    T * channels, BLOCK); `bias` (blocks * BLOCK,).
+    images (channels-last, or an image's planes: ops/conv.py), `image_size` values apart;
+    `pixels` (L,) each output pixel's window origin in an image; `taps` (T,) each tap's
+    offset from it; `packed` (blocks, T * channels, BLOCK); `bias` (blocks * BLOCK,).
 
     One loop, no function taking arrays per unit: numba counts references to the arrays a
     function is handed, 16 atomic increments and decrements a unit, ~100 ns (a 1x1

@@ -485,7 +485,8 @@ _DEPTHWISE_VECTOR_NS = 0.06  # time per tap of an output value (split_rows)
 # wrote its rows from both cores, and one thread alone reads the other core's half at about
 # half the speed it reads memory. At 0.2 ns a byte (each thread then reads the rows its core
 # wrote), two sessions alternated in one process, 2-core Xeon: MobileNetV2 b1 0.967x (its
-# 28 -> 14 stride-2 layer 69 -> 34 us in the model), b8 0.945x, ConvNeXt-T 0.988x; 0.4 no faster.
+# 28 -> 14 stride-2 layer 69 -> 34 us in the model), b8 0.945x, ConvNeXt-T 0.988x; 0.4 no
+# faster.
 _INPUT_NS_PER_BYTE = 0.2
 
 
@@ -861,8 +862,8 @@ def _conv_tiled(x, w, kernel, strides, dilations, begin, outs, bias, cache, clam
     if planar:
         # An image (RGB, gray) is read in its planes: a tap is one window row of one
         # channel, kw contiguous values; padding copies whole rows. Made channels-last, its
-        # 3 values a pixel were written one by one (MobileNetV2's stem, 224x224: 140 us of
-        # 480 on 2 cores of a Xeon, now ~25)
+        # 3 values a pixel were written one by one: MobileNetV2's stem (224x224, 2 cores
+        # of a Xeon) 268 -> 215 us with its input in cache, 522 -> 479 in the model
         packed, packed_bias = _remembered(cache, "tiles-planar", lambda: _tiles.pack(
             np.ascontiguousarray(w.reshape(M, C * kh * kw).T), bias))
         if (Hp, Wp) == (H, W) and x.flags.c_contiguous:

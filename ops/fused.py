@@ -484,20 +484,24 @@ class _TilesPointwiseRoute:
         self.rows_shape, self.out_shape = (N, H, W, M), (L, M)
         self.template = np.zeros(_TILES_FIELDS, np.int64)
         self.template[:] = (0, L * C, _address(pixels), L, _address(taps), C, _address(packed),
-                            blocks, _address(packed_bias), 0, 0, 0, M, band, 0, code or 0, 0, 0)
+                            blocks, _address(packed_bias), 0, 0, 0, M, band, 0, code or 0, 0, 0,
+                            0)
+        # rows streamed around the caches (_tiles.streams) where no epilogue reads them next
+        self.stream = code == -1 and L * M * 4 >= _tiles.STREAM_FROM_BYTES
         self.template[[9, 10, 16, 17]] = np.array([lo, hi, p0, p1], np.float64).view(np.int64)
 
     def run(self, x, z=None):
         out = _tiles.empty(self.out_shape)
         block = self.template.copy()
         block[0], block[11] = _address(x), _address(out)
+        block[18] = self.stream and _tiles.streams(out)
         if z is not None:
             block[14] = _address(z)
         _blas.run_pieces(self.plan, block, self.bounds)
         return out.reshape(self.rows_shape).transpose(0, 3, 1, 2)
 
 
-_TILES_FIELDS = 18  # _TilesPointwiseRoute's block: see its template
+_TILES_FIELDS = 19  # _TilesPointwiseRoute's block: see its template
 
 
 def _tiles_pointwise_piece(block, t0, t1):  # pragma: no cover
@@ -512,7 +516,7 @@ def _tiles_pointwise_piece(block, t0, t1):  # pragma: no cover
         _compiled.array_at(v[2], (L,), np.int64), _compiled.array_at(v[4], (1,), np.int64), C,
         _compiled.array_at(v[6], (blocks, C, _tiles.BLOCK), np.float32),
         _compiled.array_at(v[8], (blocks * _tiles.BLOCK,), np.float32),
-        np.float32(f[9]), np.float32(f[10]), out, 1, v[13], t0 * blocks, t1 * blocks)
+        np.float32(f[9]), np.float32(f[10]), out, 1, v[13], v[18], t0 * blocks, t1 * blocks)
     if v[15] >= 0:
         residual = v[14] != 0
         z = _compiled.array_at(v[14], (L if residual else 0, M if residual else 0), np.float32)

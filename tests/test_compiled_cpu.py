@@ -1381,14 +1381,14 @@ def test_tiles_give_the_same_bits_however_split(monkeypatch):
     args = (image.reshape(-1), hp * hp * c, pixels, taps, c, packed, bias, np.float32(0),
             np.float32(np.inf))
     whole = np.empty((n * pixels.size, m), np.float32)
-    compiled(*args, whole, n, 5, 0, units)
+    compiled(*args, whole, n, 5, 0, 0, units)
     pieces = np.empty_like(whole)
     for u in reversed(range(0, units, 7)):
-        compiled(*args, pieces, n, 5, u, min(units, u + 7))
+        compiled(*args, pieces, n, 5, 0, u, min(units, u + 7))
     np.testing.assert_array_equal(pieces, whole)
     for band in (1, 2, 1000):   # the band changes the order units are taken in, not a bit
         other = np.empty_like(whole)
-        compiled(*args, other, n, band, 0, units)
+        compiled(*args, other, n, band, 0, 0, units)
         np.testing.assert_array_equal(other, whole)
     monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
     monkeypatch.setattr(threads, "run_threads", lambda: 3)
@@ -1398,7 +1398,7 @@ def test_tiles_give_the_same_bits_however_split(monkeypatch):
     np.testing.assert_array_equal(pooled, whole)
     # and the documented semantics: the tiles in Python, with the numpy `tile`
     python = np.empty_like(whole)
-    _tiles.conv_tiles_loops(*args, python, n, 5, 0, units)
+    _tiles.conv_tiles_loops(*args, python, n, 5, 0, 0, units)
     np.testing.assert_allclose(python, whole, rtol=1e-5, atol=1e-5 * float(whole.max()))
 
 
@@ -1638,3 +1638,36 @@ def test_channels_last_concat_of_two_images_copies_them_pixel_by_pixel(in_run):
             threads.leave()
     assert conv._channels_last(got)
     np.testing.assert_array_equal(got, np.concatenate([a, b], axis=1))
+
+
+@pytest.mark.parametrize("kernel, out_channels", [(1, 96), (3, 64), (1, 40)])
+def test_tiles_streaming_their_rows_match_onnxruntime(kernel, out_channels, monkeypatch):
+    """Outputs from _tiles.STREAM_FROM_BYTES on are stored around the caches (non-temporal
+    stores, then a fence): here from 64 KB, through a 1x1 convolution's route and a 3x3 one's
+    tiles, on two threads; 40 output channels are not whole vectors a row and are stored as
+    usual. Same values as onnxruntime's."""
+    pytest.importorskip("numba")
+    if _tiles.kernel() is None or not _tiles.WIDE:
+        pytest.skip("the streaming stores are AVX-512 tiles'")
+    monkeypatch.setattr(_tiles, "STREAM_FROM_BYTES", 1 << 16)
+    rng = np.random.default_rng(kernel)
+    c = 16
+    inits = [numpy_helper.from_array(rng.standard_normal((c, 1, 3, 3)).astype(np.float32), "dw"),
+             numpy_helper.from_array((rng.standard_normal((out_channels, c, kernel, kernel))
+                                      / c).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(out_channels).astype(np.float32), "b")]
+    nodes = [helper.make_node("Conv", ["x", "dw"], ["d"], group=c, pads=[1] * 4),
+             helper.make_node("Conv", ["d", "w", "b"], ["y"], pads=[kernel // 2] * 4)]
+    graph = helper.make_graph(nodes, "stream", [helper.make_tensor_value_info(
+        "x", F, [2, c, 40, 40])], [helper.make_tensor_value_info("y", F, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal((2, c, 40, 40)).astype(np.float32)
+    streamed = []
+    streams = _tiles.streams
+    monkeypatch.setattr(_tiles, "streams", lambda out: (streamed.append(streams(out)),
+                                                        streams(out))[1])
+    got = ember.load(proto.SerializeToString(), threads=2).run({"x": x})["y"]
+    assert any(streamed) == (out_channels % _tiles.LANES == 0)
+    want = ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -372,8 +372,8 @@ def _register(numba) -> None:
                 return self.builder.call(self._fma, [a, b, c])
 
             def stream(self, value, ptr, index):
-                """A non-temporal store (the address aligned to 64 bytes)."""
-                store = self.builder.store(value, self._at(ptr, index), align=64)
+                """A non-temporal store (the address aligned to a whole vector)."""
+                store = self.builder.store(value, self._at(ptr, index), align=4 * LANES)
                 store.set_metadata("nontemporal", self.builder.module.add_metadata(
                     [ir.Constant(i32, 1)]))
 
@@ -729,8 +729,8 @@ STREAM_FROM_BYTES = 32 << 20
 
 
 def streams(out: np.ndarray) -> bool:
-    """Whether the tiles stream their rows of out (rows, M): large, and every tile row's
-    address a multiple of 64 bytes (a non-temporal vector store needs it)."""
+    """Whether the tiles stream their rows of out (rows, M): large, and every vector a tile
+    row stores aligned to a whole vector (a non-temporal vector store needs it)."""
     return (out.nbytes >= STREAM_FROM_BYTES and out.shape[1] % LANES == 0
             and out.__array_interface__["data"][0] % 64 == 0)
 

@@ -1164,8 +1164,7 @@ class Conv(_ConvBase):
             return _DepthwiseRoute.make(x, w, bias, clamp, kernel, strides, dilations, begin,
                                         outs, cache)
         from ember.ops import fused  # here: fused imports this module
-        if not w.flags.writeable and (b is None or not b.flags.writeable) \
-                and fused.tiles_pointwise_fits(x, w, self.group, strides, begin, end):
+        if fused.tiles_pointwise_fits(x, w, b, self.group, strides, begin, end):
             route = fused.tiles_pointwise_route(x, w, bias, None, clamp, "", [])
             if route is not None:
                 return route

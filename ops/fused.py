@@ -428,10 +428,12 @@ class _PointwiseRoute:
 # the caller keeps to the first rows and a helper to the last, as the products' pieces do
 # (ops/_blas.py): the rows a thread reads next are the ones it wrote.
 
-def tiles_pointwise_fits(x, w, group, strides, begin, end) -> bool:
-    """Whether a 1x1 convolution of x by w runs as `_TilesPointwiseRoute` in runs: float32,
-    a channels-last x, group 1, stride 1, no pads, AVX-512, and conv's size rule."""
+def tiles_pointwise_fits(x, w, b, group, strides, begin, end) -> bool:
+    """Whether a 1x1 convolution of x by w (+ bias b) runs as `_TilesPointwiseRoute` in runs:
+    float32, a channels-last x, constant (read-only) weights and bias, group 1, stride 1, no
+    pads, AVX-512, and conv's size rule."""
     return (x.dtype == np.float32 and x.ndim == 4 and group == 1 and w.shape[2:] == (1, 1)
+            and not w.flags.writeable and (b is None or not b.flags.writeable)
             and all(s == 1 for s in strides) and not any(begin) and not any(end)
             and _rows(x) is not None and _blas.in_run() and _tiles.kernel() is not None
             and tiles_pointwise_size(x, w))
@@ -486,9 +488,9 @@ class _TilesPointwiseRoute:
         self.template[:] = (0, L * C, _address(pixels), L, _address(taps), C, _address(packed),
                             blocks, _address(packed_bias), 0, 0, 0, M, band, 0, code or 0, 0, 0,
                             0)
-        # rows streamed around the caches (_tiles.streams) where no epilogue reads them next
-        self.stream = code == -1 and L * M * 4 >= _tiles.STREAM_FROM_BYTES
         self.template[[9, 10, 16, 17]] = np.array([lo, hi, p0, p1], np.float64).view(np.int64)
+        # rows may be streamed around the caches (_tiles.streams) where no epilogue reads them
+        self.stream = code == -1
 
     def run(self, x, z=None):
         out = _tiles.empty(self.out_shape)
@@ -599,9 +601,9 @@ class FusedConv(Conv, _Activated):
     def _new_pointwise_route(self, x, w, b, z, cache) -> _PointwiseRoute | None:
         kernel, strides, _, begin, end = self.geometry(x, w)
         out_shape = (x.shape[0], w.shape[0], *x.shape[2:])
-        if not (w.flags.writeable or b.flags.writeable) and (z is None or (
-                z.shape == out_shape and z.dtype == x.dtype and _rows(z) is not None)) \
-                and tiles_pointwise_fits(x, w, self.group, strides, begin, end):
+        if (z is None or (z.shape == out_shape and z.dtype == x.dtype
+                          and _rows(z) is not None)) \
+                and tiles_pointwise_fits(x, w, b, self.group, strides, begin, end):
             wc, _ = self.weight_and_cache(w, None, x.dtype)
             route = tiles_pointwise_route(x, wc, b.reshape(-1), z, self._clamp,
                                           self.activation_name, self.activation_args)

@@ -243,3 +243,22 @@ def test_the_caller_takes_pieces_from_the_front_and_helpers_from_the_back(claime
             board[_blas._GEN] = 2  # a product posted, not yet seen by this helper
             run_board(board, 0)
         assert list(log[1:1 + log[0]]) == want
+
+
+def test_helpers_sleep_soon_after_the_last_run_returns():
+    """A helper lingers on the board after a run (LINGER_PAUSES, bounded by the pauses a wait
+    takes at most), then sleeps: no core stays busy once runs are over."""
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((256, 512), dtype=np.float32)
+    b = rng.standard_normal((512, 512), dtype=np.float32)
+    pool = _compiled._thread_pool()
+    ember_threads.enter(2)
+    try:
+        for _ in range(5):
+            _blas.matmul(a, b)
+    finally:
+        ember_threads.leave()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and pool.sleeping < len(pool.threads):
+        time.sleep(0.001)
+    assert pool.sleeping == len(pool.threads)

@@ -20,8 +20,8 @@ import math
 import numpy as np
 
 from ember.ops import _blas, _compiled, _tiles
-from ember.ops.conv import (Conv, _channels_last, clamps_in_pass, pointwise_cl_fits,
-                            pointwise_weights)
+from ember.ops.conv import (Conv, RouteMemo, _channels_last, clamps_in_pass,
+                            pointwise_cl_fits, pointwise_weights)
 from ember.ops.activations import gelu, gelu_erf_float32, gelu_tanh_float32
 from ember.ops.linalg import CachedPack, Gemm7, matmul
 from ember.ops.registry import OpImpl, register
@@ -566,18 +566,23 @@ class FusedConv(Conv, _Activated):
                                                             self.activation_args)
         self._clamp = {"": (-np.inf, np.inf), "Relu": (0.0, np.inf),
                        "Clip": tuple(params[:2])}.get(name)
+        self._fused_routes = RouteMemo()   # where run's whole result is the route's
 
     def run(self, x, w, b=None, z=None):
+        route = self._fused_routes.route(x, w, b, z)
+        if route is not None:   # (a depthwise route takes no residual)
+            return route.run(x) if z is None else route.run(x, z)
         if self._clamp is not None and z is None:
             kernel, _, _, begin, end = self.geometry(x, w)
             if clamps_in_pass(self.xp, x, w, self.group, kernel, begin, end):
-                return super().run(x, w, b, clamp=self._clamp)
+                return super().run(x, w, b, clamp=self._clamp, routes=self._fused_routes)
         if b is not None and self.xp is np and x.dtype in (np.float32, np.float64) \
                 and b.size == w.shape[0] and x.ndim >= 3:
             # the epilogue adds the bias: the convolution then neither copies its input
             # beside a ones row nor makes a pass of its own over the output for it
             route = self._pointwise_route(x, w, b, z)
             if route is not None:
+                self._fused_routes.remember(x, w, b, z, route)
                 return route.run(x, z)
             return self.finish(super().run(x, w), z=z, channel_bias=b)
         return self.finish(super().run(x, w, b), z=z)

@@ -819,6 +819,7 @@ def test_pointwise_fused_conv_finishes_in_its_pieces(case, route, monkeypatch):
     if route == "products":
         monkeypatch.setattr(fused.FusedConv, "_pointwise_route", lambda *a: None)
         monkeypatch.setattr(conv.Conv, "route", lambda *a: None)
+        monkeypatch.setattr(conv.RouteMemo, "route", lambda *a: None)
         want = sess.run({"x": x})[last]
     else:
         want = ember.load(proto.SerializeToString(), threads=1).run({"x": x})[last]
@@ -866,6 +867,7 @@ def test_depthwise_conv_takes_its_route_from_the_second_run(activation, monkeypa
     for y in later:
         np.testing.assert_array_equal(y, first)
     monkeypatch.setattr(conv.Conv, "route", lambda self, *a: None)   # conv_nd's way
+    monkeypatch.setattr(conv.RouteMemo, "route", lambda *a: None)
     np.testing.assert_array_equal(sess.run({"x": x})[out], first)
     expected = ort.InferenceSession(proto.SerializeToString(),
                                     providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
@@ -883,6 +885,41 @@ def test_depthwise_conv_takes_its_route_from_the_second_run(activation, monkeypa
     for w in (w1, w2, w1):
         want = conv.conv_nd(np, x, w, c, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1))
         np.testing.assert_array_equal(op.run(x, w), want)
+
+
+def test_a_convolution_remembers_its_route_for_constant_weights_only(monkeypatch):
+    """Conv.run takes the route its last call took (conv.RouteMemo) where the weight and
+    bias are the same read-only arrays and x has the same geometry; a writable weight
+    changed in place, or an input of another shape, is worked out again."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(8)
+    c = 32
+    op = conv.Conv.__new__(conv.Conv)
+    op.xp, op.group = np, c
+    op.kernel_shape, op.pads, op.strides, op.dilations, op.auto_pad = [3, 3], [1] * 4, None, \
+        None, "NOTSET"
+    op.setup()
+    worked_out = []
+    route = conv.Conv.route
+    monkeypatch.setattr(conv.Conv, "route", lambda self, *a: (worked_out.append(1),
+                                                              route(self, *a))[1])
+    x = rng.standard_normal((1, c, 20, 20)).astype(np.float32)
+    w = rng.standard_normal((c, 1, 3, 3)).astype(np.float32)
+
+    def want(x, w):
+        return conv.conv_nd(np, x, w, c, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1))
+    w.flags.writeable = False
+    for _ in range(3):
+        np.testing.assert_array_equal(op.run(x, w), want(x, w))
+    assert len(worked_out) == 1
+    small = x[:, :, :12, :12].copy()
+    np.testing.assert_array_equal(op.run(small, w), want(small, w))
+    assert len(worked_out) == 2
+    writable = w.copy()
+    for scale in (1, 2, 3):
+        writable *= scale
+        np.testing.assert_array_equal(op.run(x, writable), want(x, writable))
+    assert len(worked_out) == 5
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])

@@ -61,6 +61,8 @@ import numpy as np
 
 from ember.ops import _compiled
 
+_address = _compiled.address  # an array's data pointer
+
 # A product is cut only where each piece has at least this many multiply-adds: OpenBLAS's own
 # threshold for a second thread (65536 * GEMM_MULTITHREAD_THRESHOLD, see ops/linalg.py)
 PIECE_MACS = 1 << 18
@@ -273,8 +275,6 @@ def _on_board(product: np.ndarray) -> int:
     return post_and_run(board, product)
 
 
-def _address(x: np.ndarray) -> int:
-    return x.__array_interface__["data"][0]  # x.ctypes.data costs ~5 us
 
 
 def product(xp: Any, a, b):
@@ -286,14 +286,23 @@ def run_pieces(piece: int, block: np.ndarray, bounds: list[int]) -> int:
     """A split kernel's pieces on the board (ops/_compiled.py's split_rows): the piece
     function at address `piece` on `block`, rows [bounds[i], bounds[i + 1]) each, taken by
     this thread and the helpers. Returns the pieces this thread ran."""
+    product = _kernel_fields(piece, tuple(bounds)).copy()
+    product[_PB - _KIND] = _address(block)
+    return _on_board(product)
+
+
+@functools.lru_cache(maxsize=4096)
+def _kernel_fields(piece: int, bounds: tuple[int, ...]) -> np.ndarray:
+    """The board's fields (from _KIND on) for a split kernel's pieces, the block's address
+    0: made once per piece function and cut (a call repeats both; made anew, ~2 us)."""
     pieces = len(bounds) - 1
     product = np.zeros(_BOUNDS - _KIND + pieces + 1, np.int64)
     product[0] = _KERNEL
     product[_PA - _KIND] = piece
-    product[_PB - _KIND] = _address(block)
     product[_PIECES - _KIND] = pieces
     product[_BOUNDS - _KIND:] = bounds
-    return _on_board(product)
+    product.flags.writeable = False
+    return product
 
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))

@@ -604,8 +604,7 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
     if size < _ALIGN_FROM_BYTES:
         return np.empty(shape, dtype)
     buffer = _buffer(size + 64)
-    skip = -buffer.__array_interface__["data"][0] % 64
-    return buffer[skip:skip + size].view(dtype).reshape(shape)
+    return np.ndarray(shape, dtype, buffer, -_compiled.address(buffer) % 64)
 
 
 # From 32 MB, glibc maps every allocation afresh (its mmap threshold stops at 32 MB, where
@@ -732,7 +731,7 @@ def streams(out: np.ndarray) -> bool:
     """Whether the tiles stream their rows of out (rows, M): large, and every vector a tile
     row stores aligned to a whole vector (a non-temporal vector store needs it)."""
     return (out.nbytes >= STREAM_FROM_BYTES and out.shape[1] % LANES == 0
-            and out.__array_interface__["data"][0] % 64 == 0)
+            and _compiled.address(out) % 64 == 0)
 
 
 # Where the packed weights are at most ROWS_SPLIT_WEIGHTS_RATIO times the output's size, the

@@ -26,6 +26,8 @@ from ember.ops.activations import gelu, gelu_erf_float32, gelu_tanh_float32
 from ember.ops.linalg import CachedPack, Gemm7, matmul
 from ember.ops.registry import OpImpl, register
 
+_address = _compiled.address  # an array's data pointer
+
 DOMAIN = "ai.ember"
 ACTIVATIONS = ("", "Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish",
                "Gelu")
@@ -340,10 +342,6 @@ def product_with_epilogue(a, b, out, bias, z, activation: str, params: list[floa
 # the epilogue's code and parameters (float64 bits), the output and its row stride; then the
 # product's fields (_blas.product_fields)
 _Z_FIELD, _OUT_FIELD, _PRODUCT_HEAD = 2, 8, 10
-
-
-def _address(x: np.ndarray) -> int:
-    return x.__array_interface__["data"][0]
 
 
 @_compiled.kernel_math

@@ -1708,3 +1708,16 @@ def test_tiles_streaming_their_rows_match_onnxruntime(kernel, out_channels, monk
     want = ort.InferenceSession(proto.SerializeToString(),
                                 providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_arrays_address_is_its_data_pointer(tmp_path):
+    """_compiled.address (read from the array object's C struct) is the data pointer numpy
+    reports, for new arrays, views at an offset, transposed and strided views, 0-d and empty
+    arrays, a numpy scalar, a memory map, and an ndarray over a foreign buffer."""
+    base = np.arange(60, dtype=np.float64).reshape(6, 10)
+    mapped = np.lib.format.open_memmap(tmp_path / "m.npy", mode="w+", dtype=np.float32,
+                                       shape=(8,))
+    arrays = [base, base[2:, 3:], base.T, base[::2, ::3], np.ones(()), np.float64(1.0),
+              np.empty((0, 4)), mapped, mapped[3:], np.ndarray((4,), np.uint8, bytearray(16), 8)]
+    for x in arrays:
+        assert _compiled.address(x) == x.__array_interface__["data"][0]

@@ -886,55 +886,139 @@ def _pointwise_tiles_fit(x, w):
 def _conv_tiled(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp):
     """Conv of x (N, C, H, W) by w (M, C, kh, kw), float32, by `_tiles`; returns the
     channels-last (N, M, Ho, Wo) view."""
-    N, C, H, W = x.shape
-    M = w.shape[0]
-    (kh, kw), (sh, sw), (dh, dw), (Ho, Wo) = kernel, strides, dilations, outs
-    # tall and wide enough for every window (the padding, and what ceil-like sizes reach)
-    Hp = max(begin[0] + H, (Ho - 1) * sh + (kh - 1) * dh + 1)
-    Wp = max(begin[1] + W, (Wo - 1) * sw + (kw - 1) * dw + 1)
-    planar = C <= _IMAGE_CHANNELS and dw == 1
-    if planar:
-        # An image (RGB, gray) is read in its planes: a tap is one window row of one
-        # channel, kw contiguous values; padding copies whole rows. Made channels-last, its
-        # 3 values a pixel were written one by one: MobileNetV2's stem (224x224, 2 cores
-        # of a Xeon) 268 -> 215 us with its input in cache, 522 -> 479 in the model
-        packed, packed_bias = _remembered(cache, "tiles-planar", lambda: _tiles.pack(
-            np.ascontiguousarray(w.reshape(M, C * kh * kw).T), bias))
-        if (Hp, Wp) == (H, W) and x.flags.c_contiguous:
-            image = x
-        else:
-            image = _zero_border(_tiles.empty((N, C, Hp, Wp, 1)), begin, (H, W))[..., 0]
-            image[:, :, begin[0]:begin[0] + H, begin[1]:begin[1] + W] = x
-        run, plane, channel_step = kw, C * Hp * Wp, 1
-    else:
-        packed, packed_bias = _remembered(cache, "tiles", lambda: _tiles.pack(
-            _taps_last(w, None).reshape(kh * kw * C, M), bias))
-        xt = x.transpose(0, 2, 3, 1)
-        if (Hp, Wp) == (H, W) and xt.flags.c_contiguous:
-            image = xt  # read where it lies: no padding, a channels-last input
-        else:
-            image = _zero_border(_tiles.empty((N, Hp, Wp, C)), begin, (H, W))
-            image[:, begin[0]:begin[0] + H, begin[1]:begin[1] + W] = xt
-        # Undilated, a window row's kw taps are kw * C contiguous values of the image, in
-        # the packed weights' order: one tap of kw * C channels each (an image's 3 channels
-        # make runs of 21 values for a 7x7 window, not 7 runs of 3)
-        run, plane, channel_step = (kw * C if dw == 1 else C), Hp * Wp * C, C
+    return _TiledRoute(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp,
+                       keep_image=False).run(x)
 
-    def offsets():
-        rows = np.arange(Ho, dtype=np.int64) * (sh * Wp)
-        pixels = (rows[:, None] + np.arange(Wo, dtype=np.int64) * sw).reshape(-1)
-        window_rows = np.arange(kh, dtype=np.int64) * (dh * Wp)
-        if planar:  # (channel, window row)
-            taps = np.arange(C, dtype=np.int64)[:, None] * (Hp * Wp) + window_rows
-        else:       # (window row, column), channels-last
-            columns = np.arange(kw if dw != 1 else 1, dtype=np.int64) * dw
-            taps = (window_rows[:, None] + columns) * C
-        return pixels * channel_step, taps.reshape(-1)
-    pixels, taps = _remembered(cache, ("tile-offsets", planar, Hp, Wp, C, Ho, Wo), offsets)
-    out = _tiles.empty((N, Ho, Wo, M))
-    _tiles.run(_tiles.kernel(), image.reshape(-1), plane, pixels, taps, run, sh * sw,
-               packed, packed_bias, clamp, out.reshape(N * Ho * Wo, M), N)
-    return out.transpose(0, 3, 1, 2)
+
+# A route keeps its padded image between calls where it is at most this large: its border,
+# zeroed once, stays zero, and a call only copies the input in. Allocated and zeroed on each
+# call, the image's border (a value at each end of every row, each in a cache line of its
+# own) and its allocation took 40 us of MobileNetV2's stem (224x224), on every call.
+_KEEP_IMAGE_BYTES = 8 << 20
+
+
+class _TiledRoute:
+    """A convolution by the tiles (`_tiled_fits`) worked out once for an input geometry
+    (Conv.route): the packed weights, the tiles' offsets, the padded image's geometry, and
+    the image itself kept between calls (`_KEEP_IMAGE_BYTES`; one per thread running the
+    route at once). A call copies its input into the image and runs the tiles."""
+
+    def __init__(self, x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp,
+                 keep_image=True):
+        N, C, H, W = x.shape
+        M = w.shape[0]
+        (kh, kw), (sh, sw), (dh, dw), (Ho, Wo) = kernel, strides, dilations, outs
+        # tall and wide enough for every window (the padding, and what ceil-like sizes reach)
+        Hp = max(begin[0] + H, (Ho - 1) * sh + (kh - 1) * dh + 1)
+        Wp = max(begin[1] + W, (Wo - 1) * sw + (kw - 1) * dw + 1)
+        self.planar = planar = C <= _IMAGE_CHANNELS and dw == 1
+        if planar:
+            # An image (RGB, gray) is read in its planes: a tap is one window row of one
+            # channel, kw contiguous values; padding copies whole rows. Made channels-last, its
+            # 3 values a pixel were written one by one: MobileNetV2's stem (224x224, 2 cores
+            # of a Xeon) 268 -> 215 us with its input in cache, 522 -> 479 in the model
+            self.packed, self.packed_bias = _remembered(
+                cache, "tiles-planar",
+                lambda: _tiles.pack(np.ascontiguousarray(w.reshape(M, C * kh * kw).T), bias))
+            self.image_shape = (N, C, Hp, Wp)
+            run, plane, channel_step = kw, C * Hp * Wp, 1
+        else:
+            self.packed, self.packed_bias = _remembered(cache, "tiles", lambda: _tiles.pack(
+                _taps_last(w, None).reshape(kh * kw * C, M), bias))
+            self.image_shape = (N, Hp, Wp, C)
+            # Undilated, a window row's kw taps are kw * C contiguous values of the image, in
+            # the packed weights' order: one tap of kw * C channels each (an image's 3
+            # channels make runs of 21 values for a 7x7 window, not 7 runs of 3)
+            run, plane, channel_step = (kw * C if dw == 1 else C), Hp * Wp * C, C
+
+        def offsets():
+            rows = np.arange(Ho, dtype=np.int64) * (sh * Wp)
+            pixels = (rows[:, None] + np.arange(Wo, dtype=np.int64) * sw).reshape(-1)
+            window_rows = np.arange(kh, dtype=np.int64) * (dh * Wp)
+            if planar:  # (channel, window row)
+                taps = np.arange(C, dtype=np.int64)[:, None] * (Hp * Wp) + window_rows
+            else:       # (window row, column), channels-last
+                columns = np.arange(kw if dw != 1 else 1, dtype=np.int64) * dw
+                taps = (window_rows[:, None] + columns) * C
+            return pixels * channel_step, taps.reshape(-1)
+        self.pixels, self.taps = _remembered(cache, ("tile-offsets", planar, Hp, Wp, C, Ho, Wo),
+                                             offsets)
+        self.run_length, self.plane, self.stride = run, plane, sh * sw
+        self.begin, self.size, self.out_shape = begin, (H, W), (N, Ho, Wo, M)
+        self.clamp = clamp
+        self.padded = (Hp, Wp) != (H, W)
+        self.keep_image = keep_image and 4 * math.prod(self.image_shape) <= _KEEP_IMAGE_BYTES
+        self.images: list[np.ndarray] = []   # kept padded images not in use
+
+    def run(self, x):
+        layout = x if self.planar else x.transpose(0, 2, 3, 1)
+        if not self.padded and layout.flags.c_contiguous:
+            image = None   # x is the image: read where it lies
+        else:
+            image = self._padded(layout)
+        out = _tiles.empty(self.out_shape)
+        N, Ho, Wo, M = self.out_shape
+        _tiles.run(_tiles.kernel(), (layout if image is None else image).reshape(-1),
+                   self.plane, self.pixels, self.taps, self.run_length, self.stride,
+                   self.packed, self.packed_bias, self.clamp, out.reshape(N * Ho * Wo, M), N)
+        if image is not None and self.keep_image:
+            self.images.append(image)
+        return out.transpose(0, 3, 1, 2)
+
+    def _padded(self, layout):
+        """The padded image of x (`layout`: x in the image's layout), a kept one if there is
+        one free (its border is zero), else a new one."""
+        try:
+            image = self.images.pop()   # atomic: threads sharing the route take one each
+        except IndexError:
+            image = _tiles.empty(self.image_shape)
+            if self.planar:
+                image = _zero_border(image[..., None], self.begin, self.size)[..., 0]
+            else:
+                image = _zero_border(image, self.begin, self.size)
+        (top, left), (H, W) = self.begin, self.size
+        copy = _compiled.jit(_pad_rows)
+        if copy is None or not layout.flags.c_contiguous:
+            if self.planar:
+                image[:, :, top:top + H, left:left + W] = layout
+            else:
+                image[:, top:top + H, left:left + W] = layout
+            return image
+        # the input's rows copied in on the run's threads, each the rows its core wrote
+        if self.planar:   # rows of W values, H of them a channel's plane
+            _, _, Hp, Wp = self.image_shape
+            length, row, plane, first = W, Wp, Hp * Wp, top * Wp + left
+        else:             # rows of W * C values, H of them an image
+            _, Hp, Wp, C = self.image_shape
+            length, row, plane, first = W * C, Wp * C, Hp * Wp * C, (top * Wp + left) * C
+        rows = layout.size // length
+        _compiled.run_rows(copy, _compiled.row_bounds(rows, length * _PAD_NS_PER_VALUE),
+                           layout.reshape(-1), image.reshape(-1), H, length, plane, row, first,
+                           piece=_pad_rows_piece)
+        return image
+
+
+# A padded image's rows are copied in by pieces (_pad_rows), split at this estimate: a value
+# read from memory or from the other core's cache and written, ~0.4 ns
+_PAD_NS_PER_VALUE = 0.4
+
+
+@_compiled.kernel_math
+def _pad_rows(src, image, height, length, plane, row, first, row0, row1):  # pragma: no cover
+    """Rows [row0, row1) of src (rows of `length` values, `height` of them a plane: an
+    image's, or a channel's) into the padded image: src's row i at plane i // height, row
+    i % height, its first value at `first` from the plane's start."""
+    for i in range(row0, row1):
+        at = first + (i // height) * plane + (i % height) * row
+        image[at:at + length] = src[i * length:(i + 1) * length]
+
+
+def _pad_rows_piece(block, row0, row1):  # pragma: no cover
+    """_pad_rows' piece function (ops/_compiled.py), its arguments from the block."""
+    v = _compiled.array_at(block, (9,), np.int64)
+    _pad_rows(_compiled.array_at(v[0], (v[1],), np.float32),
+              _compiled.array_at(v[2], (v[3],), np.float32), v[4], v[5], v[6], v[7], v[8],
+              row0, row1)
 
 
 # A 2-D stride-1 convolution over a channels-last padded image P (Hp, Wp, C) is, with the
@@ -1189,7 +1273,8 @@ class Conv(_ConvBase):
         """The route of this convolution for x's geometry: its kernel's call worked out once
         (on the first call; kept in the weights' `cache`, which a new weight or bias array
         does not share), or None where conv_nd serves: a depthwise convolution by a compiled
-        kernel, a 1x1 one of a channels-last image whose product goes on the board."""
+        kernel, one of a larger window by the tiles, a 1x1 one of a channels-last image whose
+        product goes on the board."""
         key = route_key(x, clamp)
         if key not in cache:
             cache[key] = self._new_route(x, w, b, clamp, cache)
@@ -1208,6 +1293,8 @@ class Conv(_ConvBase):
         if _depthwise_fast(x, w, self.group, kernel, begin, end):
             return _DepthwiseRoute.make(x, w, bias, clamp, kernel, strides, dilations, begin,
                                         outs, cache)
+        if math.prod(kernel) > 1 and _tiled_fits(x, w, self.group, begin, end):
+            return _TiledRoute(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp)
         from ember.ops import fused  # here: fused imports this module
         if fused.tiles_pointwise_fits(x, w, b, self.group, strides, begin, end):
             route = fused.tiles_pointwise_route(x, w, bias, None, clamp, "", [])

@@ -1463,6 +1463,41 @@ def test_tiles_shared_by_threads_and_with_a_weight_fed_at_run_time():
                                    atol=1e-4 * float(np.abs(want).max()))
 
 
+@pytest.mark.parametrize("channels", [3, 24])   # an image's planes, channels-last
+def test_tiles_keep_their_padded_image_between_runs(channels):
+    """A padded convolution's route keeps its padded image (conv._TiledRoute): its border
+    stays zero and each run copies its own input in, run after run and from several threads
+    at once (one image each), as onnxruntime computes them; a 3x3 stride-2 stem on a 3-channel
+    image, a 3x3 one on the channels-last result of a depthwise convolution."""
+    _tiles_or_skip()
+    rng = np.random.default_rng(13)
+    size = 40
+    inits = [numpy_helper.from_array(
+        (rng.standard_normal((16, channels, 3, 3)) / channels).astype(np.float32), "w")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1] * 4, strides=[2, 2])]
+    if channels > 3:   # channels-last: the depthwise kernel's result
+        inits.append(numpy_helper.from_array(
+            rng.standard_normal((channels, 1, 3, 3)).astype(np.float32), "dw"))
+        nodes.insert(0, helper.make_node("Conv", ["x0", "dw"], ["x"], group=channels,
+                                         pads=[1] * 4))
+    first = nodes[0].input[0]
+    graph = helper.make_graph(nodes, "padded", [helper.make_tensor_value_info(
+        first, F, [1, channels, size, size])], [helper.make_tensor_value_info("y", F, None)],
+        inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ember.load(proto.SerializeToString(), threads=2)
+    reference = ort.InferenceSession(proto.SerializeToString(),
+                                     providers=["CPUExecutionProvider"])
+    feeds = [{first: rng.standard_normal((1, channels, size, size)).astype(np.float32)}
+             for _ in range(4)]
+    sequential = [session.run(f)["y"] for f in feeds + feeds]
+    for f, got in zip(feeds + feeds, sequential):
+        want = reference.run(None, f)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    for want, got in zip(sequential, _run_from_threads(session, feeds)):
+        np.testing.assert_array_equal(got["y"], want)
+
+
 def test_tiles_read_a_channels_last_input_where_it_lies(monkeypatch):
     """A 3x3 convolution's channels-last result, into an unpadded 2x2 stride-2 one (a
     ConvNeXt downsampling): the second reads the first's memory without a copy."""
@@ -1479,17 +1514,16 @@ def test_tiles_read_a_channels_last_input_where_it_lies(monkeypatch):
         [helper.make_tensor_value_info("y", F, None)],
         [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    images = []
-    real = conv._conv_tiled
-
-    def spy(x, *args):
-        images.append(conv._channels_last(x))
-        return real(x, *args)
-    monkeypatch.setattr(conv, "_conv_tiled", spy)
+    inputs, padded = [], []
+    run, pad = conv._TiledRoute.run, conv._TiledRoute._padded
+    monkeypatch.setattr(conv._TiledRoute, "run", lambda self, x: (
+        inputs.append(conv._channels_last(x)), run(self, x))[1])
+    monkeypatch.setattr(conv._TiledRoute, "_padded", lambda self, layout: (
+        padded.append(1), pad(self, layout))[1])
     want = ort.InferenceSession(proto.SerializeToString(),
                                 providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     got = ember.load(proto).run({"x": x})["y"]
-    assert images == [False, True]
+    assert inputs == [False, True] and len(padded) == 1   # the second is not copied
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 
 

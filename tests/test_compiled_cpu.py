@@ -1755,3 +1755,36 @@ def test_an_arrays_address_is_its_data_pointer(tmp_path):
               np.empty((0, 4)), mapped, mapped[3:], np.ndarray((4,), np.uint8, bytearray(16), 8)]
     for x in arrays:
         assert _compiled.address(x) == x.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("batch, size", [(1, 7), (3, 14)])
+def test_mean_over_a_channels_last_images_pixels(batch, size, monkeypatch):
+    """ReduceMean over the pixels of a channels-last image (a depthwise convolution's result)
+    by the compiled pieces (reduction._pixel_sums), on two threads, in a session shared by
+    threads too: onnxruntime's means, and the same bits run after run."""
+    pytest.importorskip("numba")
+    from ember.ops import reduction
+    rng = np.random.default_rng(14)
+    c = 64
+    inits = [numpy_helper.from_array(rng.standard_normal((c, 1, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.array([2, 3], np.int64), "axes")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["d"], group=c, pads=[1] * 4),
+             helper.make_node("ReduceMean", ["d", "axes"], ["y"], keepdims=1)]
+    graph = helper.make_graph(nodes, "gap", [helper.make_tensor_value_info(
+        "x", F, [batch, c, size, size])], [helper.make_tensor_value_info("y", F, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    summed = []
+    sums = reduction._spatial_mean
+    monkeypatch.setattr(reduction, "_spatial_mean", lambda x: (
+        summed.append(r := sums(x)), r)[1])
+    session = ember.load(proto.SerializeToString(), threads=2)
+    feeds = [{"x": rng.standard_normal((batch, c, size, size)).astype(np.float32)}
+             for _ in range(3)]
+    reference = ort.InferenceSession(proto.SerializeToString(),
+                                     providers=["CPUExecutionProvider"])
+    sequential = [session.run(f)["y"] for f in feeds]
+    assert summed and all(r is not None for r in summed)
+    for f, got in zip(feeds, sequential):
+        np.testing.assert_allclose(got, reference.run(None, f)[0], rtol=1e-5, atol=1e-6)
+    for want, got in zip(sequential, _run_from_threads(session, feeds)):
+        np.testing.assert_array_equal(got["y"], want)

@@ -275,8 +275,6 @@ def _on_board(product: np.ndarray) -> int:
     return post_and_run(board, product)
 
 
-
-
 def product(xp: Any, a, b):
     """xp.matmul(a, b), on the kernel pool where xp is numpy and it applies."""
     return matmul(a, b) if xp is np else xp.matmul(a, b)

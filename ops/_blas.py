@@ -491,7 +491,8 @@ def _wait_for(board, field, value):
 # at its first op, where a sleeping one took ~100 us to wake and join (MobileNetV2's stem, its
 # first op, ran on the caller alone: 390 -> 270 us). Paired processes, 2-core Xeon, b1:
 # LSTM+GRU 0.86-0.91x, MobileNetV2 0.94-0.97x, ResNet-50, UNet, BERT-small, the decoder step
-# and MobileNetV2 b8 0.96-1.05x (unchanged). The cost: one core ~0.1 ms after each run.
+# and MobileNetV2 b8 0.96-1.05x (unchanged). The cost: 0.15-0.19 ms of a helper's CPU after
+# each run (its thread's own clock; 0.02-0.03 ms without the linger).
 LINGER_PAUSES = 6000
 
 

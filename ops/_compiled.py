@@ -356,7 +356,7 @@ class _Helpers:
     spinning (`_Job.result`). The spin is short and never yields the core: a helper that
     yielded while another process is busy (even at nice 19) handed it its core for a time
     slice, and splits under load got slower. Once no run is in flight, a helper watching
-    the products' board spins ~0.1 ms more for the next run (ops/_blas.py's LINGER_PAUSES),
+    the products' board spins ~0.15 ms more for the next run (ops/_blas.py's LINGER_PAUSES),
     then nothing spins.
     Measured (2 cores, Zen 4): a 1x1 convolution as tiles (112x112, 32 -> 16 channels) split
     in 4 pieces went from 690 to 310 us; in models, paired: MobileNetV2 b1 0.97x, ResNet-50

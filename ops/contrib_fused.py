@@ -208,8 +208,8 @@ class GemmFastGelu(OpImpl):
 # FusedConv
 
 # activation name -> number of activation_params it takes (onnxruntime requires exactly these)
-_CONV_ACTIVATIONS = {"": 0, "Relu": 0, "Tanh": 0, "Sigmoid": 0, "HardSwish": 0,
-                     "LeakyRelu": 1, "Clip": 2, "HardSigmoid": 2}
+CONV_ACTIVATIONS = {"": 0, "Relu": 0, "Tanh": 0, "Sigmoid": 0, "HardSwish": 0,
+                    "LeakyRelu": 1, "Clip": 2, "HardSigmoid": 2}
 
 
 def _activate(xp, y, name: str, params: tuple[float, ...]):
@@ -246,11 +246,11 @@ class FusedConv(Conv):
         super().setup()
         name = self.activation or ""
         self.activation_name = name.decode() if isinstance(name, bytes) else name
-        if self.activation_name not in _CONV_ACTIVATIONS:
+        if self.activation_name not in CONV_ACTIVATIONS:
             raise self.fail(f"unsupported activation {self.activation_name!r} (onnxruntime's "
-                            f"FusedConv takes {', '.join(a for a in _CONV_ACTIVATIONS if a)})")
+                            f"FusedConv takes {', '.join(a for a in CONV_ACTIVATIONS if a)})")
         params = tuple(float(v) for v in (self.activation_params or ()))
-        wanted = _CONV_ACTIVATIONS[self.activation_name]
+        wanted = CONV_ACTIVATIONS[self.activation_name]
         if len(params) != wanted and (wanted or params):
             raise self.fail(f"activation {self.activation_name} takes {wanted} "
                             f"activation_params, got {len(params)}")

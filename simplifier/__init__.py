@@ -27,7 +27,8 @@ from ember.simplifier.passes.fold_batchnorm import fold_batchnorm_into_conv
 from ember.simplifier.passes.fold_input_scale import fold_input_scale_into_matmul
 from ember.simplifier.passes.fold_not import fold_not_into_where
 from ember.simplifier.passes.fold_reshape_into_reduce import REDUCTIONS, fold_reshape_into_reduce
-from ember.simplifier.passes.fuse_activation import fuse_activations, fuse_residual_add
+from ember.simplifier.passes.fuse_activation import (adopt_onnxruntime_fused_conv,
+                                                     fuse_activations, fuse_residual_add)
 from ember.simplifier.passes.fuse_attention import fuse_attention, fuse_attention_projections
 from ember.simplifier.passes.fuse_gelu import fuse_gelu
 from ember.simplifier.passes.fuse_gemm import fold_scale_into_matmul, fuse_matmul_add
@@ -68,6 +69,7 @@ PASSES: dict[str, Pass] = {
     "fuse_matmul_add": fuse_matmul_add,
     "fold_scale_into_matmul": fold_scale_into_matmul,
     "merge_constant_operands": merge_constant_operands,
+    "adopt_onnxruntime_fused_conv": adopt_onnxruntime_fused_conv,
     "fuse_residual_add": fuse_residual_add,
     "fuse_activations": fuse_activations,
     "widen_output_cast": widen_output_cast,
@@ -85,7 +87,7 @@ _TRIGGERS = {
     "widen_output_cast": {"Cast"}, "fold_not_into_where": {"Not"},
     "merge_unsqueezes": {"Unsqueeze"}, "slice_squeeze_to_gather": {"Squeeze"},
     "fold_reshape_into_reduce": set(REDUCTIONS), "fold_input_scale_into_matmul": {"MatMul", "Gemm"},
-    "merge_constant_operands": {"Add", "Mul"},
+    "merge_constant_operands": {"Add", "Mul"}, "adopt_onnxruntime_fused_conv": {"FusedConv"},
 }
 # Passes that only look at the top-level graph (subgraphs keep their own scoping rules).
 _TOP_LEVEL_ONLY = {"infer_shapes"}

@@ -838,3 +838,30 @@ def test_weights_past_the_protobuf_limit_go_to_external_data(tmp_path, monkeypat
     written = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(written.run(None, feeds)[0], ort_outputs(proto, feeds)[0],
                                rtol=1e-6)
+
+
+@pytest.mark.parametrize("act, params", [("Clip", [0.0, 6.0]), ("Relu", []),
+                                         ("LeakyRelu", [0.1]), ("", [])])
+def test_onnxruntimes_fused_conv_becomes_embers(act, params):
+    """com.microsoft FusedConv (onnxruntime's optimizer writes it for Conv + activation, and a
+    residual Z) becomes ai.ember FusedConv, a later residual Add folds into it, and the results
+    are onnxruntime's on the original graph."""
+    attrs = {"activation": act} if act else {}
+    if params:
+        attrs["activation_params"] = params
+    nodes = [helper.make_node("FusedConv", ["x", "w", "b"], ["c"], domain="com.microsoft",
+                              pads=[1, 1, 1, 1], **attrs),
+             helper.make_node("FusedConv", ["c", "dw", "db", "x"], ["d"], domain="com.microsoft",
+                              group=4, pads=[1, 1, 1, 1], **attrs),
+             helper.make_node("Conv", ["d", "pw"], ["p"]),
+             helper.make_node("Add", ["p", "c"], ["y"])]
+    proto = make_model(nodes, [tensor("x", [1, 4, 6, 6])], [tensor("y", [1, 4, 6, 6])],
+                       [const("w", rand(4, 4, 3, 3)), const("b", rand(4)),
+                        const("dw", rand(4, 1, 3, 3)), const("db", rand(4)),
+                        const("pw", rand(4, 4, 1, 1))], extra_opsets=[("com.microsoft", 1)])
+    # onnxruntime's optimizer writes its values' shapes (onnx infers none for its ops)
+    proto.graph.value_info.extend(tensor(n, [1, 4, 6, 6]) for n in ("c", "d", "p"))
+    model = simplified_matches(proto, {"x": rand(1, 4, 6, 6)})
+    assert ops(model) == ["FusedConv"] * 3
+    assert all(n.domain == "ai.ember" for n in model.graph.nodes)
+    assert [len(n.inputs) for n in model.graph.nodes] == [3, 4, 4]

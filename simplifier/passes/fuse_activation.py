@@ -4,12 +4,14 @@ residual Add after a Conv or FusedMatMul (ResNet blocks, transformer residuals) 
 the fused node's Z input, before any activation."""
 from __future__ import annotations
 
+import numpy as np
 from onnx import AttributeProto
 
 from ember.ir import Graph, Node
 from ember.ops.registry import attribute_defaults
 from ember.simplifier.context import Context
-from ember.ops.fused import DOMAIN
+from ember.ops.contrib_fused import CONV_ACTIVATIONS
+from ember.ops.fused import ACTIVATIONS, DOMAIN
 from ember.simplifier.graph import GraphIndex, drop_dead
 
 _FUSED_NAME = {("", "Conv"): "FusedConv", ("", "Gemm"): "FusedGemm",
@@ -87,6 +89,48 @@ def _fused(producer: Node, fused_op: str, act: Node | None, params: list[float])
     outputs = [act.outputs[0]] if act is not None else list(producer.outputs)
     return Node(fused_op, DOMAIN, 1, list(producer.inputs), outputs, attrs=attrs,
                 attr_types=types, name=producer.name)
+
+
+_ONNXRUNTIME = "com.microsoft"
+
+
+def adopt_onnxruntime_fused_conv(graph: Graph, ctx: Context) -> bool:
+    """onnxruntime's com.microsoft FusedConv (what its optimizer writes for Conv + activation)
+    as ember's ai.ember FusedConv: the same activation(Conv(X, W, B) + Z), activation names
+    and parameters, but a kernel that clips in the convolution's own pass and takes its
+    routes (depthwise, tiles, the 1x1 epilogue in the product's pieces), and a node the
+    residual fusion extends. Float32 only (onnxruntime's op runs float16 in float32, rounded
+    once: ember's contrib op keeps that). MobileNetV2 as onnxruntime's optimizer writes it
+    (35 such nodes) ran in 9.7 ms without this, against 4.6 for the plain export; 4.2 with
+    it (b1, 2 cores)."""
+    index = GraphIndex(graph)
+    changed = False
+    for node in graph.nodes:
+        if (node.domain, node.op_type) != (_ONNXRUNTIME, "FusedConv") or not index.alive(node) \
+                or not node.inputs or index.dtype(node.inputs[0]) != np.float32 \
+                or not ctx.has_kernel(DOMAIN, "FusedConv", 1):
+            continue
+        activation = node.attrs.get("activation", "")
+        activation = activation.decode() if isinstance(activation, bytes) else activation
+        if activation not in ACTIVATIONS or len(node.attrs.get("activation_params") or ()) \
+                != CONV_ACTIVATIONS.get(activation):
+            continue   # (a node its own op refuses stays, for its own error)
+        defaults, _ = attribute_defaults("", "Conv", 11)
+        attrs = {k: v for k, v in defaults.items() if v is not None}
+        attrs.update(node.attrs)
+        types = dict(node.attr_types)
+        attrs["activation"], types["activation"] = activation, AttributeProto.STRING
+        if attrs.get("activation_params"):
+            attrs["activation_params"] = [float(v) for v in attrs["activation_params"]]
+            types["activation_params"] = AttributeProto.FLOATS
+        else:
+            attrs.pop("activation_params", None)
+        graph.nodes.append(Node("FusedConv", DOMAIN, 1, list(node.inputs), list(node.outputs),
+                                attrs=attrs, attr_types=types, name=node.name))
+        index.kill(node)
+        changed = True
+    drop_dead(graph, index)
+    return changed
 
 
 _RESIDUAL_TARGETS = {("", "Conv"): "FusedConv", (DOMAIN, "FusedConv"): "FusedConv",

@@ -701,17 +701,24 @@ def unit_ns(packed) -> float:
     return ROWS * BLOCK * packed.shape[1] * 2 / CORE_GFLOPS
 
 
-def run(compiled, image, image_size, pixels, taps, channels, stride, packed, bias, clamp,
-        out, images) -> None:
-    """The whole convolution into out (images * L, M), on the run's threads. `stride`: the
-    product of the strides, input pixels per output pixel."""
+def cut(images, pixels, image_size, channels, stride, packed, out_bytes):
+    """(band, bounds in units): how `run` takes a convolution's tiles on the run's threads,
+    for `images` images of `pixels` output pixels and `image_size` values, `channels`
+    values a tap, `stride` input pixels per output pixel and an output of `out_bytes`. A
+    function of the geometry and the run's thread count only: a route decides it once."""
     blocks = packed.shape[0]
-    tiles = images * math.ceil(pixels.shape[0] / ROWS)
+    tiles = images * math.ceil(pixels / ROWS)
     band = band_tiles(tiles, images, image_size, channels, stride, packed)
     bounds = _compiled.row_bounds(blocks * tiles, unit_ns(packed))
     pieces = len(bounds) - 1
-    if pieces > 1 and packed.nbytes <= out.nbytes * ROWS_SPLIT_WEIGHTS_RATIO:
+    if pieces > 1 and packed.nbytes <= out_bytes * ROWS_SPLIT_WEIGHTS_RATIO:
         band, bounds = rows_split(tiles, blocks, band, pieces)
+    return band, bounds
+
+
+def run(compiled, image, image_size, pixels, taps, channels, packed, bias, clamp, out, images,
+        band, bounds) -> None:
+    """The whole convolution into out (images * L, M), cut as `cut` says."""
     lo, hi = clamp if clamp is not None else (-np.inf, np.inf)
     _compiled.run_rows(compiled, bounds, image, image_size, pixels, taps, channels, packed,
                        bias, np.float32(lo), np.float32(hi), out, images, band,

@@ -943,12 +943,21 @@ class _TiledRoute:
             return pixels * channel_step, taps.reshape(-1)
         self.pixels, self.taps = _remembered(cache, ("tile-offsets", planar, Hp, Wp, C, Ho, Wo),
                                              offsets)
-        self.run_length, self.plane, self.stride = run, plane, sh * sw
+        self.run_length, self.plane = run, plane
         self.begin, self.size, self.out_shape = begin, (H, W), (N, Ho, Wo, M)
         self.clamp = clamp
+        self.cut = _tiles.cut(N, Ho * Wo, plane, run, sh * sw, self.packed, 4 * N * Ho * Wo * M)
         self.padded = (Hp, Wp) != (H, W)
         self.keep_image = keep_image and 4 * math.prod(self.image_shape) <= _KEEP_IMAGE_BYTES
         self.images: list[np.ndarray] = []   # kept padded images not in use
+        # the input's rows as _pad_rows copies them into the image: (row length, the image's
+        # row and plane lengths, the first row's start), and the rows' cut
+        if planar:   # rows of W values, H of them a channel's plane
+            self.pad_rows = (W, Wp, Hp * Wp, begin[0] * Wp + begin[1])
+        else:        # rows of W * C values, H of them an image
+            self.pad_rows = (W * C, Wp * C, Hp * Wp * C, (begin[0] * Wp + begin[1]) * C)
+        self.pad_bounds = _compiled.row_bounds(N * C * H if planar else N * H,
+                                               self.pad_rows[0] * _PAD_NS_PER_VALUE)
 
     def run(self, x):
         layout = x if self.planar else x.transpose(0, 2, 3, 1)
@@ -959,8 +968,8 @@ class _TiledRoute:
         out = _tiles.empty(self.out_shape)
         N, Ho, Wo, M = self.out_shape
         _tiles.run(_tiles.kernel(), (layout if image is None else image).reshape(-1),
-                   self.plane, self.pixels, self.taps, self.run_length, self.stride,
-                   self.packed, self.packed_bias, self.clamp, out.reshape(N * Ho * Wo, M), N)
+                   self.plane, self.pixels, self.taps, self.run_length, self.packed,
+                   self.packed_bias, self.clamp, out.reshape(N * Ho * Wo, M), N, *self.cut)
         if image is not None and self.keep_image:
             self.images.append(image)
         return out.transpose(0, 3, 1, 2)
@@ -985,16 +994,9 @@ class _TiledRoute:
                 image[:, top:top + H, left:left + W] = layout
             return image
         # the input's rows copied in on the run's threads, each the rows its core wrote
-        if self.planar:   # rows of W values, H of them a channel's plane
-            _, _, Hp, Wp = self.image_shape
-            length, row, plane, first = W, Wp, Hp * Wp, top * Wp + left
-        else:             # rows of W * C values, H of them an image
-            _, Hp, Wp, C = self.image_shape
-            length, row, plane, first = W * C, Wp * C, Hp * Wp * C, (top * Wp + left) * C
-        rows = layout.size // length
-        _compiled.run_rows(copy, _compiled.row_bounds(rows, length * _PAD_NS_PER_VALUE),
-                           layout.reshape(-1), image.reshape(-1), H, length, plane, row, first,
-                           piece=_pad_rows_piece)
+        length, row, plane, first = self.pad_rows
+        _compiled.run_rows(copy, self.pad_bounds, layout.reshape(-1), image.reshape(-1), H,
+                           length, plane, row, first, piece=_pad_rows_piece)
         return image
 
 

@@ -217,8 +217,9 @@ def _tiled_product(a, b, weight: CachedPack):
     packed, zeros = weight.get(b, "tiles", lambda: _tiles.pack(b, None))
     out = np.empty((m, n), np.float32)
     rows = np.arange(0, m * k, k, dtype=np.int64)   # row r starts at r * k
-    _tiles.run(kernel, np.ascontiguousarray(a).reshape(-1), m * k, rows, _ONE_TAP, k, 1,
-               packed, zeros, None, out, 1)
+    band, bounds = _tiles.cut(1, m, m * k, k, 1, packed, out.nbytes)
+    _tiles.run(kernel, np.ascontiguousarray(a).reshape(-1), m * k, rows, _ONE_TAP, k,
+               packed, zeros, None, out, 1, band, bounds)
     return out
 
 

@@ -1430,8 +1430,9 @@ def test_tiles_give_the_same_bits_however_split(monkeypatch):
     monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
     monkeypatch.setattr(threads, "run_threads", lambda: 3)
     pooled = np.empty_like(whole)
-    _tiles.run(compiled, image.reshape(-1), hp * hp * c, pixels, taps, c, 1, packed, bias,
-               (0.0, np.inf), pooled, n)
+    _tiles.run(compiled, image.reshape(-1), hp * hp * c, pixels, taps, c, packed, bias,
+               (0.0, np.inf), pooled, n,
+               *_tiles.cut(n, pixels.size, hp * hp * c, c, 1, packed, pooled.nbytes))
     np.testing.assert_array_equal(pooled, whole)
     # and the documented semantics: the tiles in Python, with the numpy `tile`
     python = np.empty_like(whole)

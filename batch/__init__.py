@@ -4,7 +4,8 @@
                           cells stacked into feeds, outputs written atomically as Parquet
 - ember.batch.predict     predict_batch: a batch of rows -> the output columns, the one step
                           both engines run
-- ember.batch.job         run_batch and what the engines share: files to do, resume, failing
+- ember.batch.run         run_batch: checks the settings, picks the engine
+- ember.batch.job         what the engines share: files to do, resume, failing
                           rows, progress
 - ember.batch.local       the local engine (the default)
 - ember.batch.ray_engine  the Ray Data engine (pip install ember[ray]); `ember.ray.Predictor`
@@ -13,7 +14,8 @@
 Needs pyarrow (pip install ember[batch]); `import ember` imports none of this.
 """
 from ember.batch.data import column_to_numpy, list_inputs, open_source, to_arrow_table
-from ember.batch.job import BatchReport, run_batch
+from ember.batch.job import BatchReport
+from ember.batch.run import run_batch
 from ember.errors import BadRowError
 from ember.batch.predict import ERROR_COLUMN, ColumnPlan, predict_batch
 

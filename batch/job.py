@@ -1,4 +1,4 @@
-"""`run_batch`: what both engines share around the model — which files to do, one output
+"""What both engines of `run_batch` share around the model — which files to do, one output
 file per input file written whole or not at all, failing rows, resume and progress."""
 from __future__ import annotations
 
@@ -13,11 +13,8 @@ import numpy as np
 from ember.batch.data import ParquetFileWriter, Source, list_inputs, open_source, pa, pc
 from ember.batch.predict import ERROR_COLUMN, ColumnPlan
 from ember.errors import BadRowError, InputError
-from ember.runtime.backends import BACKENDS
 from ember.runtime.session import IOInfo
 
-ENGINES = ("local", "ray")
-ON_ERROR = ("fail", "skip")
 ROW_COLUMN, ERROR_TEXT_COLUMN = "ember_row", "ember_error"  # the errors file's own columns
 
 
@@ -47,54 +44,6 @@ class BatchReport:
     @property
     def rows_per_second(self) -> float:
         return (self.rows + self.error_rows) / self.seconds if self.seconds > 0 else 0.0
-
-
-def run_batch(model: str, data: str, out: str, *, batch_size: int = 64, engine: str = "local",
-              workers: int | None = None, ray_address: str | None = None,
-              backend: str | None = None, gpus_per_worker: float | None = None,
-              column_map: Mapping[str, str] | None = None, resume: bool = False,
-              on_error: str = "fail", progress: bool = False) -> BatchReport:
-    """Run `model` over every row of `data` (a Parquet, .npy or .npz file or a folder of
-    them) and write one Parquet file per input file into the folder `out`: the input's
-    other columns, then one column per model output. See the README, "Batch inference".
-
-    engine "local" runs one Session in this process; "ray" runs `workers` Ray actors (on the
-    cluster at `ray_address`, else a local Ray), each with `gpus_per_worker` GPUs. `resume`
-    skips input files whose output exists. `on_error` "skip" writes rows that do not fit the
-    model to OUT/STEM.errors.parquet and carries on; "fail" stops at the first (BadRowError).
-    `progress` shows rows/s and the ETA on stderr."""
-    if engine not in ENGINES:
-        raise InputError(f"unknown engine '{engine}'; choose one of {', '.join(ENGINES)}")
-    if on_error not in ON_ERROR:
-        raise InputError(f"on_error must be one of {', '.join(ON_ERROR)}, not '{on_error}'")
-    if batch_size < 1:
-        raise InputError(f"the batch size must be at least 1, not {batch_size}")
-    if backend is not None and backend not in BACKENDS:
-        raise InputError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
-    if engine == "local":
-        given = [flag for flag, value in (("--workers", workers), ("--ray-address", ray_address),
-                                          ("--gpus-per-worker", gpus_per_worker))
-                 if value is not None]
-        if given:
-            raise InputError(f"{', '.join(given)}: only with --engine ray (the local engine "
-                             "runs one session in this process)")
-    if not os.path.isfile(model):
-        raise InputError(f"model '{model}' is not a file")
-    list_inputs(data)  # a missing or empty input is reported before the model loads
-    job = BatchJob(os.path.abspath(model), os.path.abspath(data), os.path.abspath(out),
-                   batch_size, backend, dict(column_map or {}), resume, on_error)
-    started = time.perf_counter()
-    if engine == "local":
-        from ember.batch.local import run_local
-
-        report = run_local(job, progress)
-    else:
-        from ember.batch.ray_engine import run_ray
-
-        report = run_ray(job, progress, workers=workers or 1, address=ray_address,
-                         gpus_per_worker=gpus_per_worker or 0)
-    report.seconds = time.perf_counter() - started
-    return report
 
 
 def plan_files(job: BatchJob, inputs: Sequence[IOInfo], report: BatchReport) -> list[Source]:

@@ -11,6 +11,8 @@ from typing import Any, Union
 
 import numpy as np
 
+from ember.errors import InvalidModelError
+
 Dim = Union[int, str, None]  # a fixed size, a symbolic name, or unknown
 
 
@@ -147,3 +149,40 @@ class Model:
 
         visit(self.graph)
         return total
+
+
+def topological_order(graph: Graph, available: set[str]) -> list[Node]:
+    """Nodes ordered so that each runs after its producers; raises on undefined values."""
+    producers = {out: i for i, node in enumerate(graph.nodes) for out in node.outputs if out}
+    order, state = [], [0] * len(graph.nodes)  # 0 new, 1 visiting, 2 done
+
+    def visit(i: int) -> None:
+        stack = [(i, False)]
+        while stack:
+            j, expanded = stack.pop()
+            if expanded:
+                state[j] = 2
+                order.append(graph.nodes[j])
+                continue
+            if state[j] == 2:
+                continue
+            if state[j] == 1:
+                raise InvalidModelError(f"the graph has a cycle through node "
+                                        f"'{graph.nodes[j].name or graph.nodes[j].op_type}'")
+            state[j] = 1
+            stack.append((j, True))
+            node = graph.nodes[j]
+            for name in list(node.inputs) + list(node.implicit_inputs):
+                if not name or name in available:
+                    continue
+                if name not in producers:
+                    raise InvalidModelError(
+                        f"node '{node.name or node.op_type}' ({node.op_type}) reads '{name}', "
+                        "which no node, input or initializer of the graph defines")
+                if state[producers[name]] != 2:
+                    stack.append((producers[name], False))
+
+    for i in range(len(graph.nodes)):
+        if state[i] == 0:
+            visit(i)
+    return order

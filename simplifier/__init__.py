@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ember.errors import EmberError
-from ember.ir import Graph, Model
+from ember.ir import Graph, Model, topological_order
 from ember.simplifier.context import Context, graphs_of
 from ember.simplifier.passes.constant_folding import constants_to_initializers, fold_constants
 from ember.simplifier.passes.cse import eliminate_common_subexpressions
@@ -158,8 +158,6 @@ def copy_structure(model: Model) -> Model:
 
 def sort_topologically(graph: Graph) -> None:
     """Order nodes producers-first (ONNX requires it; rewrites append their new nodes)."""
-    from ember.runtime.executor import topological_order
-
     for g in graphs_of(graph):
         available = {v.name for v in g.inputs} | set(g.initializers) | outer_names(g)
         ordered = topological_order(g, available)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.ir import Graph, Node
+from ember.errors import InvalidModelError
+from ember.ir import Graph, Node, topological_order
 from ember.simplifier.context import Context
 from ember.simplifier.graph import GraphIndex, alias, drop_dead, rename_many
 from ember.simplifier.passes.constant_folding import NONDETERMINISTIC
@@ -34,13 +35,12 @@ def eliminate_common_subexpressions(graph: Graph, ctx: Context) -> bool:
 
 
 def _topological(graph: Graph) -> list[Node]:
-    from ember.runtime.executor import topological_order
     from ember.simplifier import outer_names
 
     available = {v.name for v in graph.inputs} | set(graph.initializers) | outer_names(graph)
     try:
         return topological_order(graph, available)
-    except Exception:
+    except InvalidModelError:  # a cycle or an undefined name: the importer's checks report it
         return list(graph.nodes)
 
 

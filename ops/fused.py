@@ -20,6 +20,7 @@ import math
 import numpy as np
 
 from ember.ops import _blas, _compiled, _tiles
+from ember.ops._dtypes import is_narrow_float, widen
 from ember.ops.conv import (Conv, RouteMemo, _channels_last, clamps_in_pass,
                             pointwise_cl_fits, pointwise_weights)
 from ember.ops.activations import gelu, gelu_erf_float32, gelu_tanh_float32
@@ -46,6 +47,13 @@ def _with_defaults(name: str, params: list[float]) -> list[float]:
 def activate_in_place(xp, y, name: str, params: list[float]) -> None:
     """y = `name`(y), written into y (a writable float array of namespace `xp`)."""
     if not name:
+        return
+    if is_narrow_float(y.dtype) and name != "Relu":
+        # as the activation's own op computes it: in float32, rounded once (in float16,
+        # GELU's 1 + erf(x) cancels and its erf overflows, and parameters would be rounded)
+        wide = widen(y)
+        activate_in_place(xp, wide, name, params)
+        y[...] = wide
         return
     t = y.dtype.type
     params = _with_defaults(name, params)

@@ -17,6 +17,7 @@ import numpy as np
 from onnx import helper
 
 from ember.ops import _compiled, _xp
+from ember.ops._dtypes import is_narrow_float, widen
 from ember.ops.registry import OpImpl, register
 
 
@@ -67,12 +68,19 @@ def _channel_shape(param, rank: int):
 
 def batchnorm_inference(xp, x, scale, b, mean, var, eps):
     """(x - mean) * scale / sqrt(var + eps) + b (parameters broadcastable to x) as
-    x * k + (b - mean * k): one multiply into a fresh array and one add in place."""
+    x * k + (b - mean * k): one multiply into a fresh array and one add in place.
+
+    float16 and bfloat16 run in float32, rounded once at the end as one op's result is: in the
+    narrow type k, the shift, the product and the sum would each be rounded."""
+    dtype = x.dtype
+    if is_narrow_float(dtype):
+        x, scale, b, mean, var, eps = (widen(xp.asarray(v))
+                                       for v in (x, scale, b, mean, var, eps))
     k = scale / xp.sqrt(var + eps)
     shift = (b - mean * k).astype(x.dtype, copy=False)
     y = xp.multiply(x, k.astype(x.dtype, copy=False))
     y += shift
-    return y
+    return y.astype(dtype, copy=False)
 
 
 @register("BatchNormalization", versions=[1, 6, 7, 9])

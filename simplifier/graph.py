@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from ember.ir import Graph, Node, TensorType
+from ember.ops._dtypes import is_narrow_float
 from ember.ops.registry import lookup
 
 
@@ -299,3 +300,16 @@ def alias(graph: Graph, index: GraphIndex, removed: str, kept: str) -> bool:
     rename_uses(graph, kept, removed, index)
     index.producer[removed] = producer
     return True
+
+
+def folds_exactly(exact: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether constants folded into one (`exact`: their combination computed in float64)
+    are stored in `dtype` without rounding, where `dtype` is a narrow float. A rewrite that
+    folds constants moves a rounding from the data to the folded constant; for float16 and
+    bfloat16 that rounding is as coarse as the data's (or, in their subnormals, far coarser),
+    so such folds are made only where they round nothing. Wider floats fold as before."""
+    if not is_narrow_float(np.dtype(dtype)):
+        return True
+    with np.errstate(all="ignore"):
+        stored = np.asarray(exact).astype(dtype).astype(np.float64)
+        return bool(np.all((stored == exact) | (np.isnan(stored) & np.isnan(exact))))

@@ -15,6 +15,7 @@ import onnx
 from ember.importer.onnx_export import export_node, export_type
 from ember.importer.onnx_import import Importer
 from ember.ir import Graph, Node
+from ember.ops._dtypes import is_narrow_float
 from ember.ops.registry import schema_for
 from ember.simplifier.context import Context
 from ember.simplifier.graph import GraphIndex, all_names, drop_dead
@@ -28,6 +29,9 @@ def expand_functions(graph: Graph, ctx: Context) -> bool:
     for node in list(graph.nodes):
         if node.subgraphs() or ctx.has_kernel(node.domain, node.op_type, node.version):
             continue
+        if any(is_narrow_float(t) for t in map(index.dtype, node.inputs + node.outputs)
+               if t is not None):
+            continue  # the kernel rounds a float16 result once; a body (in T) at every step
         body = function_body(node, index)
         if body is None:
             continue

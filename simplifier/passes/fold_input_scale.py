@@ -6,7 +6,8 @@
 An erf GELU's 0.5 before the second feed-forward projection goes this way: x * 0.5 * (1 +
 erf(x / sqrt(2))) feeding MatMul(., W2) becomes x * (1 + erf(...)) and 0.5 * W2, one Mul fewer.
 Where a Gelu op can be created (ember's targets, or a model at opset 20 or later), that 0.5
-is left for fuse_gelu."""
+is left for fuse_gelu. A float16 or bfloat16 W takes only a factor that scales it exactly (a
+power of two): c * W would otherwise be rounded to the narrow type (graph.folds_exactly)."""
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ from onnx import AttributeProto
 
 from ember.ir import Graph
 from ember.simplifier.context import Context
-from ember.simplifier.graph import GraphIndex, alias, drop_dead
+from ember.simplifier.graph import GraphIndex, alias, drop_dead, folds_exactly
 
 _GELU_OPSET = 20
 _MAX_DEPTH = 3  # levels of the Mul tree searched for the factor
@@ -42,6 +43,9 @@ def fold_input_scale_into_matmul(graph: Graph, ctx: Context) -> bool:
             if dtype != index.dtype(product.inputs[side]) or \
                     (weight is not None and dtype != weight.dtype):
                 continue
+            if product.op_type == "MatMul" and \
+                    not folds_exactly(weight.astype(np.float64) * factor, weight.dtype):
+                continue  # a float16 c * W would be rounded where x * c was (graph.py)
             if not alias(graph, index, scaling.outputs[0], operand):
                 continue
             index.kill(scaling)

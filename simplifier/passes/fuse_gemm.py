@@ -1,12 +1,15 @@
 """MatMul followed by the Add of a constant bias: Gemm when A is a matrix, else
 ai.ember::FusedMatMul (any rank, bias over the last axis). And a constant per-column scale
-after a matrix product folded into its weights."""
+after a matrix product folded into its weights (float16 and bfloat16 ones only where the
+scaled weights are exact: graph.folds_exactly)."""
 from __future__ import annotations
+
+import numpy as np
 
 from ember.ir import Graph, Node
 from ember.simplifier.context import Context
 from ember.ops.fused import DOMAIN
-from ember.simplifier.graph import GraphIndex, drop_dead
+from ember.simplifier.graph import GraphIndex, drop_dead, folds_exactly
 
 
 def fuse_matmul_add(graph: Graph, ctx: Context) -> bool:
@@ -111,5 +114,11 @@ def _scalable(product: Node, index: GraphIndex, scale) -> bool:
     n = weight.shape[1]
     out_rank = index.rank(product.outputs[0])
     # g must vary only along the last axis and not broadcast the result to more dimensions
-    return out_rank is not None and scale.ndim <= out_rank and \
-        (scale.size == 1 or (scale.size == n and scale.shape[-1] == n))
+    if out_rank is None or scale.ndim > out_rank or \
+            not (scale.size == 1 or (scale.size == n and scale.shape[-1] == n)):
+        return False
+    # float16 weights and bias scaled by g are rounded where the product times g was
+    # (graph.py, folds_exactly): only an exact scaling, such as by a power of two, is folded
+    column_scale = scale.astype(np.float64).reshape(-1)
+    scaled = [weight] + ([bias] if len(product.inputs) > 2 and product.inputs[2] else [])
+    return all(folds_exactly(v.astype(np.float64) * column_scale, v.dtype) for v in scaled)

@@ -3,14 +3,15 @@ constants are combined once instead of applied one after the other (BERT's posit
 segment embeddings of a fixed-shape export are two constant Adds after the token lookup).
 
 The combined constant broadcasts to no more than a and b did, so the result's shape is
-unchanged; only the order of the float roundings differs."""
+unchanged; only the order of the float roundings differs (for float16 and bfloat16, only
+where a op b is exact in the narrow type)."""
 from __future__ import annotations
 
 import numpy as np
 
 from ember.ir import Graph
 from ember.simplifier.context import Context
-from ember.simplifier.graph import GraphIndex, drop_dead
+from ember.simplifier.graph import GraphIndex, drop_dead, folds_exactly
 
 _COMBINE = {"Add": np.add, "Mul": np.multiply}
 
@@ -41,6 +42,9 @@ def merge_constant_operands(graph: Graph, ctx: Context) -> bool:
             if outer.op_type == "Mul" and a.dtype.kind == "f" and not _representable(a, b,
                                                                                     combined):
                 continue
+            if a.dtype.kind == "f" and not folds_exactly(
+                    _COMBINE[outer.op_type](a.astype(np.float64), b.astype(np.float64)), a.dtype):
+                continue  # a float16 a + b would be rounded where x + a was (graph.py)
             index.hand_over_read(x, inner, outer)
             outer.inputs = [x, index.add_constant(outer.inputs[1 - side], combined)]
             index.kill(inner)

@@ -10,9 +10,13 @@ from ember.errors import (BackendUnavailableError, EmberError, ExecutionError, I
                           UnsupportedOpError)
 from ember.golden import CheckReport, check
 from ember.native.module import Module
-from ember.runtime.ort_compat import (ExecutionMode, GraphOptimizationLevel, InferenceSession,
-                                      ModelMetadata, RunOptions, SessionOptions,
-                                      get_available_providers, get_device)
+from ember.runtime.ort_compat import (ExecutionMode, ExecutionOrder, GraphOptimizationLevel,
+                                      InferenceSession, ModelMetadata, RunOptions,
+                                      SessionOptions, disable_telemetry_events,
+                                      enable_telemetry_events, get_all_providers,
+                                      get_available_providers, get_device,
+                                      set_default_logger_severity,
+                                      set_default_logger_verbosity)
 from ember.runtime.session import IOInfo, NodeArg, Session, load
 from ember.runtime.values import IOBinding, OrtValue
 from ember.simplifier.api import simplify_onnx as simplify
@@ -25,7 +29,9 @@ __all__ = [
     "load", "check", "simplify", "CheckReport", "Module", "Session", "IOInfo",
     # onnxruntime's API (ember.runtime.ort_compat)
     "InferenceSession", "SessionOptions", "RunOptions", "GraphOptimizationLevel", "ExecutionMode",
-    "ModelMetadata", "NodeArg", "OrtValue", "IOBinding", "get_available_providers", "get_device",
+    "ExecutionOrder", "ModelMetadata", "NodeArg", "OrtValue", "IOBinding",
+    "get_available_providers", "get_all_providers", "get_device", "set_default_logger_severity",
+    "set_default_logger_verbosity", "disable_telemetry_events", "enable_telemetry_events",
     "EmberError", "ModelLoadError", "UnsupportedOpError", "InvalidModelError", "InputError",
     "ExecutionError", "ResourceLimitError", "BackendUnavailableError", "__version__",
 ]

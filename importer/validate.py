@@ -13,8 +13,11 @@ passes is decoded, simplified and shown to onnx's inference. In order:
   calls nest at most MAX_CALL_DEPTH deep; inlining creates at most MAX_INLINED_NODES nodes;
 - nodes: input and output counts, attribute types and required attributes against the ONNX
   schema in force; attribute names (no Python special names like `__dict__`); axis
-  attributes within a tensor's rank; and the few facts of single ops onnx's inference assumes
-  without checking (Split's `num_outputs` equal to its outputs, Einsum's equation well formed);
+  attributes within a tensor's rank; the kind of value each input gets (a numeric or a
+  string tensor, a sequence, a map, an optional) against the kinds the schema allows there,
+  where the graph fixes it (declared inputs, initialisers, and outputs of ops whose schema
+  gives them one kind); and the few facts of single ops onnx's inference assumes without
+  checking (Split's `num_outputs` equal to its outputs, Einsum's equation well formed);
 - names: every value a node reads is defined in its graph or an enclosing one, each value is
   defined once (SSA), and no graph has a cycle. What a subgraph reads from enclosing graphs
   counts as an input of the node holding it, so an If branch reading the If's own output is a
@@ -68,7 +71,8 @@ def check_model(proto: onnx.ModelProto) -> None:
     _check_calls(bodies, functions)
     for body in bodies:
         for index, node in enumerate(body.nodes):
-            problem = _problem(node, body.version(node.domain), functions, body.ranks)
+            problem = _problem(node, body.version(node.domain), functions, body.ranks,
+                               body.kinds)
             if problem:
                 raise InvalidModelError(f"{body.label(index)}{problem}")
     for body in reversed(bodies):  # subgraphs before the graphs holding them
@@ -98,10 +102,11 @@ class _Problem(Exception):
     only when something is wrong: most nodes are fine)."""
 
 
-def _problem(node: "_NodeView", version: int, functions: dict, ranks: "_Ranks") -> str:
+def _problem(node: "_NodeView", version: int, functions: dict, ranks: "_Ranks",
+             kinds: "_Kinds | None" = None) -> str:
     """What is wrong with `node`, or ""."""
     try:
-        _check_node(node, version, functions, ranks)
+        _check_node(node, version, functions, ranks, kinds or _Kinds(None))
     except _Problem as problem:
         return str(problem)
     return ""
@@ -265,6 +270,90 @@ class _Ranks:
         return self._ranks.get(name)
 
 
+# The kinds of value a kernel may be given. Kernels compute on numeric arrays, call str methods
+# on string tensors' elements and iterate sequences and maps, so a value of another kind than
+# the schema allows would fail inside the kernel, not with an error naming the model's fault.
+_TYPE_KINDS = {"tensor_type": None, "sparse_tensor_type": "sparse tensor",
+                 "sequence_type": "sequence", "map_type": "map", "optional_type": "optional"}
+
+
+# Kinds a kernel of ember's takes beyond its schema (an ember extension), by op and input:
+# DictVectorizer also vectorises a sequence of maps, one row per map.
+_EXTRA_KINDS = {("ai.onnx.ml", "DictVectorizer"): {0: frozenset({"sequence"})}}
+
+
+def _kind_of_type(t: onnx.TypeProto) -> str | None:
+    """The kind of value a TypeProto declares; None where it leaves that open."""
+    which = t.WhichOneof("value")
+    if which == "tensor_type":
+        return _tensor_kind(t.tensor_type.elem_type)
+    return _TYPE_KINDS.get(which)
+
+
+def _tensor_kind(elem_type: int) -> str | None:
+    if elem_type == onnx.TensorProto.UNDEFINED:
+        return None
+    return "string tensor" if elem_type == onnx.TensorProto.STRING else "numeric tensor"
+
+
+def _kind_of_type_str(type_str: str) -> str | None:
+    """The kind of a schema's type string: "tensor(string)", "tensor(float)", "seq(...)"."""
+    if type_str == "tensor(string)":
+        return "string tensor"
+    for prefix, kind in (("tensor(", "numeric tensor"), ("seq(", "sequence"), ("map(", "map"),
+                         ("optional(", "optional"), ("sparse_tensor(", "sparse tensor")):
+        if type_str.startswith(prefix):
+            return kind
+    return None
+
+
+class _Kinds:
+    """The kind of each value of a graph known before it runs: its declared inputs and its
+    initialisers, then (`learn`, node by node) the outputs whose kind the op's schema fixes:
+    one kind allowed, a Cast's `to`, or the type variable of an input whose kind is known
+    (Identity's output is what its input is)."""
+
+    def __init__(self, graph: onnx.GraphProto | None):
+        self._kinds: dict[str, str] = {}
+        if graph is not None:
+            for info in graph.input:
+                kind = _kind_of_type(info.type) if info.HasField("type") else None
+                if kind is not None:
+                    self._kinds[info.name] = kind
+            for tensor in graph.initializer:  # the value itself, whatever the input declares
+                kind = _tensor_kind(tensor.data_type)
+                if kind is not None:
+                    self._kinds[tensor.name] = kind
+
+    def get(self, name: str) -> str | None:
+        return self._kinds.get(name)
+
+    def learn(self, node: "_NodeView", facts: "_OpFacts | None") -> None:
+        if facts is None or not facts.output_params:
+            return
+        outs = facts.output_params
+        for index, name in enumerate(node.outputs):
+            kind = self._output_kind(node, facts, outs[min(index, len(outs) - 1)])
+            if name and kind is not None:
+                self._kinds.setdefault(name, kind)
+
+    def _output_kind(self, node: "_NodeView", facts: "_OpFacts", out: "_Param") -> str | None:
+        if len(out.kinds) == 1 and None not in out.kinds:
+            return next(iter(out.kinds))
+        if node.op_type == "Cast" and not node.domain:
+            to = next((a.i for a in node.attributes if a.name == "to"), None)
+            return None if to is None else _tensor_kind(to)
+        if not out.homogeneous:
+            return None  # Loop's and Scan's V: one variable, a type per value
+        for index, name in enumerate(node.inputs):
+            param = facts.input_params[min(index, len(facts.input_params) - 1)]
+            if name and param.homogeneous and param.type_str == out.type_str:
+                kind = self._kinds.get(name)
+                if kind is not None:
+                    return kind
+        return None
+
+
 @dataclass
 class _Body:
     """A graph, subgraph or function body to check, and where it sits."""
@@ -275,6 +364,7 @@ class _Body:
     opsets: dict[str, int]
     where: str  # "" for the main graph, else " in ..." for messages
     ranks: _Ranks
+    kinds: _Kinds
     function: tuple[str, str] | None = None  # the function this body belongs to
     parent: "_Body | None" = None
     level: int = 0  # subgraph nesting below the main graph or the function body
@@ -300,7 +390,7 @@ def _graph_body(g: onnx.GraphProto, opsets: dict[str, int], where: str, **links)
     return _Body([_NodeView(n) for n in g.node], [v.name for v in g.input],
                  [v.name for v in g.output],
                  [t.name for t in g.initializer] + [s.values.name for s in g.sparse_initializer],
-                 opsets, where, _Ranks(g), **links)
+                 opsets, where, _Ranks(g), _Kinds(g), **links)
 
 
 def _bodies(proto: onnx.ModelProto, opsets: dict[str, int],
@@ -311,7 +401,8 @@ def _bodies(proto: onnx.ModelProto, opsets: dict[str, int],
     for key, fn in functions.items():
         fn_opsets = {**opsets, **_opsets(fn.opset_import, f"function '{fn.name}'")}
         roots.append(_Body([_NodeView(n) for n in fn.node], list(fn.input), list(fn.output), [],
-                           fn_opsets, f" in function '{fn.name}'", _Ranks(None), function=key))
+                           fn_opsets, f" in function '{fn.name}'", _Ranks(None), _Kinds(None),
+                           function=key))
     order, stack = [], roots[::-1]
     while stack:
         body = stack.pop()
@@ -427,7 +518,8 @@ def _callees_first(calls: dict, functions: dict) -> list[tuple[str, str]]:
 # -- nodes --------------------------------------------------------------------------------------
 
 def _check_node(node: _NodeView, version: int,
-                functions: dict[tuple[str, str], onnx.FunctionProto], ranks: _Ranks) -> None:
+                functions: dict[tuple[str, str], onnx.FunctionProto], ranks: _Ranks,
+                kinds: _Kinds) -> None:
     function = functions.get((node.domain, node.op_type))
     if function is not None:
         _check_call(node, function)
@@ -436,6 +528,8 @@ def _check_node(node: _NodeView, version: int,
         facts = _op_facts(node.domain, node.op_type, version)
         if facts is not None:
             _check_arity(node, facts)
+            _check_input_kinds(node, facts, kinds)
+    kinds.learn(node, facts)
     _check_attributes(node, facts, ranks)
     rule = _INFERENCE_RULES.get((node.domain, node.op_type))
     if rule is not None:
@@ -451,6 +545,21 @@ class _OpFacts:
     required_inputs: tuple[tuple[int, str], ...]  # (index, formal name) of non-optional ones
     attribute_types: dict[str, int]  # AttributeProto types
     required_attributes: frozenset[str]
+    # the formal inputs and outputs (the last one repeats for variadic ones)
+    input_params: tuple["_Param", ...]
+    output_params: tuple["_Param", ...]
+
+
+@dataclass(frozen=True)
+class _Param:
+    """A formal input or output of a schema: its name, its type variable (or type), the types
+    allowed there and their kinds (None in them: a kind not known here); homogeneous: all the
+    values it stands for have one type."""
+    name: str
+    type_str: str
+    types: tuple[str, ...]
+    kinds: frozenset
+    homogeneous: bool
 
 
 @functools.lru_cache(maxsize=None)
@@ -463,7 +572,19 @@ def _op_facts(domain: str, op_type: str, version: int) -> _OpFacts | None:
         (schema.min_output, schema.max_output),
         tuple((i, p.name) for i, p in enumerate(schema.inputs) if p.option == _SINGLE),
         {name: int(a.type) for name, a in schema.attributes.items()},
-        attribute_defaults(domain, op_type, version)[1])
+        attribute_defaults(domain, op_type, version)[1],
+        _params(schema, schema.inputs), _params(schema, schema.outputs))
+
+
+def _params(schema: defs.OpSchema, formals) -> tuple[_Param, ...]:
+    constraints = {c.type_param_str: tuple(c.allowed_type_strs) for c in schema.type_constraints}
+    params = []
+    for p in formals:
+        types = constraints.get(p.type_str, (p.type_str,))
+        params.append(_Param(p.name, p.type_str, types,
+                             frozenset(_kind_of_type_str(t) for t in types),
+                             p.option == _SINGLE or bool(p.is_homogeneous)))
+    return tuple(params)
 
 
 def _check_call(node: _NodeView, fn: onnx.FunctionProto) -> None:
@@ -486,6 +607,26 @@ def _check_arity(node: _NodeView, facts: _OpFacts) -> None:
         if index < len(inputs) and not inputs[index]:
             raise _Problem(f": input {index} ('{formal}') is required but the node leaves it "
                            "empty")
+
+
+def _check_input_kinds(node: _NodeView, facts: _OpFacts, kinds: _Kinds) -> None:
+    """Each input whose kind the graph fixes is of a kind the schema allows there: a string
+    tensor as a shape, a number where strings go, a sequence into MatMul are the model's
+    fault, and onnxruntime refuses them at load too."""
+    if not facts.input_params:
+        return
+    for index, name in enumerate(node.inputs):
+        kind = kinds.get(name) if name else None
+        if kind is None:
+            continue
+        param = facts.input_params[min(index, len(facts.input_params) - 1)]
+        if kind in param.kinds or None in param.kinds or \
+                kind in _EXTRA_KINDS.get((node.domain, node.op_type), {}).get(index, ()):
+            continue
+        shown = ", ".join(param.types) if len(param.types) <= 4 else \
+            " or ".join(sorted(f"{k}s" for k in param.kinds))
+        raise _Problem(f": input {index} ('{param.name}') gets '{name}', a {kind}, but "
+                       f"{facts.name} takes {shown} there")
 
 
 def _check_attributes(node: _NodeView, facts: _OpFacts | None, ranks: _Ranks) -> None:

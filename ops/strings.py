@@ -99,6 +99,11 @@ class StringNormalizer(OpImpl):
         self.stop = set(words) if self.is_case_sensitive else {w.lower() for w in words}
 
     def run(self, x):
+        # the loader refuses a numeric input the graph declares; one computed at run time
+        # (a Cast's output, an If's branch) is refused here, before str methods meet it
+        if getattr(x, "dtype", None) != object:
+            raise self.fail(f"input X must be a string tensor, got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
         if x.ndim == 1:
             row, two_d = x, False
         elif x.ndim == 2 and x.shape[0] == 1:

@@ -3,8 +3,11 @@
     import ember as ort            # or: from ember import InferenceSession, SessionOptions
 
 `InferenceSession`, `SessionOptions`, `RunOptions`, `GraphOptimizationLevel`, `ExecutionMode`,
-`get_available_providers` and `get_device` behave as onnxruntime's do (onnxruntime is the
-oracle of tests/test_ort_compat.py). What the options mean here:
+`ExecutionOrder`, `get_available_providers`, `get_all_providers`, `get_device`,
+`set_default_logger_severity` and `set_default_logger_verbosity` behave as onnxruntime's do
+(onnxruntime is the oracle of tests/test_ort_compat.py); docs/ort_compat.md lists
+onnxruntime's other module-level names and why ember has none of them. What the options mean
+here:
 
 * providers: a list of names or (name, options) pairs, tried in order. A provider ember cannot
   use on this machine, or does not know, is skipped with onnxruntime's warning, and the CPU
@@ -16,7 +19,9 @@ oracle of tests/test_ort_compat.py). What the options mean here:
   other level simplifies. optimized_model_filepath: the simplified model is written there as
   ONNX. enable_profiling / profile_file_prefix: a Chrome trace (ember.runtime.profiler),
   written by `end_profiling()`. log_severity_level: the level of the `ember` logger (0 verbose
-  ... 4 fatal). Options with no meaning for ember (arenas, memory patterns, execution mode,
+  ... 4 fatal; ember.log), as `set_default_logger_severity` sets it for the process. Log
+  verbosity is checked and kept: ember logs nothing finer than DEBUG, so it changes nothing.
+  Options with no meaning for ember (arenas, memory patterns, execution mode,
   inter-op threads) are accepted and kept.
 * An onnxruntime.SessionOptions object is read the same way (its attributes, by name).
 * RunOptions are accepted; `terminate = True` makes `run` raise, as in onnxruntime.
@@ -24,21 +29,19 @@ oracle of tests/test_ort_compat.py). What the options mean here:
 from __future__ import annotations
 
 import enum
-import logging
+import operator
 import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from ember import log
 from ember.errors import BackendUnavailableError, EmberError, ExecutionError
 from ember.importer import ModelSource
 
 PROVIDERS = {"CPUExecutionProvider": "cpu", "OpenCLExecutionProvider": "opencl",
              "CUDAExecutionProvider": "cuda"}
 _BACKEND_PROVIDERS = {backend: name for name, backend in PROVIDERS.items()}
-# onnxruntime's log severities -> the logging module's levels
-_SEVERITY_LEVELS = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR,
-                    4: logging.CRITICAL}
 
 
 class GraphOptimizationLevel(enum.IntEnum):
@@ -149,9 +152,48 @@ def get_available_providers() -> list[str]:
     return available + ["CPUExecutionProvider"]
 
 
+def get_all_providers() -> list[str]:
+    """Every provider ember knows, usable here or not, CPU last (onnxruntime's order)."""
+    return [name for name in PROVIDERS if name != "CPUExecutionProvider"] + \
+        ["CPUExecutionProvider"]
+
+
 def get_device() -> str:
     """"GPU" where a device provider is available, else "CPU" (onnxruntime.get_device)."""
     return "GPU" if len(get_available_providers()) > 1 else "CPU"
+
+
+def set_default_logger_severity(severity: int) -> None:
+    """onnxruntime's default log severity, 0 verbose, 1 info, 2 warning, 3 error, 4 fatal, as
+    the level of the `ember` logger (ember.log). Outside 0..4 is an error, as there."""
+    severity = _log_int(severity, "severity")
+    if not 0 <= severity < len(log.ORT_SEVERITY_LEVELS):
+        raise EmberError(f"Invalid logging severity {severity}. 0:Verbose, 1:Info, 2:Warning, "
+                         "3:Error, 4:Fatal")
+    log.set_ort_severity(severity)
+
+
+def set_default_logger_verbosity(verbosity: int) -> None:
+    """onnxruntime's verbosity of its verbose (severity 0) records: any integer, as there.
+    ember logs nothing finer than DEBUG, so beyond the check it changes nothing."""
+    _log_int(verbosity, "verbosity")
+
+
+def _log_int(value: Any, what: str) -> int:
+    """An integer log setting; anything else is refused, as onnxruntime's binding does."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise EmberError(f"the logging {what} must be an integer, got "
+                         f"{type(value).__name__} {value!r}") from None
+
+
+def disable_telemetry_events() -> None:
+    """Accepted: ember sends no telemetry."""
+
+
+def enable_telemetry_events() -> None:
+    """Accepted: ember sends no telemetry, so there is none to enable."""
 
 
 def _options_dict(options: Any) -> dict[str, Any]:
@@ -378,5 +420,5 @@ def _apply_log_level(severity: Any) -> None:
         severity = int(severity)
     except (TypeError, ValueError):
         return
-    if severity in _SEVERITY_LEVELS:
-        logging.getLogger("ember").setLevel(_SEVERITY_LEVELS[severity])
+    if 0 <= severity < len(log.ORT_SEVERITY_LEVELS):
+        log.set_ort_severity(severity)

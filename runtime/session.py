@@ -210,19 +210,30 @@ def check_input(name: str, value: Any, t: Any, backend: Backend,
     """One feed checked against its declared type `t` as `Session.run` checks it (the rules
     native modules share): dtype, rank, fixed sizes, and symbolic dims agreeing across the
     inputs of one call (`symbols`: dim name -> (size, first input)). Returns the value to run
-    on: converted to an array where it was a number or a list, a map's values converted."""
+    on: converted to an array where it was a number or a list, a map's values converted, and
+    for a string input a numpy unicode or bytes array as the object array of str."""
     if isinstance(value, OrtValue):
         value = value.value_for(backend)  # another backend's device value: via host
     if isinstance(t, MapType) or (isinstance(t, SequenceType)
                                   and isinstance(t.elem, MapType)):
         return _check_maps(name, value, t)
+    if isinstance(t, OptionalType):
+        return None if value is None or t.elem is None else \
+            check_input(name, value, t.elem, backend, symbols)
+    if isinstance(t, SequenceType):
+        return _check_sequence(name, value, t, backend)
     if not isinstance(t, TensorType):
-        return value  # sequences / optionals pass through as given
+        return value  # a value of a type the model does not say passes as given
     if _is_foreign_device_array(value) and not backend.is_device_array(value):
         value = value.get()  # a pyopencl / cupy array of another backend: to the host
     # device arrays of this backend are checked as they are (.dtype, .shape), not copied
     if not isinstance(value, np.ndarray) and not backend.is_device_array(value):
         value = _as_array(name, value, t)
+    if t.dtype is not None and t.dtype.kind == "O":  # a string input
+        value = _as_strings(name, value) if isinstance(value, np.ndarray) else value
+        if value.dtype.kind != "O":
+            raise InputError(f"input '{name}' expects strings (an array of str, a numpy "
+                             f"unicode or bytes array), got dtype {value.dtype}")
     if t.dtype is not None and value.dtype != t.dtype:
         raise InputError(f"input '{name}' expects dtype {t.dtype}, got {value.dtype}; "
                          f"convert it with .astype(np.{t.dtype})")
@@ -243,6 +254,20 @@ def check_input(name: str, value: Any, t: Any, backend: Backend,
     return value
 
 
+def _check_sequence(name: str, value: Any, t: SequenceType, backend: Backend) -> list:
+    """A sequence feed: a list (or tuple) whose tensors are checked, and converted, as tensor
+    feeds of the element type are; their shapes may differ from one element to the next."""
+    if not isinstance(value, (list, tuple)):
+        raise InputError(f"input '{name}' expects a sequence ({_type_str(t)}), given as a list "
+                         f"of arrays; got {type(value).__name__}")
+    elem = t.elem
+    if isinstance(elem, TensorType):
+        elem = TensorType(elem.dtype, None)  # the dtype holds for all, a shape for none
+    if elem is None:
+        return list(value)
+    return [check_input(f"{name}[{i}]", v, elem, backend, {}) for i, v in enumerate(value)]
+
+
 def _as_array(name: str, value: Any, t: TensorType) -> np.ndarray:
     """A feed that is not an array yet (a number, a nested list) as an array of the input's
     dtype. What numpy cannot convert (an int out of the dtype's range, a string for a number,
@@ -253,6 +278,39 @@ def _as_array(name: str, value: Any, t: TensorType) -> np.ndarray:
         want = f"{_type_str(t)} values" if t.dtype is not None else "a tensor"
         raise InputError(f"input '{name}' expects {want}; cannot convert the given "
                          f"{type(value).__name__}: {exc}") from exc
+
+
+def _as_strings(name: str, value: np.ndarray) -> np.ndarray:
+    """A feed for a string input as the object array of str the kernels take, as onnxruntime
+    takes it: numpy unicode (<U) and bytes (S) arrays, and bytes elements, are converted
+    (bytes as UTF-8). Anything else in it is an InputError: kernels call str methods on every
+    element."""
+    if value.dtype.kind not in "USO":
+        return value  # a numeric array: the dtype check names the conversion
+    if value.dtype.kind == "U":
+        return value.astype(object)
+    flat = value.reshape(-1).tolist()  # str or bytes (trailing NULs stripped, as numpy reads S)
+    if all(type(s) is str for s in flat):
+        return value
+    texts = [_as_text(name, s, i, value.shape) for i, s in enumerate(flat)]
+    out = np.empty(len(texts), dtype=object)
+    out[:] = texts
+    return out.reshape(value.shape)
+
+
+def _as_text(name: str, element: Any, index: int, shape: tuple[int, ...]) -> str:
+    if isinstance(element, str):
+        return element
+    where = tuple(int(i) for i in np.unravel_index(index, shape)) if shape else ()
+    if isinstance(element, (bytes, np.bytes_)):
+        try:
+            return bytes(element).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"input '{name}' is a string input; element {list(where)} is "
+                             f"bytes that are not valid UTF-8 ({exc.reason} at byte "
+                             f"{exc.start}): decode it to str first") from exc
+    raise InputError(f"input '{name}' expects strings (str, or bytes in UTF-8); element "
+                     f"{list(where)} is {type(element).__name__} {element!r:.40}")
 
 
 def owned_outputs(values: list[Any], feeds: Sequence[Any], on_device=None) -> list[Any]:

@@ -18,7 +18,9 @@ campaign covers all of them.
 
 `run_cases(ids)` runs cases in worker subprocesses (tests/fuzz_worker.py) with an address-space
 cap and a per-case timeout, and classifies each: `ran`, `ember_error`, `python_error`,
-`killed` (the worker died) or `hung` (past the timeout). `unsafe_ran`: a mutant that must be
+`killed` (the worker died) or `hung` (past the timeout). `internal_error`: an ember error
+that wraps one of INTERNAL_ERRORS (AttributeError, TypeError, IndexError...) raised by ember's
+own code, a bug the wrapping hides (issue 43). `unsafe_ran`: a mutant that must be
 refused (external data reached through `..`, an absolute path, a symlink or a hard link out of
 the model's folder) loaded and ran. `harness_error` means the fuzzer itself could not build
 the mutant (a bug here, not in ember).
@@ -50,8 +52,19 @@ from onnx import AttributeProto, TensorProto, helper, numpy_helper
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 WORKER = os.path.join(TESTS, "fuzz_worker.py")
-OUTCOMES = ("ran", "ember_error", "python_error", "killed", "hung", "unsafe_ran", "harness_error")
+OUTCOMES = ("ran", "ember_error", "python_error", "internal_error", "killed", "hung",
+            "unsafe_ran", "harness_error")
 ACCEPTED = ("ran", "ember_error")
+# Exceptions that say ember's own code is wrong (it read a missing attribute, indexed past an
+# end, called with the wrong type...), never that the model or feed is: wrapped in an ember
+# error, they are still bugs to fix where they are raised.
+INTERNAL_ERRORS = ("AttributeError", "TypeError", "IndexError", "KeyError", "NameError",
+                   "UnboundLocalError", "ZeroDivisionError")
+# Where ember turns such an exception from a library into an error on purpose (file, function
+# raising the ember error): the library's refusal is the message, not a bug of ember's.
+TRANSLATIONS = {
+    ("runtime/session.py", "_as_array"): "numpy cannot convert a feed (a dict, a ragged list)",
+}
 
 I64_MAX, I64_MIN = 2 ** 63 - 1, -(2 ** 63)
 HUGE_INTS = (I64_MAX, 2 ** 62, 2 ** 40, 2 ** 31, 2 ** 31 - 1, 10 ** 9, -1, -2, -(2 ** 40), I64_MIN, 0)
@@ -1400,6 +1413,83 @@ def m_issue13(rng, seed, variant):
         m = _model(g)
     return _out(m, feeds, v)
 
+_PRODUCTS = ("matmul", "gemm", "conv")
+ISSUE43_VARIANTS = (
+    "constantofshape_string_shape", "constantofshape_string_constant", "tile_string_repeats",
+    *(f"{op}_{route}" for op in _PRODUCTS for route in ("sequence", "if_sequence", "string_at")),
+    "stringnormalizer_numbers", "stringnormalizer_int_input", "stringnormalizer_int_at",
+    "string_feed_of_numbers", "sequence_feed_scalar")
+
+
+@mutation("issue43", 1, needs_seed=False, variants=ISSUE43_VARIANTS)
+def m_issue43(rng, seed, variant):
+    """Values of the wrong kind where kernels took them on trust (issue 43): a string shape,
+    a sequence or strings into a product, numbers into StringNormalizer, odd feeds of strings
+    and sequences. Some the loader can see (a declared input, an initialiser, what an
+    Identity or a Cast makes), others only show at run time (an If's output, a SequenceAt's
+    element). Each must end as an ember error naming the fault."""
+    v = variant or rng.choice(ISSUE43_VARIANTS)
+    Y, F, S = helper.make_tensor_value_info, TensorProto.FLOAT, TensorProto.STRING
+    x = np.arange(4, dtype=np.float32).reshape(1, 1, 2, 2)
+    if v.startswith("constantofshape") or v == "tile_string_repeats":
+        shape = helper.make_tensor("s", S, [2], [b"2", b"x"])
+        if v == "constantofshape_string_constant":
+            first, inits = [helper.make_node("Constant", [], ["s"], value=shape)], []
+        else:
+            first, inits = [], [shape]
+        op = helper.make_node("Tile", ["x", "s"], ["c"]) if v == "tile_string_repeats" else \
+            helper.make_node("ConstantOfShape", ["s"], ["c"])
+        nodes = first + [op, helper.make_node("Identity", ["c"], ["y"])]  # folded: not an output
+        return _out(_ops_model(nodes, [Y("x", F, None)], [Y("y", F, None)], inits), {"x": x}, v)
+    if v.split("_")[0] in _PRODUCTS:
+        op, route = v.split("_", 1)
+        nodes = _wrong_kind(route, "q") + [
+            helper.make_node({"matmul": "MatMul", "gemm": "Gemm", "conv": "Conv"}[op],
+                             ["q", "x"], ["y"])]
+        x = x if op == "conv" else x.reshape(2, 2)
+        model = _ops_model(nodes, [Y("x", F, None), Y("c", TensorProto.BOOL, [])],
+                           [Y("y", F, None)], [_i64("i", 0)])
+        return _out(model, {"x": x, "c": np.array(True)}, v)
+    if v.startswith("stringnormalizer"):
+        norm = helper.make_node("StringNormalizer", ["t"], ["y"], case_change_action="LOWER")
+        if v == "stringnormalizer_int_input":
+            model = _ops_model([norm], [Y("t", TensorProto.INT64, [3])], [Y("y", S, None)])
+            return _out(model, {"t": np.ones(3, np.int64)}, v)
+        made = [helper.make_node("Cast", ["x"], ["t"], to=TensorProto.INT64)]
+        if v == "stringnormalizer_int_at":  # the element of a sequence: known at run time
+            made = [helper.make_node("Cast", ["x"], ["n"], to=TensorProto.INT64),
+                    helper.make_node("SequenceConstruct", ["n"], ["s"]),
+                    helper.make_node("SequenceAt", ["s", "i"], ["t"])]
+        model = _ops_model(made + [norm], [Y("x", F, [3])], [Y("y", S, None)], [_i64("i", 0)])
+        return _out(model, {"x": np.ones(3, np.float32)}, v)
+    if v == "string_feed_of_numbers":
+        model = _ops_model([helper.make_node("StringNormalizer", ["t"], ["y"])],
+                           [Y("t", S, [2])], [Y("y", S, None)])
+        return _out(model, {"t": np.array(["a", 1], dtype=object)}, v)
+    seq = helper.make_sequence_type_proto(helper.make_tensor_type_proto(F, None))
+    model = _ops_model([helper.make_node("SequenceInsert", ["s", "x"], ["y"])],
+                       [helper.make_value_info("s", seq), Y("x", F, None)],
+                       [helper.make_value_info("y", seq)])
+    return _out(model, {"s": np.float32(1.0), "x": x}, v)
+
+
+def _wrong_kind(route: str, out: str) -> list:
+    """Nodes making `out` from x (float) and c (bool): a sequence through an Identity (its
+    kind known at load), a sequence from an If (known only at run time), or a string tensor
+    taken from a sequence (known only at run time)."""
+    if route == "sequence":
+        return [helper.make_node("SequenceConstruct", ["x"], ["s"]),
+                helper.make_node("Identity", ["s"], [out])]
+    if route == "if_sequence":
+        seq = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT,
+                                                                            None))
+        branch = helper.make_graph([helper.make_node("SequenceConstruct", ["x"], ["b"])],
+                                   "branch", [], [helper.make_value_info("b", seq)])
+        return [helper.make_node("If", ["c"], [out], then_branch=branch, else_branch=branch)]
+    return [helper.make_node("Cast", ["x"], ["t"], to=TensorProto.STRING),
+            helper.make_node("SequenceConstruct", ["t"], ["s"]),
+            helper.make_node("SequenceAt", ["s", "i"], [out])]
+
 # -- feeds -------------------------------------------------------------------------------------
 
 
@@ -1650,10 +1740,10 @@ def _frames(tb) -> tuple[str, str]:
     return last, ember
 
 
-# Negative case ids are the runner's self-tests: each misbehaves in one way, with no ember
+# Negative case ids are the runner's self-tests: each misbehaves in one way, with no model
 # involved, so a test can check that the runner classifies crashes, hangs and errors.
 SELF_TESTS = {-1: "killed", -2: "hung", -3: "python_error", -4: "python_error",
-              -5: "ember_error", -6: "ran"}
+              -5: "ember_error", -6: "ran", -7: "internal_error"}
 
 
 def run_self_test(case_id: int) -> dict:
@@ -1674,14 +1764,33 @@ def run_self_test(case_id: int) -> dict:
             from ember.errors import InvalidModelError
 
             raise InvalidModelError("self-test")
+        elif case_id == -7:
+            _wrapped_internal_error()
         info["outcome"] = "ran"
     except BaseException as exc:  # noqa: BLE001
         from ember.errors import EmberError
 
         info["outcome"] = "ember_error" if isinstance(exc, EmberError) else "python_error"
+        internal = internal_cause(exc) if info["outcome"] == "ember_error" else None
+        if internal is not None:
+            info["outcome"] = "internal_error"
+            info["cause"] = type(internal).__name__
+            info["cause_where"] = _frames(internal.__traceback__)[0]
         info["error"] = type(exc).__name__
         info["where"], info["ember_where"] = _frames(exc.__traceback__)
     return info
+
+
+def _wrapped_internal_error() -> None:
+    """An AttributeError raised inside ember's code (a node that is None), wrapped in an
+    ExecutionError as the executor wraps a kernel's exception."""
+    from ember.errors import ExecutionError
+    from ember.runtime.executor import _describe
+
+    try:
+        _describe(None)
+    except AttributeError as exc:
+        raise ExecutionError("self-test") from exc
 
 
 def run_mutant(mutant: Mutant, workdir: str) -> dict:
@@ -1710,9 +1819,45 @@ def run_mutant(mutant: Mutant, workdir: str) -> dict:
             if cause is not None and not isinstance(cause, EmberError):
                 info["cause"] = type(cause).__name__
                 info["cause_where"] = _frames(cause.__traceback__)[0]
+            internal = internal_cause(exc)
+            if internal is not None:
+                info["outcome"] = "internal_error"
+                info["cause"] = type(internal).__name__
+                info["cause_where"] = _frames(internal.__traceback__)[0]
+                info["message"] += f" <- {type(internal).__name__}: {internal}"[:200]
         else:
             info["outcome"] = "python_error"
     return info
+
+
+def internal_cause(exc: BaseException) -> BaseException | None:
+    """The first exception in `exc`'s cause chain that is one of INTERNAL_ERRORS raised by
+    ember's own code (its innermost frame in an ember file), unless the ember error wrapping
+    it is one of the deliberate TRANSLATIONS; None if there is none."""
+    wrapper, seen = exc, set()
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if type(cause).__name__ in INTERNAL_ERRORS and _raised_by_ember(cause) \
+                and _raise_site(wrapper) not in TRANSLATIONS:
+            return cause
+        wrapper, cause = cause, cause.__cause__ or cause.__context__
+    return None
+
+
+def _raised_by_ember(exc: BaseException) -> bool:
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and _is_ember_file(frames[-1].filename)
+
+
+def _raise_site(exc: BaseException) -> tuple[str, str]:
+    """(file, function) where `exc` was raised."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return (short_path(frames[-1].filename), frames[-1].name) if frames else ("?", "?")
 
 # --------------------------------------------------------------------------------------------
 # the runner: worker subprocesses with a memory cap and a per-case timeout
@@ -1745,7 +1890,7 @@ class CaseResult:
             return f"unsafe_ran {self.params}"
         if self.outcome in ("killed", "hung"):
             return f"{self.outcome} {self.error} at {self.ember_where or self.where or '?'}"
-        if self.outcome == "ember_error" and self.cause:
+        if self.outcome in ("ember_error", "internal_error") and self.cause:
             return f"{self.error}<-{self.cause} at {self.cause_where}"
         return f"{self.outcome} {self.error}".strip()
 

@@ -204,3 +204,86 @@ def test_map_feeds_are_checked_against_the_declared_map_type():
         sess.run({"m": {3: 1.0}})
     with pytest.raises(ember.InputError, match="is not float"):
         sess.run({"m": {"a": "x"}})
+
+
+# -- values of the wrong kind (issue 43): refused where the model's fault is, never left to
+# fail inside a kernel. The models are the fuzzer's (tests/fuzz_mutants.py, m_issue43).
+
+_LOADED_SEQUENCE = r"input 0 \('{}'\) gets 'q', a sequence, but {}-\d+ takes"
+KIND_CASES = {
+    # variant: (error type, phase, message)
+    "constantofshape_string_shape": (ember.InvalidModelError, "load",
+                                     r"input 0 \('input'\) gets 's', a string tensor, but "
+                                     r"ConstantOfShape-9 takes tensor\(int64\)"),
+    "constantofshape_string_constant": (ember.InvalidModelError, "run",
+                                        "shape input must be an integer tensor"),
+    "tile_string_repeats": (ember.InvalidModelError, "load",
+                            r"input 1 \('repeats'\) gets 's', a string tensor, but Tile-13"),
+    **{f"{op.lower()}_sequence": (ember.InvalidModelError, "load",
+                                  _LOADED_SEQUENCE.format(x, op))
+       for op, x in (("MatMul", "A"), ("Gemm", "A"), ("Conv", "X"))},
+    **{f"{op.lower()}_if_sequence": (ember.InvalidModelError, "run",
+                                     f"{op} .*input {x} must be a tensor, got a sequence")
+       for op, x in (("MatMul", "A"), ("Gemm", "A"), ("Conv", "X"))},
+    **{f"{op.lower()}_string_at": (ember.InvalidModelError, "run",
+                                   f"{op} .*input {x} must be a numeric tensor, got a string")
+       for op, x in (("MatMul", "A"), ("Gemm", "A"), ("Conv", "X"))},
+    "stringnormalizer_numbers": (ember.InvalidModelError, "load",
+                                 "gets 't', a numeric tensor, but StringNormalizer-10 takes "
+                                 r"tensor\(string\)"),
+    "stringnormalizer_int_input": (ember.InvalidModelError, "load",
+                                   "gets 't', a numeric tensor, but StringNormalizer-10 takes "
+                                   r"tensor\(string\)"),
+    "stringnormalizer_int_at": (ember.InvalidModelError, "run",
+                                "StringNormalizer .*input X must be a string tensor, got int64"),
+    "string_feed_of_numbers": (ember.InputError, "run", r"element \[1\] is int 1"),
+    "sequence_feed_scalar": (ember.InputError, "run", r"expects a sequence \(seq\(tensor"
+                                                      r"\(float\)\)\), given as a list of "
+                                                      "arrays; got float32"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(KIND_CASES))
+def test_values_of_the_wrong_kind_are_ember_errors_naming_the_fault(variant):
+    """Each case once raised AttributeError / TypeError / ValueError inside a kernel or the
+    constant folder. ember now refuses it at load where the graph fixes the value's kind,
+    else before the kernel touches it, saying which input holds what; onnxruntime refuses
+    each too (bar one: see below)."""
+    import random
+
+    import fuzz_mutants as fm
+
+    error, phase, message = KIND_CASES[variant]
+    built = fm.m_issue43(random.Random(0), None, variant)
+    with pytest.raises(error, match=message) as info:
+        session = ember.load(built["model"])
+        assert phase == "run", "loaded, but the load should have refused it"
+        session.run(built["feeds"])
+    assert fm.internal_cause(info.value) is None
+    ort = pytest.importorskip("onnxruntime")
+    if variant == "string_feed_of_numbers":
+        return  # onnxruntime stores str() of a number among strings; ember refuses it
+    with pytest.raises(Exception):
+        ort.InferenceSession(built["model"].SerializeToString()).run(None, built["feeds"])
+
+
+def test_a_string_shape_never_reaches_the_constant_folders_size_guess():
+    """The folder's size prediction reads only integer shapes; any other is the kernel's to
+    refuse (it crashed on int('x') before)."""
+    from ember.ir import Node
+    from ember.simplifier.passes.constant_folding import _predicted_size
+
+    strings = np.array(["2", "x"], dtype=object)
+    assert _predicted_size(Node("ConstantOfShape", "", 17, ["s"], ["y"]), [strings]) == 0
+    assert _predicted_size(Node("Expand", "", 13, ["x", "s"], ["y"]),
+                           [np.zeros(2), strings]) == 0
+    assert _predicted_size(Node("Tile", "", 13, ["x", "r"], ["y"]),
+                           [np.zeros(2), strings]) == 0
+    assert _predicted_size(Node("ConstantOfShape", "", 17, ["s"], ["y"]),
+                           [np.array([3, 4])]) == 12
+
+
+def test_every_wrong_kind_the_fuzzer_builds_is_checked_here():
+    import fuzz_mutants as fm
+
+    assert set(KIND_CASES) == set(fm.ISSUE43_VARIANTS)

@@ -1,5 +1,7 @@
 """Hardening (issue 13): no malformed model, hostile size or odd feed may crash the process, hang
 it, or escape as anything but an EmberError; and no bad command line may print a traceback.
+An EmberError wrapping an AttributeError, TypeError, IndexError (fm.INTERNAL_ERRORS) raised
+by ember's own code is a bug too (issue 43): the wrapping must not hide it.
 
 The fuzzer lives in tests/fuzz_mutants.py (mutants, runner) and tests/fuzz_worker.py (the
 subprocess that loads and runs them, with an address-space cap). Reproduce one case with
@@ -48,7 +50,8 @@ def _assert_all_accepted(results, n_cases, seconds, summary):
     assert len(results) == n_cases, f"{n_cases - len(results)} cases came back without a result"
     bad = [r for r in results if r.outcome not in fm.ACCEPTED]
     assert not bad, (f"{len(bad)} of {len(results)} mutants ended other than `ran` or an "
-                     f"EmberError ({seconds:.0f} s)\n{fm.failure_table(bad)}\n\n{summary}")
+                     f"EmberError free of internal exceptions ({seconds:.0f} s)\n"
+                     f"{fm.failure_table(bad)}\n\n{summary}")
 
 
 def test_fuzz_mutants_are_deterministic():
@@ -68,8 +71,9 @@ def test_fuzz_mutants_are_deterministic():
 
 def test_fuzz_runner_classifies_crashes_hangs_and_errors():
     """The runner's self-test cases: a segfault, a sleep past the timeout, a ValueError, an
-    allocation past the address-space cap, an EmberError, a pass. The worker that crashes
-    or hangs is replaced, and the cases after it still run."""
+    allocation past the address-space cap, an EmberError, a pass, an EmberError wrapping an
+    AttributeError raised in ember's code. The worker that crashes or hangs is replaced, and
+    the cases after it still run."""
     results = fm.run_cases(sorted(fm.SELF_TESTS), timeout_s=5.0, mem_bytes=MEM_BYTES, workers=2)
     got = {r.case_id: r for r in results}
     assert {k: got[k].outcome for k in fm.SELF_TESTS} == fm.SELF_TESTS
@@ -77,10 +81,44 @@ def test_fuzz_runner_classifies_crashes_hangs_and_errors():
     assert got[-4].error == "MemoryError"
     assert got[-3].error == "ValueError" and got[-3].where.startswith("tests/fuzz_mutants.py:")
     assert got[-5].error == "InvalidModelError"
+    assert got[-7].error == "ExecutionError" and got[-7].cause == "AttributeError"
+    assert got[-7].cause_where.startswith("runtime/executor.py:")
+    assert "internal_error" not in fm.ACCEPTED  # so the campaigns below fail on one
+
+
+def test_internal_exceptions_wrapped_in_ember_errors_are_bugs(monkeypatch):
+    """An AttributeError (TypeError, IndexError...) raised by ember's own code and wrapped as
+    an ExecutionError is a bug the fuzzer reports (`internal_error`), not an accepted error;
+    the wrapper keeps it as __cause__. A library's refusal that ember turns into an error on
+    purpose (numpy cannot convert a feed) is not."""
+    import ember
+    from ember.ops.registry import lookup
+    from ember.runtime import executor
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ember.load(model, simplify=False)
+    with pytest.raises(ember.InputError) as info:
+        session.run({"x": {"not": "an array"}})
+    assert isinstance(info.value.__cause__, TypeError)
+    assert fm.internal_cause(info.value) is None
+
+    def broken(self, x):
+        return executor._describe(None)  # AttributeError inside ember's executor
+
+    monkeypatch.setattr(lookup("", "Relu", 17), "run", broken)
+    with pytest.raises(ember.ExecutionError) as info:
+        ember.load(model, simplify=False).run({"x": np.zeros(2, np.float32)})
+    assert isinstance(info.value.__cause__, AttributeError)
+    assert fm.internal_cause(info.value) is info.value.__cause__
 
 
 def test_fuzz_corpus():
-    """About 2,000 mutants of ~90 seed models: each loads and runs, or fails with an EmberError."""
+    """About 2,000 mutants of ~90 seed models: each loads and runs, or fails with an EmberError
+    that wraps no internal exception of ember's (fm.INTERNAL_ERRORS)."""
     results, seconds, summary = _campaign(range(CORPUS_CASES))
     _assert_all_accepted(results, CORPUS_CASES, seconds, summary)
 

@@ -564,6 +564,33 @@ def test_sklearn_tfidf_pipeline(ngrams, zipmap, backend):
     check(model, {"X": x}, backend)
 
 
+@pytest.mark.parametrize("form", ["unicode", "bytes"])
+def test_sklearn_tfidf_pipeline_numpy_string_feeds(form):
+    """The pipeline fed as users of onnxruntime feed it (issue 43): a numpy unicode array
+    (<U) straight from a list of texts, or UTF-8 bytes (S); onnxruntime gets the same array."""
+    _need_sklearn()
+    pytest.importorskip("re2", reason="skl2onnx's Tokenizer pattern is a regex: google-re2")
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+
+    labels = [0, 1, 1, 0, 1, 1, 2, 0, 2, 0]
+    pipe = make_pipeline(TfidfVectorizer(), LogisticRegression(max_iter=500)).fit(TEXTS, labels)
+    texts = TEXTS + ["unseen words only", "the the the"]
+    model = _with_installed_locale(_export(
+        pipe, np.array(texts, dtype=object).reshape(-1, 1), zipmap=False,
+        estimator=pipe.steps[-1][1]))
+    x = np.array(texts).reshape(-1, 1)
+    assert x.dtype.kind == "U"
+    if form == "bytes":
+        # wider than the longest text: onnxruntime 1.32 reads past an element that fills its
+        # width (ember reads it as numpy does; tests/test_ort_compat.py)
+        width = max(len(t.encode()) for t in texts) + 1
+        x = np.array([[t.encode()] for t in texts], dtype=f"S{width}")
+    got = check(model, {"X": x}, "cpu")
+    assert next(iter(got.values())).tolist() == pipe.predict(texts).tolist()  # the labels
+
+
 def _with_installed_locale(model):
     """onnxruntime's StringNormalizer builds a C++ locale (en_US.UTF-8 by default) and fails
     where it is not installed: point the model at C.UTF-8 then (ember lower-cases with

@@ -3,6 +3,9 @@ onnxruntime user writes, run on both, must end the same way. onnxruntime is the 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
 import threading
 import warnings
 
@@ -236,3 +239,186 @@ def test_profile_is_chrome_trace_with_one_event_per_node(tmp_path):
                       "node_index"):
             assert event["args"][field] == want[field], (event["name"], field)
     assert sum(ev["name"] == "model_run" for ev in ours) == 2
+
+
+# -- module-level names ---------------------------------------------------------------------
+
+_ALLOCATORS = "onnxruntime's allocators and arenas; ember's memory is numpy's and its backends'"
+_DEVICES = "onnxruntime's device descriptors and streams; OrtValue and IOBinding take names"
+_PLUGIN_EPS = "plugin execution-provider libraries (C++); ember's backends are its own"
+_TOOLS = ("onnxruntime's model tools (quantiser, transformer optimiser): ember runs the files "
+          "they write")
+_COMPILE = "compiling EP-context models for onnxruntime's execution providers"
+_PACKAGE = "onnxruntime's model-package format; ember loads ONNX files and bytes"
+_BUILD = "onnxruntime's own build, version, DLLs and diagnostics (ember.__version__ is ours)"
+_INTERNALS = "modules and import machinery inside onnxruntime's package, not its API"
+# onnxruntime's public module-level names that ember does not have, each with why (the table
+# of docs/ort_compat.md); a name onnxruntime adds that is in neither fails the sweep below.
+ORT_ABSENT = {
+    "AdapterFormat": "LoRA adapter files: ember loads no adapters",
+    "LoraAdapter": "LoRA adapter files: ember loads no adapters",
+    "ModelCompiler": _COMPILE, "OrtCompileApiFlags": _COMPILE,
+    "OrtEpContextData": _COMPILE, "OrtEpContextDataBuffer": _COMPILE,
+    "ModelPackage": _PACKAGE, "ModelPackageComponentContext": _PACKAGE,
+    "ModelPackageContext": _PACKAGE, "ModelPackageOptions": _PACKAGE,
+    "ModelPackageWriteMode": _PACKAGE,
+    "OrtAllocatorType": _ALLOCATORS, "OrtArenaCfg": _ALLOCATORS, "OrtMemType": _ALLOCATORS,
+    "OrtMemoryInfo": _ALLOCATORS, "OrtDeviceMemoryType": _ALLOCATORS,
+    "OrtMemoryInfoDeviceType": _ALLOCATORS, "create_and_register_allocator": _ALLOCATORS,
+    "create_and_register_allocator_v2": _ALLOCATORS,
+    "OrtDevice": _DEVICES, "OrtDeviceVendorId": _DEVICES, "OrtSyncStream": _DEVICES,
+    "copy_tensors": _DEVICES,
+    "OrtEpDevice": _PLUGIN_EPS, "OrtHardwareDevice": _PLUGIN_EPS,
+    "OrtHardwareDeviceType": _PLUGIN_EPS, "OrtExecutionProviderDevicePolicy": _PLUGIN_EPS,
+    "OrtEpAssignedNode": _PLUGIN_EPS, "OrtEpAssignedSubgraph": _PLUGIN_EPS,
+    "get_ep_devices": _PLUGIN_EPS, "register_execution_provider_library": _PLUGIN_EPS,
+    "unregister_execution_provider_library": _PLUGIN_EPS,
+    "OrtExternalInitializerInfo": "initializers handed over in memory; ember reads external "
+                                  "data from files beside the model",
+    "OrtSparseFormat": "sparse feeds and outputs; ember takes sparse initialisers only",
+    "SparseTensor": "sparse feeds and outputs; ember takes sparse initialisers only",
+    "SessionIOBinding": "the C++ class under IOBinding, which ember has",
+    "set_default_logger_callback": "use a logging.Handler on the `ember` logger",
+    "set_global_thread_pool_sizes": "ember's threads are per session (intra_op_num_threads)",
+    "set_seed": "random ops use their seed attribute, else EMBER_RANDOM_SEED",
+    "get_build_info": _BUILD, "get_version_string": _BUILD, "version": _BUILD,
+    "package_name": _BUILD, "cuda_version": _BUILD, "has_collective_ops": _BUILD,
+    "preload_dlls": _BUILD, "print_debug_info": _BUILD,
+    "capi": _INTERNALS, "contextlib": _INTERNALS, "onnxruntime_validation": _INTERNALS,
+    "import_capi_exception": _INTERNALS,
+    # onnxruntime's model tools, on its namespace once imported: ember runs the files they write
+    "quantization": _TOOLS, "transformers": _TOOLS, "tools": _TOOLS,
+}
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                    "ort_compat.md")
+
+
+def test_every_onnxruntime_name_is_present_or_listed_as_absent():
+    public = {n for n in dir(ort) if not n.startswith("_")}
+    unlisted = sorted(n for n in public if not hasattr(ember, n) and n not in ORT_ABSENT)
+    assert not unlisted, (f"onnxruntime {ort.__version__} has {unlisted}: add each to ember's "
+                          "compat surface, or to ORT_ABSENT and docs/ort_compat.md with why not")
+    stale = sorted(n for n in ORT_ABSENT if hasattr(ember, n))
+    assert not stale, f"{stale} are on ember now: take them out of ORT_ABSENT and the docs"
+    assert all(reason.strip() for reason in ORT_ABSENT.values())
+    absent_table = open(DOCS).read().split("## Absent", 1)[1].split("\n## ", 1)[0]
+    assert set(re.findall(r"`(\w+)`", absent_table)) >= set(ORT_ABSENT), \
+        "docs/ort_compat.md's Absent table lists other names than ORT_ABSENT"
+    for name in public - set(ORT_ABSENT):
+        assert name in ember.__all__, f"{name} is on ember but not in ember.__all__"
+
+
+@pytest.fixture
+def restore_log_levels():
+    level = logging.getLogger("ember").level
+    yield
+    logging.getLogger("ember").setLevel(level)
+    ort.set_default_logger_severity(2)  # onnxruntime's default: warnings
+
+
+def test_default_logger_severity_and_verbosity_end_as_in_onnxruntime(restore_log_levels):
+    """`ort.set_default_logger_severity(3)` and its kin: accepted and refused alike; the
+    severity is the `ember` logger's level."""
+    levels = [logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL]
+    for severity, level in enumerate(levels):
+        ort.set_default_logger_severity(severity)
+        ember.set_default_logger_severity(severity)
+        assert logging.getLogger("ember").level == level
+    for bad in (5, -1, "3", 2.0):
+        with pytest.raises((RuntimeError, TypeError)):
+            ort.set_default_logger_severity(bad)
+        with pytest.raises(EmberError, match="severity"):
+            ember.set_default_logger_severity(bad)
+    for verbosity in (0, 1, 1000, -1):
+        assert ort.set_default_logger_verbosity(verbosity) is None
+        assert ember.set_default_logger_verbosity(verbosity) is None
+    for bad in ("1", 2.5):
+        with pytest.raises(TypeError):
+            ort.set_default_logger_verbosity(bad)
+        with pytest.raises(EmberError, match="verbosity"):
+            ember.set_default_logger_verbosity(bad)
+    ember.set_default_logger_severity(3)
+    options = ember.SessionOptions()
+    options.log_severity_level = 1  # a session's severity sets the same level
+    ember.InferenceSession(_model(), options)
+    assert logging.getLogger("ember").level == logging.INFO
+
+
+def test_all_providers_and_telemetry():
+    assert set(ember.get_available_providers()) <= set(ember.get_all_providers())
+    assert ember.get_all_providers()[-1] == "CPUExecutionProvider"
+    assert {"CPUExecutionProvider", "CUDAExecutionProvider"} <= set(ort.get_all_providers()) \
+        & set(ember.get_all_providers())  # the names ember shares with onnxruntime
+    for name in ("disable_telemetry_events", "enable_telemetry_events"):
+        assert getattr(ort, name)() is None and getattr(ember, name)() is None
+
+
+# -- string feeds ---------------------------------------------------------------------------
+
+def _string_model():
+    """x (string [1, n]) -> StringNormalizer(LOWER, a stop word) and an Identity of x."""
+    S = TensorProto.STRING
+    graph = helper.make_graph(
+        [helper.make_node("StringNormalizer", ["x"], ["low"], case_change_action="LOWER",
+                          stopwords=["the"], locale="C.UTF-8" if _no_en_us() else "en_US.UTF-8"),
+         helper.make_node("Identity", ["x"], ["same"])],
+        "strings", [helper.make_tensor_value_info("x", S, [1, None])],
+        [helper.make_tensor_value_info("low", S, [1, None]),
+         helper.make_tensor_value_info("same", S, [1, None])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]) \
+        .SerializeToString()
+
+
+def _no_en_us() -> bool:
+    """onnxruntime's StringNormalizer needs its locale installed (ember's does not)."""
+    import locale
+
+    saved = locale.setlocale(locale.LC_CTYPE)
+    try:
+        locale.setlocale(locale.LC_CTYPE, "en_US.UTF-8")
+        return False
+    except locale.Error:
+        return True
+    finally:
+        locale.setlocale(locale.LC_CTYPE, saved)
+
+
+WORDS = ["The", "Cat", "émeu", "", "ÇA"]
+
+
+@pytest.mark.parametrize("feed", [
+    np.array([WORDS]),                                            # <U4
+    np.array([[w.encode() for w in WORDS]], dtype="S8"),          # bytes, UTF-8
+    np.array([WORDS], dtype=object),
+    np.array([WORDS])[:, ::-1],                                   # a strided view
+    [WORDS],
+], ids=["unicode", "bytes", "object", "strided", "list"])
+def test_string_feeds_as_onnxruntime_takes_them(feed):
+    o, e = _both(_string_model(), providers=["CPUExecutionProvider"])
+    got, want = e.run(None, {"x": feed}), o.run(None, {"x": feed})
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == object and g.shape == w.shape
+        assert [type(s) for s in g.reshape(-1)] == [str] * g.size
+        assert g.tolist() == w.tolist()
+
+
+def test_bytes_feed_read_as_numpy_reads_it():
+    """A bytes array whose longest element fills its width: numpy's values (onnxruntime 1.32
+    reads past the end of such an element, so it is no oracle here)."""
+    feed = np.array([[b"ab", b"c"]])[:, ::-1]
+    got = ember.InferenceSession(_string_model()).run(["same"], {"x": feed})[0]
+    assert got.tolist() == [["c", "ab"]]
+
+
+@pytest.mark.parametrize("feed, message", [
+    (np.array([[b"ok", b"\xff\xfe"]]), r"element \[0, 1\] is bytes that are not valid UTF-8"),
+    (np.array([["a", 1]], dtype=object), r"element \[0, 1\] is int 1"),
+    (np.array([[None]], dtype=object), r"element \[0, 0\] is NoneType"),
+    (np.zeros((1, 2), np.float32), "expects strings .* got dtype float32"),
+])
+def test_string_feeds_that_are_not_text_are_input_errors(feed, message):
+    """Undecodable bytes fail in both; a number or None among the strings is an error in ember,
+    where onnxruntime would store str() of it (kernels would meet a non-str otherwise)."""
+    e = ember.InferenceSession(_string_model())
+    with pytest.raises(ember.InputError, match=message):
+        e.run(None, {"x": feed})

@@ -114,14 +114,21 @@ def _fold(node: Node, index: GraphIndex, ctx: Context) -> list[np.ndarray] | Non
 
 
 def _predicted_size(node: Node, inputs: list) -> int:
+    """The elements the node would produce, read from its shape input; 0 where that cannot
+    be told before running (the kernel then refuses a shape that is not integers)."""
     if node.domain or node.op_type not in _SIZE_FROM_SHAPE_INPUT:
-        if node.op_type == "Tile" and len(inputs) == 2 and inputs[1] is not None:
+        if node.op_type == "Tile" and len(inputs) == 2 and _is_integers(inputs[1]) \
+                and inputs[0] is not None:
             return int(inputs[0].size) * int(np.prod(np.maximum(inputs[1], 0)))
         return 0
     shape = inputs[_SIZE_FROM_SHAPE_INPUT[node.op_type]]
-    if shape is None:
+    if not _is_integers(shape):
         return 0
-    return int(np.prod(np.maximum(np.asarray(shape, np.int64), 1)))
+    return int(np.prod(np.maximum(shape.astype(np.int64), 1)))
+
+
+def _is_integers(value) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype.kind in "iu"
 
 
 def _fold_shape(node: Node, index: GraphIndex) -> list[np.ndarray] | None:

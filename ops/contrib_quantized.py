@@ -813,6 +813,11 @@ class QAttention(_QOp):
 # QEmbedLayerNormalization
 
 
+def _sequential_sum(xp, v):
+    """The float32 sum over the last axis, element after element (keepdims)."""
+    return xp.cumsum(v, axis=-1, dtype=_F32)[..., -1:]
+
+
 @register("QEmbedLayerNormalization", versions=[1], domain=_MS)
 class QEmbedLayerNormalization(_QOp):
     """EmbedLayerNormalization over quantised tables: word_embedding[input_ids] +
@@ -863,9 +868,11 @@ class QEmbedLayerNormalization(_QOp):
         if has_seg:
             total = total + deq(rows(seg, seg_ids, "segment_ids"), seg_s, seg_z,
                                 "segment_embedding")
-        mean = xp.mean(total, axis=-1, keepdims=True, dtype=_F32)
+        # onnxruntime's kernel sums each row in order, in float32 (cumsum's order on numpy)
+        size = _F32(total.shape[-1])
+        mean = _sequential_sum(xp, total) / size
         centred = total - mean
-        var = xp.mean(centred * centred, axis=-1, keepdims=True, dtype=_F32)
+        var = _sequential_sum(xp, centred * centred) / size
         norm = centred / xp.sqrt(var + _F32(self.epsilon))
         out = norm * deq(gamma, gamma_s, gamma_z, "gamma") + deq(beta, beta_s, beta_z, "beta")
         if out.shape[-1] != hidden:
@@ -883,14 +890,69 @@ class QEmbedLayerNormalization(_QOp):
 # DynamicQuantizeLSTM
 
 
+def _fma32(xp, a, b, c):
+    """float32 fused multiply-add, correctly rounded: a * b is exact in float64, and the sum
+    is rounded to odd there (nudged one ulp toward its lost part when inexact and even) so
+    that the final rounding to float32 is not a double rounding."""
+    prod = a.astype(np.float64) * xp.asarray(b, np.float64)
+    c = xp.asarray(c, np.float64)
+    total = prod + c
+    back = total - prod
+    lost = (prod - (total - back)) + (c - back)
+    nudge = (lost != 0) & ((total.view(np.int64) & 1) == 0)
+    toward = xp.where(lost > 0, np.inf, -np.inf)
+    return xp.where(nudge, xp.nextafter(total, toward), total).astype(_F32)
+
+
+def _mlas_rational(xp, x, bound, numerator, denominator):
+    """MLAS's rational approximation x P(x^2) / Q(x^2) with x clamped to [-bound, bound],
+    each Horner step one FMA, as its x64 FMA3 kernels evaluate it."""
+    v = xp.clip(x.astype(_F32), _F32(-bound), _F32(bound))
+    v2 = v * v
+
+    def horner(coefficients):
+        acc = _fma32(xp, v2, _F32(coefficients[0]), _F32(coefficients[1]))
+        for c in coefficients[2:]:
+            acc = _fma32(xp, acc, v2, _F32(c))
+        return acc
+
+    return horner(numerator) * v / horner(denominator)
+
+
+# MLAS's (Eigen's) coefficients, highest power first
+_LOGISTIC_P = (4.37031012579801e-11, 1.15627324459942e-07, 6.08574864600143e-05,
+               8.51377133304701e-03, 2.48287947061529e-01)
+_LOGISTIC_Q = (6.10247389755681e-13, 5.76102136993427e-09, 6.29106785017040e-06,
+               1.70198817374094e-03, 1.16817656904453e-01, 9.93151921023180e-01)
+_TANH_P = (-2.76076847742355e-16, 2.00018790482477e-13, -8.60467152213735e-11,
+           5.12229709037114e-08, 1.48572235717979e-05, 6.37261928875436e-04,
+           4.89352455891786e-03)
+_TANH_Q = (1.19825839466702e-06, 1.18534705686654e-04, 2.26843463243900e-03,
+           4.89352518554385e-03)
+
+
+def _mlas_logistic(xp, x):
+    """onnxruntime's LSTM sigmoid (MlasComputeLogistic, x64 FMA3 kernel: clamped below at 0
+    only, so it can return 1 + 1 ulp); matched it bit for bit on 8M float32 values."""
+    return xp.maximum(_mlas_rational(xp, x, 18.0, _LOGISTIC_P, _LOGISTIC_Q) + _F32(0.5),
+                      _F32(0))
+
+
+def _mlas_tanh(xp, x):
+    """onnxruntime's LSTM tanh (MlasComputeTanh, x64 FMA3 kernel)."""
+    return _mlas_rational(xp, x, 9.0, _TANH_P, _TANH_Q)
+
+
 def _lstm_activation(xp, name, alpha, beta):
-    """An ONNX RNN activation by name, over float32 arrays."""
+    """An ONNX RNN activation by name, over float32 arrays. Sigmoid and tanh are
+    onnxruntime's approximations rather than the exact functions: the hidden state is
+    requantised every step, so a 1-ulp difference in a gate can flip a code and grow."""
     key = name.lower()
     a = _F32(alpha)
     b = _F32(beta)
     table = {
-        "sigmoid": lambda x: 1 / (1 + xp.exp(-x)),
-        "tanh": xp.tanh,
+        "sigmoid": lambda x: _mlas_logistic(xp, x),
+        "tanh": lambda x: _mlas_tanh(xp, x),
         "relu": lambda x: xp.maximum(x, _F32(0)),
         "affine": lambda x: a * x + b,
         "leakyrelu": lambda x: xp.where(x >= 0, x, a * x),

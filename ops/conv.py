@@ -33,6 +33,7 @@ import numpy as np
 
 from ember import limits
 from ember.ops import _blas, _compiled, _tiles, _xp
+from ember.ops.linalg import check_numeric
 from ember.ops.registry import OpImpl, register
 
 # ----------------------------------------------------------------------------------------------
@@ -1191,6 +1192,7 @@ class _ConvBase(OpImpl):
 
     def geometry(self, x, w):
         """(kernel, strides, dilations, pads begin, pads end) for these input and weight."""
+        check_numeric(self, X=x, W=w)  # the first thing every convolution reads of them
         return remembered_geometry(self, (x.shape, w.shape), lambda: self._geometry(x, w))
 
     def _geometry(self, x, w):
@@ -1311,15 +1313,23 @@ class Conv(_ConvBase):
         return None
 
 
-def _exact_int_conv(xp, op, x, w, x_zp, w_zp, bias=None):
-    """Integer convolution (N, M, *outs) as exact int64: conv(x - x_zp, w - w_zp) (+ bias)."""
+# Integers up to 2**24 are exact in float32: where no partial sum of a convolution can pass it,
+# its float32 result is the exact integer sum whatever order the kernel adds in.
+_FLOAT32_EXACT = 2 ** 24
+
+
+def _exact_int_conv(xp, op, x, w, x_zp, w_zp):
+    """Integer convolution (N, M, *outs): conv(x - x_zp, w - w_zp), exact integers held in a
+    float array. It runs as a float convolution on the shifted values: float32 where every partial sum is
+    bounded below 2**24 (the largest |x - x_zp| times a channel's sum of |w - w_zp|), else
+    float64."""
     kernel, strides, dilations, begin, end = op.geometry(x, w)
-    xs = x.astype(np.float64)
+    x_zero = 0.0
     if x_zp is not None:
         xz = xp.asarray(x_zp)
         if xz.size != 1:
             raise op.fail("x_zero_point must be a scalar")
-        xs -= xz.reshape(()).astype(np.float64)
+        x_zero = float(xz.reshape(()))
 
     def prep(a):
         ws = a.astype(np.float64)
@@ -1331,21 +1341,25 @@ def _exact_int_conv(xp, op, x, w, x_zp, w_zp, bias=None):
                 ws -= wz.reshape((-1,) + (1,) * (a.ndim - 1))
             else:
                 raise op.fail(f"w_zero_point has {wz.size} values for {a.shape[0]} channels")
-        return ws
+        reach = float(xp.abs(ws).reshape(ws.shape[0], -1).sum(axis=1).max()) if ws.size else 0.0
+        return ws, ws.astype(np.float32), reach
 
-    ws = op.cached_weight(w, prep, w_zp)
-    acc = conv_nd(xp, xs, ws, op.group, kernel, strides, dilations, begin, end)
-    acc = xp.rint(acc).astype(np.int64)
-    if bias is not None:
-        acc += bias.astype(np.int64).reshape((1, -1) + (1,) * (acc.ndim - 2))
-    return acc
+    ws64, ws32, reach = op.cached_weight(w, prep, w_zp)
+    info = np.iinfo(x.dtype)
+    exact32 = max(abs(info.min - x_zero), abs(info.max - x_zero)) * reach < _FLOAT32_EXACT
+    dtype, ws = (np.float32, ws32) if exact32 else (np.float64, ws64)
+    xs = x.astype(dtype)
+    if x_zero:
+        xs -= dtype(x_zero)
+    return conv_nd(xp, xs, ws, op.group, kernel, strides, dilations, begin, end)
 
 
 @register("ConvInteger", versions=[10])
 class ConvInteger(_ConvBase):
     def run(self, x, w, x_zero_point=None, w_zero_point=None):
         acc = _exact_int_conv(self.xp, self, x, w, x_zero_point, w_zero_point)
-        return acc.astype(np.int32)  # the accumulation wraps in 32 bits, as the spec allows
+        # the accumulation wraps in 32 bits, as the spec allows
+        return acc.astype(np.int64).astype(np.int32)
 
 
 @register("QLinearConv", versions=[10])
@@ -1353,14 +1367,21 @@ class QLinearConv(_ConvBase):
     def run(self, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point,
             B=None):
         xp = self.xp
-        acc = _exact_int_conv(xp, self, x, w, x_zero_point, w_zero_point, B)
         ws = xp.asarray(w_scale, np.float32).reshape(-1)
         if ws.size not in (1, w.shape[0]):
             raise self.fail(f"w_scale has {ws.size} values for {w.shape[0]} channels")
+        acc = _exact_int_conv(xp, self, x, w, x_zero_point, w_zero_point)
+        if B is not None:  # the integer sum acc + B, exact in float64, then one float32 rounding
+            acc = acc.astype(np.float64)
+            acc += B.astype(np.float64).reshape((1, -1) + (1,) * (acc.ndim - 2))
         scale = (xp.asarray(x_scale, np.float32).reshape(()) * ws
                  / xp.asarray(y_scale, np.float32).reshape(()))
         scale = scale.reshape((1, -1) + (1,) * (acc.ndim - 2)) if ws.size > 1 else scale[0]
-        y = xp.rint(acc.astype(np.float32) * scale)
+        # onnxruntime's requantisation: float32(acc) times the float32 multiplier, rounded half
+        # to even, plus the zero point, saturated
+        y = acc.astype(np.float32, copy=False)  # conv_nd's result is fresh: written in place
+        xp.multiply(y, scale, out=y)
+        xp.rint(y, out=y)
         yzp = xp.asarray(y_zero_point)
         y += yzp.reshape(()).astype(np.float32)
         info = np.iinfo(yzp.dtype)

@@ -271,12 +271,30 @@ def matmul(xp, a, b, weight: CachedPack | None = None):
 
 # --------------------------------------------------------------------------------------------
 
+def check_numeric(op: OpImpl, **inputs) -> None:
+    """Each given input is a numeric tensor. The loader refuses other kinds where the graph
+    fixes them (ember.importer.validate); a value whose kind only shows when the model runs (a
+    sequence through an Identity, an If's branch, a string tensor) is refused here, before the
+    product would fail on it."""
+    for name, x in inputs.items():
+        dtype = getattr(x, "dtype", None)
+        if dtype is None:
+            kind = {list: "a sequence", dict: "a map", type(None): "an empty optional"}.get(
+                type(x), type(x).__name__)
+            raise op.fail(f"input {name} must be a tensor, got {kind}")
+        if dtype == object:
+            raise op.fail(f"input {name} must be a numeric tensor, got a string tensor")
+
+
 @register("MatMul", versions=[1, 9, 13])
 class MatMul(OpImpl):
     def setup(self):
         self._transposed = CachedPack()  # of a constant B, for products of a few rows
 
     def run(self, a, b):
+        if a.__class__ is not np.ndarray or b.__class__ is not np.ndarray \
+                or a.dtype.kind == "O" or b.dtype.kind == "O":  # cheap first: products are hot
+            check_numeric(self, A=a, B=b)
         if a.ndim == 0 or b.ndim == 0:
             raise self.fail("MatMul inputs must have rank >= 1")
         if a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
@@ -293,6 +311,10 @@ class _Gemm(OpImpl):
 
     def run(self, a, b, c=None):
         xp = self.xp
+        if a.__class__ is not np.ndarray or b.__class__ is not np.ndarray \
+                or a.dtype.kind == "O" or b.dtype.kind == "O" or c is not None \
+                and (c.__class__ is not np.ndarray or c.dtype.kind == "O"):
+            check_numeric(self, A=a, B=b, **({} if c is None else {"C": c}))
         if a.ndim != 2 or b.ndim != 2:
             raise self.fail(f"Gemm needs 2-D A and B, got shapes {a.shape} and {b.shape}")
         dtype = a.dtype
@@ -333,6 +355,7 @@ class Gemm1(_Gemm):
     """`broadcast` attribute: C either matches (M, N) exactly or is broadcast when set."""
 
     def run(self, a, b, c=None):
+        check_numeric(self, A=a, B=b, **({} if c is None else {"C": c}))  # before the shapes
         if c is not None and not self.broadcast:
             m = a.shape[1] if self.transA else a.shape[0]
             n = b.shape[0] if self.transB else b.shape[1]
@@ -434,6 +457,12 @@ class QLinearMatMul(OpImpl):
         sdt = a_scale.dtype if a_scale.dtype in (np.float16, np.float32) else np.float32
         sa = _per_row(a_scale.astype(sdt), a)
         sy = _per_row(y_scale.astype(sdt), a)
-        mult = (sa * b_scale.astype(sdt) / sy).astype(np.float64)
-        y = acc * mult + _per_row(y_zero_point, a).astype(np.float64)
+        mult = sa * b_scale.astype(sdt) / sy
+        zero_point = _per_row(y_zero_point, a)
+        if out_dtype.kind in "iu":
+            # as onnxruntime requantizes: float32(acc) times a float32 multiplier, rounded half
+            # to even, then the zero point (in float64 one code in ~1e5 came out otherwise)
+            y = xp.rint(acc.astype(np.float32) * mult.astype(np.float32))
+            return _saturate_cast(xp, y + zero_point.astype(np.float32), out_dtype)
+        y = acc * mult.astype(np.float64) + zero_point.astype(np.float64)
         return _saturate_cast(xp, y, out_dtype)

@@ -33,6 +33,7 @@ from ember.simplifier.passes.fuse_attention import fuse_attention, fuse_attentio
 from ember.simplifier.passes.fuse_gelu import fuse_gelu
 from ember.simplifier.passes.fuse_gemm import fold_scale_into_matmul, fuse_matmul_add
 from ember.simplifier.passes.fuse_layernorm import fuse_layernorm
+from ember.simplifier.passes.fuse_qdq import fuse_qdq
 from ember.simplifier.passes.merge_transpose import (gather_through_transpose, merge_reshapes,
                                                      merge_transposes, merge_unsqueezes)
 from ember.simplifier.passes.merge_constant_operands import merge_constant_operands
@@ -50,6 +51,7 @@ Pass = Callable[[Graph, Context], bool]
 PASSES: dict[str, Pass] = {
     "infer_shapes": infer_shapes,
     "constants_to_initializers": constants_to_initializers,
+    "fuse_qdq": fuse_qdq,  # before folding turns dequantised weights into float constants
     "fold_constants": fold_constants,
     "remove_noops": remove_noops,
     "fold_not_into_where": fold_not_into_where,
@@ -79,6 +81,7 @@ PASSES: dict[str, Pass] = {
 # Op types a pass starts its matches from: a graph without any of them is skipped cheaply.
 _TRIGGERS = {
     "constants_to_initializers": {"Constant"}, "merge_transposes": {"Transpose"},
+    "fuse_qdq": {"QuantizeLinear"},
     "merge_reshapes": {"Reshape"}, "gather_through_transpose": {"Gather"},
     "fold_batchnorm_into_conv": {"BatchNormalization"}, "fuse_layernorm": {"Div"},
     "fuse_gelu": {"Erf", "Tanh"}, "fuse_attention": {"Softmax"},

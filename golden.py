@@ -13,7 +13,18 @@ optionally writes it as JSON, and exits 0 on pass, 1 on a mismatch, 2 on an erro
 Bisect compares every intermediate value in topological order while both sides run: against
 another ember backend the two plans run in lockstep (`Plan.iterate`), against onnxruntime or onnx
 the reference exposes intermediates as extra graph outputs a chunk at a time. Either way each value
-is compared as it is produced and then dropped, so memory stays near one run's peak.
+is compared as it is produced and then dropped, so memory stays near one run's peak (plus the
+reference's values that later nodes read, see below).
+
+It reports two nodes. The first divergence: the first node whose output fails the tolerances
+while its inputs agree. And the node that adds the most error: each node's kernel also runs alone
+on the reference's values of its inputs (per-node isolation, as Polygraphy's debug tools do), and
+its distance from the reference's output, in ulps, is that node's own error. In float16 every
+node differs by an ulp or so and the first divergence is mere rounding; the second finding is the
+node that makes the error, and says whether the simplifier made it.
+
+What is checked is what ember runs: each backend's graph simplified for it, as `ember.load` runs
+it by default (`--no-simplify`, simplify=False: the graph as imported).
 """
 from __future__ import annotations
 
@@ -22,7 +33,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -31,9 +42,10 @@ from ember.importer import ModelSource, import_model, read_model_proto
 from ember.ir import Model, OptionalType, SequenceType
 from ember.inputs import (index_bounds, int_at_least, load_input_files, make_inputs, parse_dims,
                           parse_pairs, parse_ranges)
+from ember.ops.fused import DOMAIN as FUSED_DOMAIN
 from ember.runtime.backends import BACKENDS, resolve_backend_name
 from ember.polygraphy_json import load_inputs
-from ember.runtime.session import Session
+from ember.runtime.session import Session, load
 
 DEFAULT_ATOL = 1e-4
 DEFAULT_RTOL = 1e-3
@@ -224,12 +236,13 @@ def _fill_numeric(result: Comparison, c: np.ndarray, r: np.ndarray, tol: Toleran
     special = None if all_finite else _special_mismatch(cf, rf)
     n_special = 0 if special is None else int(special.sum())
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        err = np.abs(cf - rf)
-        scale = np.abs(rf)
+        # arrays even where 0-d (numpy's ufuncs give scalars there, which take no assignment)
+        err = np.asarray(np.abs(cf - rf))
+        scale = np.asarray(np.abs(rf))
         if not all_finite:
             err[~finite] = 0
             scale[~finite] = 0
-        rel = err / scale
+        rel = np.asarray(err / scale)
         rel[err == 0] = 0  # 0/0: no error
     if err.size:
         at = int(np.argmax(err))
@@ -744,6 +757,28 @@ class InputAgreement:
 
 
 @dataclass
+class AddedError:
+    """The node whose own error is largest: run alone on the reference's values of its inputs,
+    its output is furthest from the reference's. Errors are in ulps: units in the last place of
+    the value's dtype at the reference's largest magnitude (integers and bools: steps of 1)."""
+    node_name: str
+    op_type: str
+    domain: str
+    opset: int
+    position: int  # 1-based, in topological order
+    output: str  # the node's output where its own error is largest
+    dtype: str
+    isolated_ulps: float  # on the reference's inputs
+    isolated_max_abs_error: float
+    output_ulps: float | None  # in the candidate's own run (inputs carrying upstream error)
+    input_ulps: float | None  # the worst of its inputs in the candidate's run, each in its units
+    next_ulps: float  # the largest own error of any other node
+    next_node: str
+    nodes_isolated: int
+    simplifier: str = ""  # "" as in the original model, else how the simplifier made the node
+
+
+@dataclass
 class BisectResult:
     """The first node whose output diverges while its inputs agree, or found=False."""
     found: bool
@@ -758,6 +793,8 @@ class BisectResult:
     output_stats: list[dict[str, ValueStats]] = field(default_factory=list)
     values_not_compared: int = 0
     note: str = ""
+    # the node that adds the most error of its own (see AddedError); None when none was isolated
+    added_error: AddedError | None = None
 
 
 class _Stream:
@@ -810,18 +847,29 @@ _UNAVAILABLE = object()
 
 
 def find_divergence(candidate: Session, reference: Reference | Session, feeds: Mapping[str, Any],
-           tolerances: Tolerances, chunk: int = DEFAULT_CHUNK) -> BisectResult:
+                    tolerances: Tolerances, chunk: int = DEFAULT_CHUNK,
+                    original: Model | None = None) -> BisectResult:
     """Run the candidate step by step and compare each node's outputs with the reference's as
-    they are produced; stop at the first node that diverges and describe it."""
+    they are produced; describe the first node that diverges while its inputs agree.
+
+    The run goes on to the end: each node is also run alone on the reference's values of its
+    inputs, and the node whose own error is largest is reported as `added_error`. Where every
+    node differs a little (float16, where each side rounds differently), the first divergence
+    is mere rounding; the node that adds the most error is the cause. `original` (the model
+    as imported, before simplification) tells the simplifier's nodes from the model's own."""
     plan = candidate._plan
     steps = plan.iterate(candidate._check_feeds(feeds, plan))
     stream = _reference_stream(reference, feeds, plan, chunk)
     to_host = candidate._backend.to_host
     graph = candidate.model.graph
+    isolation = _Isolation(candidate, feeds)
     stats: dict[str, tuple[ValueStats, ValueStats | None]] = {}  # small: no arrays are kept
+    ulps: dict[str, float] = {}  # each compared value's error in the candidate's run
     not_compared = position = 0
+    first = None
     for position, (node, values) in enumerate(steps, start=1):
         expected = stream.take(node)
+        isolation.measure(node, position, expected, stats)
         comparisons, out_stats = [], []
         for name, value, ref_value in zip(node.outputs, values, expected):
             if not name:
@@ -834,11 +882,212 @@ def find_divergence(candidate: Session, reference: Reference | Session, feeds: M
                                               tolerances.for_value(name), tolerances.mode))
             stats[name] = (value_stats(value), value_stats(ref_value))
             out_stats.append({"candidate": stats[name][0], "reference": stats[name][1]})
-            del value, ref_value  # keep nothing but statistics
-        if any(not c.passed for c in comparisons):
-            return _finding(node, position, comparisons, out_stats, stats, graph, feeds,
-                            not_compared)
-    return BisectResult(False, position, values_not_compared=not_compared)
+            measured = error_in_ulps(value, ref_value)
+            if measured is not None:
+                ulps[name] = measured[1]
+            isolation.keep(name, ref_value)  # only while a later node reads it
+            del value, ref_value
+        isolation.release(node)
+        if first is None and any(not c.passed for c in comparisons):
+            first = _finding(node, position, comparisons, out_stats, stats, graph, feeds,
+                             not_compared)
+    result = first or BisectResult(False, position, values_not_compared=not_compared)
+    result.added_error = isolation.finding(ulps, _original_producers(original))
+    return result
+
+
+# -- bisect: each node on the reference's inputs ------------------------------------------------
+
+class _Isolation:
+    """Runs each candidate node's bound kernel alone on the reference's values of its inputs
+    (Polygraphy's per-node isolation), and keeps the two nodes with the largest own error.
+
+    The reference's values are kept from the node that produces them to the last node that
+    reads them, so bisect holds about one run's values of the reference beside the
+    candidate's. Nodes with subgraphs, and nodes with an input the reference does not expose
+    (a value the simplifier made) or whose reference value differs in dtype or shape, are not
+    isolated."""
+
+    def __init__(self, session: Session, feeds: Mapping[str, Any]):
+        plan = session._plan
+        self.backend, self.feeds, self.constants = session._backend, feeds, plan.initial_env
+        self.steps = {id(s.node): s for s in plan.steps if not _is_transfer(s)}
+        self.on_device = {id(node) for node, where in plan.placement if where == "device"}
+        self.last_reader = {name: id(s.node) for s in plan.steps if not _is_transfer(s)
+                            for name in s.node.inputs if name}
+        self.values: dict[str, Any] = {}  # the reference's values still to be read
+        self.ranked: list[_OwnError] = []  # the two nodes with the largest own error
+        self.isolated = 0
+
+    def keep(self, name: str, ref_value: Any) -> None:
+        if name in self.last_reader and isinstance(ref_value, np.ndarray):
+            self.values[name] = ref_value
+
+    def release(self, node) -> None:
+        for name in node.inputs:
+            if name and self.last_reader.get(name) == id(node):
+                self.values.pop(name, None)
+
+    def measure(self, node, position: int, expected: list[Any], stats: dict) -> None:
+        """Run `node` alone on the reference's inputs; rank it by its worst output's error."""
+        step = self.steps.get(id(node))
+        args = self._inputs(step, stats) if step is not None and not step.scope else None
+        if args is None:
+            return
+        try:
+            result = step.kernel.run(*args)
+        except EmberError:  # the kernel refuses the reference's values: nothing to learn
+            return
+        self.isolated += 1
+        got = result if type(result) is tuple else (result,)
+        worst = None
+        for name, value, ref_value in zip(node.outputs, got, expected):
+            if not name or ref_value is _UNAVAILABLE or value is None:
+                continue
+            measured = error_in_ulps(np.asarray(self.backend.to_host(value)), ref_value)
+            if measured is not None and (worst is None or measured[1] > worst.ulps):
+                worst = _OwnError(measured[1], measured[0], position, node, name,
+                                  _dtype_str(ref_value))
+        if worst is not None:  # the larger error first; on a tie the earlier node
+            self.ranked = sorted(self.ranked + [worst],
+                                 key=lambda e: (-e.ulps, e.position))[:2]
+
+    def _inputs(self, step, stats: dict) -> list[Any] | None:
+        """The kernel's arguments: weights as the plan holds them (uploaded, prepared), feeds
+        and the reference's values as copies (a kernel may write into an input it is given),
+        on the device where the kernel reads them there; None if one is missing."""
+        device_side = id(step.node) in self.on_device
+        host_inputs = set(getattr(step.kernel, "host_inputs", ()))
+        args = []
+        for i, (name, slot) in enumerate(zip(step.node.inputs, step.inputs)):
+            if not name:
+                args.append(None)
+                continue
+            if name not in self.feeds and self.constants[slot] is not None:
+                args.append(self.constants[slot])
+                continue
+            value = self.feeds.get(name, self.values.get(name))
+            candidate, ref = stats.get(name, (None, None))
+            if value is None or (candidate is not None and
+                                 (candidate.dtype, candidate.shape) != (ref.dtype, ref.shape)):
+                return None
+            value = np.array(value)
+            args.append(self.backend.to_device(value)
+                        if device_side and i not in host_inputs else value)
+        return args
+
+    def finding(self, ulps: dict[str, float], original: dict[str, tuple[str, str]] | None
+                ) -> AddedError | None:
+        if not self.ranked:
+            return None
+        top, node = self.ranked[0], self.ranked[0].node
+        runner_up = self.ranked[1] if len(self.ranked) > 1 else None
+        inputs = [ulps[n] for n in node.inputs if n in ulps]
+        return AddedError(node.name, node.op_type, node.domain, node.version, top.position,
+                          top.output, top.dtype, top.ulps, top.abs_error, ulps.get(top.output),
+                          max(inputs) if inputs else None,
+                          runner_up.ulps if runner_up else 0.0,
+                          _node_label(runner_up.node) if runner_up else "",
+                          self.isolated, _simplifier_origin(node, original))
+
+
+class _OwnError(NamedTuple):
+    """One node's error on the reference's inputs, at its worst output."""
+    ulps: float
+    abs_error: float
+    position: int
+    node: Any
+    output: str
+    dtype: str
+
+
+def error_in_ulps(value: Any, reference: Any) -> tuple[float, float] | None:
+    """(max |value - reference|, the same in ulps: units in the last place of the reference's
+    dtype at the reference's largest magnitude; integers and bools in steps of 1). inf where
+    NaN or Inf sit at different places; None unless both are numeric arrays of one shape."""
+    if not (isinstance(value, np.ndarray) and isinstance(reference, np.ndarray)) or \
+            value.shape != reference.shape or not (_is_numeric(value) and _is_numeric(reference)) \
+            or value.dtype.kind == "c" or reference.dtype.kind == "c":
+        return None
+    if not value.size:
+        return 0.0, 0.0
+    v, r = value.astype(np.float64), reference.astype(np.float64)
+    finite = np.isfinite(v) & np.isfinite(r)
+    if not finite.all():
+        if _special_mismatch(v, r).any():
+            return math.inf, math.inf
+        v, r = v[finite], r[finite]
+    if not r.size:
+        return 0.0, 0.0
+    error = float(np.max(np.abs(v - r)))
+    if _is_exact(reference):
+        return error, error
+    scale = float(np.max(np.abs(r))) or float(np.max(np.abs(v)))  # all-zero reference: v's
+    return error, error / _ulp(reference.dtype, scale)
+
+
+def _ulp(dtype: np.dtype, magnitude: float) -> float:
+    """The spacing of `dtype`'s values at `magnitude` (its smallest normal's below that)."""
+    info = _float_info(dtype)
+    if info is None:
+        return 1.0
+    magnitude = max(magnitude, float(info.smallest_normal))
+    return 2.0 ** (math.floor(math.log2(magnitude)) - int(info.nmant))
+
+
+def _float_info(dtype: np.dtype) -> Any:
+    """numpy's finfo, or ml_dtypes' for bfloat16 and the float8 kinds; None for others."""
+    if dtype.kind == "f":
+        return np.finfo(dtype)
+    try:
+        import ml_dtypes
+        return ml_dtypes.finfo(dtype)
+    except (ImportError, TypeError, ValueError):
+        return None
+
+
+def _node_label(node) -> str:
+    return node.name or node.outputs[0]
+
+
+# The simplifier's passes that create each op (passes are named as `skip=` takes them).
+_MADE_BY = {("", "LayerNormalization"): "fuse_layernorm", ("", "Gelu"): "fuse_gelu",
+            ("", "Attention"): "fuse_attention", ("", "Gemm"): "fuse_matmul_add",
+            (FUSED_DOMAIN, "FusedMatMul"): "fuse_matmul_add",
+            (FUSED_DOMAIN, "FusedGemm"): "fuse_activations",
+            (FUSED_DOMAIN, "FusedConv"): "fuse_activations",
+            ("", "Split"): "fuse_attention_projections", ("", "Gather"): "slice_squeeze_to_gather",
+            ("", "Cast"): "widen_output_cast", ("", "QLinearConv"): "fuse_qdq",
+            ("", "QLinearMatMul"): "fuse_qdq", ("com.microsoft", "QGemm"): "fuse_qdq",
+            ("com.microsoft", "QLinearAdd"): "fuse_qdq",
+            ("com.microsoft", "QLinearMul"): "fuse_qdq",
+            ("com.microsoft", "QLinearGlobalAveragePool"): "fuse_qdq"}
+
+
+def _original_producers(original: Model | None) -> dict[str, tuple[str, str]] | None:
+    """{value: (domain, op type) of the node producing it} in the graph before simplification
+    (None when it is not known)."""
+    if original is None:
+        return None
+    return {o: (n.domain, n.op_type) for n in original.graph.nodes for o in n.outputs if o}
+
+
+def _simplifier_origin(node, original: dict[str, tuple[str, str]] | None) -> str:
+    """How the simplifier made `node`: '' where the original graph has it (same op making the
+    same value) or the original is unknown; else which pass creates such nodes, and what
+    the original graph has in its place."""
+    if original is None:
+        return ""
+    name = next((o for o in node.outputs if o), "")
+    before = original.get(name)
+    if before == (node.domain, node.op_type):
+        return ""
+    made = _MADE_BY.get((node.domain, node.op_type))
+    text = f"made by the simplifier (pass {made})" if made else "made by the simplifier"
+    if before is None:
+        return f"{text}, computing a value the original graph does not have"
+    domain = f"{before[0]}::" if before[0] else ""
+    return f"{text}, in place of the original graph's {domain}{before[1]} node"
 
 
 def _reference_stream(reference: Reference | Session, feeds: Mapping[str, Any], plan,
@@ -909,6 +1158,7 @@ class CheckReport:
     backends: list[BackendReport]
     inputs: dict[str, ValueStats]
     saved_golden: str | None = None
+    simplified: bool = True  # each backend ran its simplified graph (False: --no-simplify)
 
     @property
     def passed(self) -> bool:
@@ -945,13 +1195,15 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
           chunk: int = DEFAULT_CHUNK, validate: bool = False, topk: int = 0,
           fail_fast: bool = False, iterations: int = 0, warm_up: int = 0,
           marks: Sequence[str] = (), input_sets: Sequence[Mapping[str, Any]] | None = None,
-          save_inputs: str | None = None, save_outputs: str | None = None) -> CheckReport:
+          save_inputs: str | None = None, save_outputs: str | None = None,
+          simplify: bool = True) -> CheckReport:
     """Compare `model` on each candidate `backend` (a name, "cpu,opencl" or a list; default
     $EMBER_BACKEND or cpu) with `ref`; see the module docstring for references and modes.
 
     `inputs` fixes some or all feeds (the rest are random from `seed`, `dims`, `ranges`); recorded
     references bring their own. `atol`/`rtol` are floats or {output: value} ("" for the global
-    value). `bisect` also names the first node that diverges; `save_golden` records the
+    value). `bisect` also names the first node that diverges and the node that adds the most
+    error of its own (see find_divergence); `save_golden` records the
     inputs and the reference's outputs as an .npz. `validate`: NaN or Inf on either side
     fails; `topk`: the indices of each row's k largest values must also agree. `fail_fast`
     stops at the first data set and backend that fail. `iterations` (after `warm_up` untimed
@@ -960,7 +1212,9 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
     `input_sets` (its --save-inputs files, ember.polygraphy_json.load_inputs) are the data sets
     to run; `save_inputs` / `save_outputs` write the data sets and each backend's outputs in
     its formats (runners named ember-BACKEND), so `polygraphy run --load-inputs /
-    --load-outputs` can use them."""
+    --load-outputs` can use them. `simplify` (the default) checks each backend's graph
+    simplified for it, as `ember.load` runs it, and an ember backend as the reference then runs
+    the same simplified graph; simplify=False checks the graph as imported."""
     if iterations < 0 or warm_up < 0:
         raise InputError("--iterations and --warm-up must not be negative")
     tolerances = Tolerances(atol, rtol, mode, validate=validate, topk=topk)
@@ -998,7 +1252,8 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
         for name in backends:
             collected = [] if save_outputs else None
             reports.append(_check_backend(ir, name, reference, cases, tolerances, bisect, chunk,
-                                          fail_fast, iterations, warm_up, marks, collected))
+                                          fail_fast, iterations, warm_up, marks, collected,
+                                          simplify))
             if collected is not None:
                 runs.append((f"ember-{name}", collected))
             if fail_fast and not reports[-1].passed:
@@ -1010,7 +1265,7 @@ def check(model: ModelSource, backend: str | Sequence[str] | None = None,
         reference.close()
     return CheckReport(model=str(ir.path or "<memory>"), reference=reference.name, mode=mode,
                        backends=reports, inputs={k: value_stats(v) for k, v in cases[0][0].items()},
-                       saved_golden=save_golden)
+                       saved_golden=save_golden, simplified=simplify)
 
 
 def _backend_names(backend: str | Sequence[str] | None) -> list[str]:
@@ -1050,8 +1305,12 @@ def _check_backend(ir: Model, backend: str, reference: Reference, cases: list[Ca
                    tolerances: Tolerances, want_bisect: bool, chunk: int,
                    fail_fast: bool = False, iterations: int = 0,
                    warm_up: int = 0, marks: Sequence[str] = (),
-                   collected: list | None = None) -> BackendReport:
-    session = Session(ir, backend)
+                   collected: list | None = None, simplify: bool = True) -> BackendReport:
+    # simplified as ember.load does it: on a copy of the IR, for this backend
+    session = load(ir, backend, simplify=True) if simplify else Session(ir, backend)
+    same_graph = _same_graph_reference(reference, session)
+    if same_graph is not reference:  # its outputs computed again, from the simplified graph
+        reference, cases = same_graph, [(feeds, same_graph.outputs(feeds)) for feeds, _ in cases]
     outputs = []
     for index, (feeds, expected) in enumerate(cases):
         if fail_fast and not all(c.passed for c in outputs):
@@ -1075,10 +1334,20 @@ def _check_backend(ir: Model, backend: str, reference: Reference, cases: list[Ca
         outputs.extend(_compare_marks(session, reference, cases[0][0], marks, tolerances))
     report = BackendReport(backend, outputs)
     if want_bisect:
-        report.bisect = find_divergence(session, reference, cases[0][0], tolerances, chunk)
+        report.bisect = find_divergence(session, reference, cases[0][0], tolerances, chunk,
+                                        original=ir)
     if iterations:
         report.timing = _time_runs(session, cases[0][0], iterations, warm_up)
     return report
+
+
+def _same_graph_reference(reference: Reference, session: Session) -> Reference:
+    """An ember backend as the reference runs the candidate's own graph, simplified where the
+    candidate's is: it checks one backend's kernels against another's on the same nodes, and
+    bisect runs the two plans in lockstep, node for node."""
+    if isinstance(reference, EmberReference) and session.model is not reference.session.model:
+        return EmberReference(session.model, reference.name)
+    return reference
 
 
 def _marked_values(session: Session, feeds: Mapping[str, Any], names: Sequence[str]
@@ -1107,8 +1376,16 @@ def _compare_marks(session: Session, reference: Reference, feeds: Mapping[str, A
                    marks: Sequence[str], tolerances: Tolerances) -> list[Comparison]:
     """--mark: each named intermediate value compared as an output is, "mark:NAME"."""
     got, want = _marked_values(session, feeds, marks), _reference_marks(reference, feeds, marks)
-    return [compare_values(f"mark:{name}", got.get(name), want.get(name),
-                           tolerances.for_value(name), tolerances.mode) for name in marks]
+    compared = []
+    for name in marks:
+        comparison = compare_values(f"mark:{name}", got.get(name), want.get(name),
+                                    tolerances.for_value(name), tolerances.mode)
+        if name not in got:  # only a simplified graph lacks a value the model computes
+            comparison.passed = False
+            comparison.note = "the simplified graph does not compute it (fused or folded " \
+                              "away); compare it with --no-simplify"
+        compared.append(comparison)
+    return compared
 
 
 def _time_runs(session: Session, feeds: Mapping[str, Any], iterations: int,
@@ -1132,7 +1409,7 @@ def _time_runs(session: Session, feeds: Mapping[str, Any], iterations: int,
 def format_report(report: CheckReport) -> str:
     """The human-readable report: one block per output, bisect findings, a summary line."""
     lines = [f"ember check {report.model}: reference {report.reference}, "
-             f"check {report.mode}"]
+             f"check {report.mode}" + ("" if report.simplified else ", graph as imported")]
     for b in report.backends:
         for c in b.outputs:
             lines.extend(_format_comparison(f"[{b.backend}]", c))
@@ -1174,6 +1451,10 @@ def _format_comparison(head: str, c: Comparison, indent: str = "") -> list[str]:
 
 
 def _format_bisect(backend: str, b: BisectResult) -> list[str]:
+    return _format_first_divergence(backend, b) + _format_added_error(backend, b.added_error)
+
+
+def _format_first_divergence(backend: str, b: BisectResult) -> list[str]:
     if not b.found:
         extra = f"; {b.values_not_compared} value(s) not exposed by the reference" \
             if b.values_not_compared else ""
@@ -1191,6 +1472,35 @@ def _format_bisect(backend: str, b: BisectResult) -> list[str]:
         lines.append(f"        candidate {_fmt_stats(s['candidate'])}")
         lines.append(f"        reference {_fmt_stats(s['reference'])}")
     return lines
+
+
+def _format_added_error(backend: str, a: AddedError | None) -> list[str]:
+    """The node whose own error is largest, against the other nodes and its inputs' error."""
+    if a is None:
+        return []
+    domain = f"{a.domain}::" if a.domain else ""
+    node = f"node '{a.node_name or a.output}' ({domain}{a.op_type}, opset {a.opset}), " \
+           f"node {a.position} in topological order" + (f", {a.simplifier}" if a.simplifier else "")
+    head = f"[{backend}] bisect: error grows most at {node}" if a.isolated_ulps > _ROUNDING_ULPS \
+        else f"[{backend}] bisect: no node adds more than rounding; the most: {node}"
+    others = f" ('{a.next_node}')" if a.next_node else ""
+    lines = [head, f"    on the reference's inputs it is off by {_ulps(a.isolated_ulps)} of "
+                   f"{a.dtype} (max abs error {_g(a.isolated_max_abs_error)} in '{a.output}'); "
+                   f"no other of the {a.nodes_isolated} nodes run so is off by more than "
+                   f"{_ulps(a.next_ulps)}{others}"]
+    if a.output_ulps is not None:
+        inputs = f"its inputs at most {_ulps(a.input_ulps)}, " if a.input_ulps is not None else ""
+        lines.append(f"    in the candidate's own run: {inputs}its output {_ulps(a.output_ulps)} "
+                     "off the reference")
+    return lines
+
+
+# Two correctly rounded results differ by up to one unit in the last place.
+_ROUNDING_ULPS = 1.0
+
+
+def _ulps(x: float) -> str:
+    return f"{x:.3g} ulp" + ("" if x == 1 else "s")
 
 
 def _summary_line(report: CheckReport) -> str:
@@ -1237,7 +1547,8 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `ember check` on an argparse subparsers object; sets command=cmd_check."""
     p = subparsers.add_parser("check", help="compare backends with a reference (golden tensors)",
                               description="Compare ember's outputs with a reference and, with "
-                              "--bisect, name the first node that diverges. Exit 0 pass, "
+                              "--bisect, name the first node that diverges and the node that adds "
+                              "the most error. Exit 0 pass, "
                               "1 mismatch, 2 error.")
     p.add_argument("model", help="path to an .onnx file")
     p.add_argument("--backend", default=None, metavar="B[,B...]",
@@ -1282,7 +1593,12 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--warm-up", type=_non_negative_int, default=0, metavar="K", dest="warm_up",
                    help="untimed runs before --iterations (default 0)")
     p.add_argument("--bisect", action="store_true",
-                   help="name the first node whose output diverges while its inputs agree")
+                   help="name the first node whose output diverges while its inputs agree, "
+                        "and the node that adds the most error when run alone on the "
+                        "reference's inputs")
+    p.add_argument("--simplify", action=argparse.BooleanOptionalAction, default=True,
+                   help="check each backend's graph simplified for it, as ember.load runs it "
+                        "(the default); --no-simplify checks the graph as imported")
     p.add_argument("--chunk", type=_positive_int, default=DEFAULT_CHUNK,
                    help="intermediates per onnxruntime/onnx run during --bisect "
                         f"(default {DEFAULT_CHUNK})")
@@ -1309,7 +1625,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                    validate=args.validate, topk=args.topk, fail_fast=args.fail_fast,
                    iterations=args.iterations, warm_up=args.warm_up, marks=args.mark,
                    input_sets=load_inputs(args.load_inputs) if args.load_inputs else None,
-                   save_inputs=args.save_inputs, save_outputs=args.save_outputs)
+                   save_inputs=args.save_inputs, save_outputs=args.save_outputs,
+                   simplify=args.simplify)
     print(report.format())
     if args.json:
         try:

@@ -189,7 +189,7 @@ def random_input(info: IOInfo, dims: Mapping[str, int], value_range: tuple[float
                          f"{limits.describe_bytes(limits.current())} per tensor; choose smaller "
                          f"--dim values")
     if dtype == bool:
-        return rng.random(shape) < 0.5
+        return np.asarray(rng.random(shape) < 0.5)  # a 0-d comparison gives a numpy scalar
     if dtype == object:
         return np.array(rng.choice(["a", "b", "c"], size=shape), dtype=object)
     if dtype.kind in "iu":

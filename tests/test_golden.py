@@ -110,7 +110,8 @@ def test_bisect_names_the_node_with_the_wrong_kernel(model_path, tmp_path, capsy
     assert sum(1 for _ in onnx.load(model_path).graph.node) >= 50
     break_tanh(monkeypatch)
     rc, report, out = run_cli([model_path, "--backend", "cpu", "--ref", ref, "--bisect",
-                               "--chunk", chunk, "--dim", "batch=4"], tmp_path, capsys)
+                               "--chunk", chunk, "--dim", "batch=4", "--no-simplify"],
+                              tmp_path, capsys)
     assert rc == 1
     finding = report["backends"][0]["bisect"]
     assert finding["found"] and finding["node_name"] == FAULTY and finding["op_type"] == "Tanh"
@@ -123,6 +124,12 @@ def test_bisect_names_the_node_with_the_wrong_kernel(model_path, tmp_path, capsy
     assert f"first divergence at node '{FAULTY}' (Tanh, opset 17)" in out.out
     outputs = {o["name"]: o["passed"] for o in report["backends"][0]["outputs"]}
     assert outputs == {"early": True, "y": False}
+    # run alone on the reference's inputs, the broken node is the one off by the shift
+    added = finding["added_error"]
+    assert added["node_name"] == FAULTY and added["simplifier"] == ""
+    assert added["isolated_max_abs_error"] == pytest.approx(0.1, abs=1e-5)
+    assert added["next_ulps"] <= 2
+    assert f"bisect: error grows most at node '{FAULTY}' (Tanh, opset 17)" in out.out
 
 
 def test_bisect_opencl_against_cpu_names_the_wrong_device_kernel(model_path, tmp_path, capsys,
@@ -137,12 +144,15 @@ def test_bisect_opencl_against_cpu_names_the_wrong_device_kernel(model_path, tmp
         pytest.skip("no OpenCL Tanh kernel to break")
     break_tanh(monkeypatch, backend="opencl")
     rc, report, out = run_cli([model_path, "--backend", "opencl", "--ref", "cpu", "--bisect",
-                               "--dim", "batch=4"], tmp_path, capsys)
+                               "--dim", "batch=4", "--no-simplify"], tmp_path, capsys)
     assert rc == 1, out.out + out.err
     finding = report["backends"][0]["bisect"]
     assert finding["found"] and finding["node_name"] == FAULTY
     assert finding["inputs"][0]["status"] == "agrees"
     assert finding["outputs"][0]["max_abs_error"] == pytest.approx(0.1, abs=1e-5)
+    # isolated on the device: the reference's values uploaded for the broken OpenCL kernel
+    assert finding["added_error"]["node_name"] == FAULTY
+    assert finding["added_error"]["isolated_max_abs_error"] == pytest.approx(0.1, abs=1e-5)
 
 
 def test_bisect_in_lockstep_with_another_ember_plan(model_path):
@@ -163,12 +173,14 @@ def test_bisect_in_lockstep_with_another_ember_plan(model_path):
 
 def test_bisect_finds_nothing_when_backends_agree(model_path, tmp_path, capsys):
     np.save(tmp_path / "x.npy", np.ones((6, 16), np.float32))
-    rc, report, out = run_cli([model_path, "--ref", "cpu", "--bisect", "-i",
+    rc, report, out = run_cli([model_path, "--ref", "cpu", "--bisect", "--no-simplify", "-i",
                                f"x={tmp_path / 'x.npy'}"], tmp_path, capsys)
     assert rc == 0 and report["inputs"]["x"]["shape"] == [6, 16]
     assert report["backends"][0]["bisect"]["found"] is False
     assert report["backends"][0]["bisect"]["nodes_compared"] == BLOCKS * 4 + 2
     assert "no node diverges" in out.out
+    assert report["backends"][0]["bisect"]["added_error"]["isolated_ulps"] == 0  # same kernels
+    assert "bisect: no node adds more than rounding" in out.out
 
 
 # -- recorded references ----------------------------------------------------------------------
@@ -208,7 +220,7 @@ def test_onnx_test_directory_reference(model_path, tmp_path, capsys, monkeypatch
     rc, report, _ = run_cli([model_path, "--ref", tmp_path / "case"], tmp_path, capsys)
     assert rc == 0 and report["inputs"]["x"]["shape"] == [2, 16]
     break_tanh(monkeypatch)
-    rc, report, _ = run_cli([model_path, "--ref", data_set], tmp_path, capsys)
+    rc, report, _ = run_cli([model_path, "--ref", data_set, "--no-simplify"], tmp_path, capsys)
     assert rc == 1
     rc, _, out = run_cli([model_path, "--ref", data_set, "--bisect"], tmp_path, capsys)
     assert rc == 2 and "--bisect needs a reference that can run the model" in out.err
@@ -224,7 +236,7 @@ def test_per_output_tolerance_and_failing_output_statistics(model_path, tmp_path
     x = np.random.default_rng(4).standard_normal((4, 16)).astype(np.float32)
     np.savez(feeds_file, x=x)
     args = [model_path, "--inputs", feeds_file, "--atol", "1e-4", "--rtol", "0",
-            "--atol", "early:1e-3"]
+            "--atol", "early:1e-3", "--no-simplify"]
     rc, report, out = run_cli(args, tmp_path, capsys)
     assert rc == 1
     y = next(o for o in report["backends"][0]["outputs"] if o["name"] == "y")
@@ -367,6 +379,40 @@ def test_dimension_expressions_size_random_inputs(tmp_path):
     assert dim_size("__import__('os').getpid()", {}) == 1
 
 
+
+def test_a_random_0d_bool_input_runs_against_onnxruntime(tmp_path):
+    """A 0-d bool input (a flag) drawn at random is a 0-d array, as onnxruntime takes it: a
+    numpy scalar (what `rng.random(()) < 0.5` gives) it refused. 0-d outputs compare too."""
+    from ember.inputs import make_inputs
+    from ember.runtime.session import load
+    graph = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["minus_x"]),
+         helper.make_node("Where", ["flag", "x", "minus_x"], ["y"]),
+         helper.make_node("ReduceSum", ["y"], ["total"], keepdims=0),
+         helper.make_node("Not", ["flag"], ["unflagged"])], "flagged",
+        [helper.make_tensor_value_info("flag", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3]),
+         helper.make_tensor_value_info("total", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("unflagged", TensorProto.BOOL, [])])
+    path = str(tmp_path / "flag.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    flag = make_inputs(load(path).inputs, seed=0)["flag"]
+    assert isinstance(flag, np.ndarray) and flag.shape == () and flag.dtype == bool
+    save, flags = tmp_path / "g.npz", set()
+    for seed in ("0", "1", "2", "3"):
+        assert cli_main(["check", path, "--ref", "onnxruntime", "--seed", seed,
+                         "--save-golden", str(save)]) == 0
+        with np.load(save) as data:
+            assert data["input:flag"].shape == () and data["input:flag"].dtype == bool
+            flags.add(bool(data["input:flag"]))
+            want = data["input:x"] if data["input:flag"] else -data["input:x"]
+            np.testing.assert_array_equal(data["output:y"], want)
+            assert data["output:total"].shape == data["output:unflagged"].shape == ()
+    assert flags == {False, True}
+    report = golden.check(path, "cpu", ref="onnxruntime", bisect=True)
+    assert report.passed and [c.total for c in report.backends[0].outputs] == [3, 1, 1]
+
 # -- comparing values (hand-computed expectations) --------------------------------------------
 
 def test_compare_elementwise_statistics():
@@ -494,7 +540,8 @@ def test_fail_fast_and_timing(model_path, monkeypatch):
     assert "latency: median" in golden.format_report(report)
     break_tanh(monkeypatch)
     assert len(golden.check(model_path, "cpu,cpu", ref="onnxruntime").backends) == 2
-    failing = golden.check(model_path, "cpu,cpu", ref="onnxruntime", fail_fast=True)
+    failing = golden.check(model_path, "cpu,cpu", ref="onnxruntime", fail_fast=True,
+                           simplify=False)
     assert not failing.passed and len(failing.backends) == 1
     with pytest.raises(SystemExit):
         cli_main(["check", model_path, "--iterations", "-1"])
@@ -505,12 +552,14 @@ def test_marked_intermediates_are_compared(model_path, monkeypatch):
     a broken kernel upstream of it shows there, and one downstream does not."""
     tanh = next(n for n in onnx.load(model_path).graph.node if n.name == FAULTY)
     before, after = tanh.input[0], tanh.output[0]    # the broken Tanh's input and output
-    report = golden.check(model_path, "cpu", ref="onnxruntime", marks=[before, after])
+    report = golden.check(model_path, "cpu", ref="onnxruntime", marks=[before, after],
+                          simplify=False)
     marked = {c.name: c for c in report.backends[0].outputs if c.name.startswith("mark:")}
     assert set(marked) == {f"mark:{before}", f"mark:{after}"}
     assert all(c.passed for c in marked.values())
     break_tanh(monkeypatch)
-    report = golden.check(model_path, "cpu", ref="onnxruntime", marks=[before, after])
+    report = golden.check(model_path, "cpu", ref="onnxruntime", marks=[before, after],
+                          simplify=False)
     marked = {c.name: c for c in report.backends[0].outputs if c.name.startswith("mark:")}
     assert marked[f"mark:{before}"].passed and not marked[f"mark:{after}"].passed
     with pytest.raises(EmberError, match="--mark: no node produces nope"):
@@ -549,7 +598,8 @@ def test_polygraphy_json_inputs_outputs_and_reference(model_path, tmp_path, monk
     results.save(recorded)
     assert cli_main(["check", model_path, "--ref", recorded, "--load-inputs", inputs]) == 0
     break_tanh(monkeypatch)
-    assert cli_main(["check", model_path, "--ref", recorded, "--load-inputs", inputs]) == 1
+    assert cli_main(["check", model_path, "--ref", recorded, "--load-inputs", inputs,
+                     "--no-simplify"]) == 1
 
 
 def test_polygraphy_json_refuses_what_is_not_arrays(model_path, tmp_path, capsys):

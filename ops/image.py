@@ -502,6 +502,8 @@ class RoiAlign(OpImpl):
         if ct not in ("half_pixel", "output_half_pixel"):
             raise self.fail(f"unsupported coordinate_transformation_mode '{ct}'")
         self.half_pixel = ct == "half_pixel"
+        if not math.isfinite(float(self.spatial_scale)):
+            raise self.fail(f"spatial_scale must be finite, got {self.spatial_scale}")
 
     def run(self, x, rois, batch_indices):
         xp = self.xp
@@ -519,6 +521,10 @@ class RoiAlign(OpImpl):
         # each roi's geometry (sample counts, tap positions) is worked out on the host
         bidx = _xp.to_host(xp, batch_indices).reshape(-1).astype(np.int64, copy=False)
         rv = _xp.to_host(xp, rois).astype(np.float64, copy=False)
+        with np.errstate(over="ignore", invalid="ignore"):
+            finite = np.isfinite(rv * scale).all()
+        if not finite:  # a box at no place has samples at no index
+            raise self.fail("rois (times spatial_scale) must be finite")
         for i in range(k):
             b = int(bidx[i])
             if not 0 <= b < n:
@@ -532,6 +538,7 @@ class RoiAlign(OpImpl):
             gh = sr if sr > 0 else int(math.ceil(rh / oh))
             gw = sr if sr > 0 else int(math.ceil(rw / ow))
             count = max(gh * gw, 1)
+            limits.check_shape((oh * gh, ow * gw), work_dt)  # a huge box's adaptive samples
             yl, yh, why, wly = _roi_axis_samples(y1, bh, oh, gh, h)
             xl, xh, whx, wlx = _roi_axis_samples(x1, bw, ow, gw, w)
             img = x[b].astype(work_dt, copy=False)

@@ -287,3 +287,28 @@ def test_every_wrong_kind_the_fuzzer_builds_is_checked_here():
     import fuzz_mutants as fm
 
     assert set(KIND_CASES) == set(fm.ISSUE43_VARIANTS)
+
+
+def _roi_align(scale: float) -> onnx.ModelProto:
+    node = helper.make_node("RoiAlign", ["x", "rois", "idx"], ["y"], output_height=2,
+                            output_width=2, spatial_scale=scale)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4]),
+                      helper.make_tensor_value_info("rois", TensorProto.FLOAT, [1, 4]),
+                      helper.make_tensor_value_info("idx", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+
+
+def test_roi_align_refuses_boxes_at_no_place():
+    """A non-finite spatial_scale (found by the long fuzz campaign: an IndexError inside the
+    kernel) is refused at load; boxes that scale to non-finite coordinates at run time."""
+    with pytest.raises(ember.InvalidModelError, match="spatial_scale must be finite"):
+        ember.load(_roi_align(float("inf")))
+    feeds = {"x": np.ones((1, 1, 4, 4), np.float32), "idx": np.zeros(1, np.int64)}
+    sess = ember.load(_roi_align(1e30))
+    assert sess.run({**feeds, "rois": np.zeros((1, 4), np.float32)})["y"].shape == (1, 1, 2, 2)
+    with pytest.raises(ember.EmberError, match="must be finite"):
+        sess.run({**feeds, "rois": np.array([[0, 0, np.inf, 1]], np.float32)})
+    with pytest.raises(ember.EmberError, match="RoiAlign"):  # 5e29 samples a bin: refused
+        sess.run({**feeds, "rois": np.array([[0, 0, 1, 1]], np.float32)})

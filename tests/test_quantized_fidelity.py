@@ -443,3 +443,42 @@ def test_qlinear_matmul_requantizes_as_onnxruntime():
                                 providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
     got = ember.load(model, backend="cpu").run({"a": a})
     assert_bits(got, {"y": want}, "QLinearMatMul")
+
+
+def _qlinear_add(shape_a, shape_b, params):
+    from onnx import TensorProto, helper
+
+    names = ["a", "sa", "za", "b", "sb", "zb", "sc", "zc"]
+    inits = [numpy_helper.from_array(np.array(v), n) for n, v in zip(names[1:3] + names[4:], params)]
+    node = helper.make_node("QLinearAdd", names, ["c"], domain="com.microsoft")
+    graph = helper.make_graph([node], "qadd", [
+        helper.make_tensor_value_info("a", TensorProto.UINT8, shape_a),
+        helper.make_tensor_value_info("b", TensorProto.UINT8, shape_b)],
+        [helper.make_tensor_value_info("c", TensorProto.UINT8, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                   helper.make_opsetid("com.microsoft", 1)])
+
+
+# Residual Adds' parameters from a real-size QDQ MobileNetV2 (float32 bits of the A, B and C
+# scales; the A, B and C zero points), each of which moved one code in the 65,536 pairs when
+# the sum was formed in another order than onnxruntime's kernel.
+_ADD_PARAMETERS = [((1002358074, 1004555017, 1007811644), (104, 114, 121)),
+                   ((1011397394, 1004078137, 1012608007), (127, 146, 101)),
+                   ((1012283499, 1007240464, 1012353708), (154, 138, 140))]
+
+
+@pytest.mark.parametrize("bits,zeros", _ADD_PARAMETERS)
+def test_qlinear_add_every_code_pair_as_onnxruntime(bits, zeros):
+    """QLinearAdd on all 256 x 256 pairs of codes, same shapes and with either side broadcast
+    along the innermost axis: onnxruntime's bits."""
+    scales = np.array(bits, np.uint32).view(np.float32)
+    params = [scales[0], np.uint8(zeros[0]), scales[1], np.uint8(zeros[1]), scales[2],
+              np.uint8(zeros[2])]
+    a = np.repeat(np.arange(256, dtype=np.uint8), 256).reshape(256, 256)
+    b = np.tile(np.arange(256, dtype=np.uint8), 256).reshape(256, 256)
+    for fa, fb in ((a, b), (a, b[:, :1]), (a[:, :1], b), (a, b[:1, :1])):
+        model = _qlinear_add(list(fa.shape), list(fb.shape), params)
+        want = ort.InferenceSession(model.SerializeToString(),
+                                    providers=["CPUExecutionProvider"]).run(None, {"a": fa, "b": fb})
+        got = ember.load(model, backend="cpu").run({"a": fa, "b": fb})
+        assert_bits(got, {"c": want[0]}, f"QLinearAdd {fa.shape} + {fb.shape}")

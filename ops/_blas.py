@@ -151,7 +151,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
 def product_fields(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray | None:
     """The board's fields (from _KIND on, addresses filled in) for out = a @ b where `matmul`
     would cut it into pieces on the board, else None: for a kernel that runs the pieces
-    itself (`product_piece`) and does more on each (ops/fused.py's epilogue)."""
+    itself (`product_piece`) and does more on each (ops/_epilogue.py's epilogue)."""
     plan = _plan_of(a, b, out)
     return None if plan is None else _with_addresses(plan[1], a, b, out)
 

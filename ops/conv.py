@@ -32,7 +32,8 @@ import math
 import numpy as np
 
 from ember import limits
-from ember.ops import _blas, _compiled, _tiles, _xp
+from ember.ops import _blas, _compiled, _epilogue, _tiles, _xp
+from ember.ops._layout import channels_last
 from ember.ops.linalg import check_numeric
 from ember.ops.registry import OpImpl, register
 
@@ -252,7 +253,7 @@ def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, 
     assert clamp is None, "a clamp only where clamps_in_pass"
 
     if K == 1 and not any(begin) and not any(end):
-        if xp is np and _channels_last(x):   # (as pointwise_cl_fits says, past the above)
+        if xp is np and channels_last(x):   # (as pointwise_cl_fits says, past the above)
             return _pointwise_cl(x, w, group, strides, outs, bias, cache)
         # pointwise: plain matmul over (strided) pixels
         if any(s != 1 for s in strides):
@@ -330,14 +331,6 @@ _IMAGE_CHANNELS = 4      # at most this many input channels: a first layer (RGB,
 # (their GEMM reads it as a plain (N*H*W, C) matrix, transposes included, and writes (N*H*W,
 # M)), so a chain of depthwise-separable blocks stays channels-last without a transposing
 # copy between layers; every other kernel reads any strides.
-
-
-def _channels_last(x):
-    """Whether x (N, C, *spatial) is a view of C-contiguous (N, *spatial, C) memory (and not
-    also plain C-contiguous, as when C or the spatial size is 1)."""
-    if x.ndim < 3 or x.flags.c_contiguous:
-        return False
-    return x.transpose(0, *range(2, x.ndim), 1).flags.c_contiguous
 
 
 def clamps_in_pass(xp, x, w, group, kernel, begin, end) -> bool:
@@ -781,7 +774,7 @@ def pointwise_cl_fits(xp, x, w, group, kernel, begin, end) -> bool:
     """Whether conv_nd runs this convolution as `_pointwise_cl` (a 1x1 convolution of a
     channels-last x: one product, (pixels, C) @ pointwise_weights)."""
     return (xp is np and math.prod(kernel) == 1 and not any(begin) and not any(end)
-            and _channels_last(x) and not _depthwise_fast(x, w, group, kernel, begin, end)
+            and channels_last(x) and not _depthwise_fast(x, w, group, kernel, begin, end)
             and not _tiled_fits(x, w, group, begin, end))
 
 
@@ -841,7 +834,7 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
 # the patch rows ran 60-130 (with the copies), the 7x7 stem at batch 1 2.2 -> 1.4 ms,
 # UNet's 32-channel layers 2-3x faster than the shifted GEMMs below. Elsewhere the kernels
 # below serve. In runs, a 1x1 convolution of a channels-last image takes the tiles as a
-# route of its own, its residual and activation in its pieces (fused._TilesPointwiseRoute);
+# route of its own, its residual and activation in its pieces (_epilogue.TilesPointwiseRoute);
 # conv_nd's path takes them for 1x1 ones only where `_pointwise_tiles_fit` says.
 #
 # On AVX2 the tiles are 6 pixels by 16 channels and serve sums of at most _NARROW_TILES_MAX_K
@@ -1299,9 +1292,8 @@ class Conv(_ConvBase):
                                         outs, cache)
         if math.prod(kernel) > 1 and _tiled_fits(x, w, self.group, begin, end):
             return _TiledRoute(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp)
-        from ember.ops import fused  # here: fused imports this module
-        if fused.tiles_pointwise_fits(x, w, b, self.group, strides, begin, end):
-            route = fused.tiles_pointwise_route(x, w, bias, None, clamp, "", [])
+        if _epilogue.tiles_pointwise_fits(x, w, b, self.group, strides, begin, end):
+            route = _epilogue.tiles_pointwise_route(x, w, bias, None, clamp, "", [])
             if route is not None:
                 return route
         # a 1x1 convolution whose bias _pointwise_cl adds after its product (not folded into
@@ -1309,7 +1301,7 @@ class Conv(_ConvBase):
         if clamp is None and _blas.in_run() and self.group == 1 and all(
                 s == 1 for s in strides) and (b is None or C >= M) and pointwise_cl_fits(
                 np, x, w, self.group, kernel, begin, end):
-            return fused.pointwise_route(x, pointwise_weights(w, cache), bias, None, "", [])
+            return _epilogue.pointwise_route(x, pointwise_weights(w, cache), bias, None, "", [])
         return None
 
 
@@ -1320,9 +1312,9 @@ _FLOAT32_EXACT = 2 ** 24
 
 def _exact_int_conv(xp, op, x, w, x_zp, w_zp):
     """Integer convolution (N, M, *outs): conv(x - x_zp, w - w_zp), exact integers held in a
-    float array. It runs as a float convolution on the shifted values: float32 where every partial sum is
-    bounded below 2**24 (the largest |x - x_zp| times a channel's sum of |w - w_zp|), else
-    float64."""
+    float array. It runs as a float convolution on the shifted values: float32 where every
+    partial sum is bounded below 2**24 (the largest |x - x_zp| times a channel's sum of
+    |w - w_zp|), else float64."""
     kernel, strides, dilations, begin, end = op.geometry(x, w)
     x_zero = 0.0
     if x_zp is not None:

@@ -23,9 +23,9 @@ import numpy as np
 
 from ember import limits
 from ember.ops import _compiled, _xp
-from ember.ops.conv import (_channels_last, auto_pads, check_window_attributes, compute_dtype,
-                            ints, out_size, pad_array, remembered_geometry, tap_slices,
-                            window3x3_offsets)
+from ember.ops._layout import channels_last
+from ember.ops.conv import (auto_pads, check_window_attributes, compute_dtype, ints, out_size,
+                            pad_array, remembered_geometry, tap_slices, window3x3_offsets)
 from ember.ops.registry import OpImpl, register
 
 
@@ -260,7 +260,7 @@ def _maxpool2d(x, kernel, strides, dilations, begin, outs):
     N, C = x.shape[:2]
     (oh, ow), taps = outs, kernel[0] * kernel[1]
     geometry = (*kernel, *strides, *begin, *dilations)
-    if _channels_last(x):
+    if channels_last(x):
         rows_kernel = _compiled.jit(_maxpool2d_channels_last_rows)
         if rows_kernel is None:
             return None

@@ -14,7 +14,7 @@ import numpy as np
 
 from ember import limits
 from ember.ops import _compiled
-from ember.ops.conv import _channels_last
+from ember.ops._layout import channels_last
 from ember.ops.registry import OpImpl, register
 
 
@@ -181,7 +181,7 @@ class Transpose(OpImpl):
             # already laid out so (a channels-last kernel's result taken to NHWC): a view,
             # as Reshape's results are
             return y
-        if self.xp is np and _channels_last(y):
+        if self.xp is np and channels_last(y):
             # NHWC taken back to NCHW (ConvNeXt's blocks): the channels-last view the CPU
             # convolutions return and take as they are, and elementwise ops keep
             return y
@@ -294,7 +294,7 @@ def _mostly_channels_last(xs) -> bool:
                               x.shape[0] != first.shape[0] or x.shape[2:] != first.shape[2:]
                               for x in xs):
         return False
-    return 2 * sum(x.size for x in xs if _channels_last(x)) >= sum(x.size for x in xs)
+    return 2 * sum(x.size for x in xs if channels_last(x)) >= sum(x.size for x in xs)
 
 
 def _concat_channels_last(xs):
@@ -305,7 +305,7 @@ def _concat_channels_last(xs):
     thread its own rows (`_concat_pixels`)."""
     N, _, H, W = xs[0].shape
     out = np.empty((N, H, W, sum(x.shape[1] for x in xs)), xs[0].dtype)
-    if len(xs) == 2 and xs[0].dtype == np.float32 and all(_channels_last(x) for x in xs):
+    if len(xs) == 2 and xs[0].dtype == np.float32 and all(channels_last(x) for x in xs):
         kernel = _compiled.jit(_concat_pixels)
         if kernel is not None:
             a, b = (x.transpose(0, 2, 3, 1).reshape(N * H * W, x.shape[1]) for x in xs)

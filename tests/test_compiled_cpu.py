@@ -38,8 +38,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ember
-from ember.ops import (_compiled, _tiles, activations, conv, fused, linalg, normalization,
-                       pool, reduction, rnn)
+from ember.ops import (_compiled, _epilogue, _layout, _tiles, activations, conv, fused, linalg,
+                       normalization, pool, reduction, rnn)
 from ember.runtime import threads
 
 ort = pytest.importorskip("onnxruntime")
@@ -648,14 +648,14 @@ def test_compiled_epilogue_gives_the_numpy_epilogues_bits(activation, params, la
     channels = None
     if bias_over == "channels":
         bias, channels = None, rng.standard_normal(24).astype(dtype)
-    assert y.size >= fused._EPILOGUE_MIN
+    assert y.size >= _epilogue._EPILOGUE_MIN
     compiled, numpy_ = y.copy(order="K"), y.copy(order="K")
     runs = activation != "Gelu" or dtype == np.float32
-    assert fused._epilogue_compiled(compiled, bias, z, activation, params, channels) is runs
+    assert _epilogue._epilogue_compiled(compiled, bias, z, activation, params, channels) is runs
     if not runs:
         return
-    monkeypatch.setattr(fused, "_epilogue_compiled", lambda *args: False)  # numpy's
-    assert fused.epilogue(np, numpy_, bias, z, activation, params, channels) is numpy_
+    monkeypatch.setattr(_epilogue, "_epilogue_compiled", lambda *args: False)  # numpy's
+    assert _epilogue.epilogue(np, numpy_, bias, z, activation, params, channels) is numpy_
     if activation == "Gelu" and params:  # our float32 tanh: within 2 ulp of numpy's
         np.testing.assert_allclose(compiled, numpy_, rtol=1e-6, atol=1e-6)
         return
@@ -663,7 +663,7 @@ def test_compiled_epilogue_gives_the_numpy_epilogues_bits(activation, params, la
     np.testing.assert_array_equal(compiled.view(bits), numpy_.view(bits))
     if channels is not None:   # and numpy's own broadcast, written out
         want = y + channels.reshape(24, 1, 1) + z
-        fused.activate_in_place(np, want, activation, params)
+        _epilogue.activate_in_place(np, want, activation, params)
         np.testing.assert_array_equal(numpy_, want)
 
 
@@ -678,8 +678,8 @@ def test_compiled_relu_keeps_the_numpy_epilogues_zeros_and_nans(activation, para
     y[0, :6] = [-0.0, 0.0, np.nan, -np.nan, -np.inf, np.inf]
     y[1, :2] = [-1e-45, 1e-45]
     compiled, numpy_ = y.copy(), y.copy()
-    assert fused._epilogue_compiled(compiled, None, None, activation, params)
-    fused.activate_in_place(np, numpy_, activation, params)
+    assert _epilogue._epilogue_compiled(compiled, None, None, activation, params)
+    _epilogue.activate_in_place(np, numpy_, activation, params)
     np.testing.assert_array_equal(compiled.view(np.int32), numpy_.view(np.int32))
 
 
@@ -772,8 +772,8 @@ POINTWISE_ROUTES = {
 @pytest.mark.parametrize("route", ["products", "tiles"])
 @pytest.mark.parametrize("case", list(POINTWISE_ROUTES))
 def test_pointwise_fused_conv_finishes_in_its_pieces(case, route, monkeypatch):
-    """The route runs: the product's (fused._PointwiseRoute: the bits of the convolution's
-    own path with its separate epilogue) or the tiles' (fused._TilesPointwiseRoute: the bits
+    """The route runs: the product's (_epilogue.PointwiseRoute: the bits of the convolution's
+    own path with its separate epilogue) or the tiles' (_epilogue.TilesPointwiseRoute: the bits
     of one thread), in a session shared by threads too, and matches onnxruntime. A plain
     Conv (its bias the only epilogue) takes it too."""
     pytest.importorskip("numba")
@@ -783,7 +783,7 @@ def test_pointwise_fused_conv_finishes_in_its_pieces(case, route, monkeypatch):
     if route == "tiles" and (_tiles.kernel() is None or not _tiles.WIDE):
         pytest.skip("the tiles serve 1x1 convolutions on AVX-512 only")
     if route == "products":
-        monkeypatch.setattr(fused, "tiles_pointwise_size", lambda x, w: False)
+        monkeypatch.setattr(_epilogue, "tiles_pointwise_size", lambda x, w: False)
     c, m, size, batch, activation, residual = POINTWISE_ROUTES[case]
     rng = np.random.default_rng(len(case))
     inits = [numpy_helper.from_array(rng.standard_normal((c, 1, 3, 3)).astype(np.float32), "dw"),
@@ -809,7 +809,7 @@ def test_pointwise_fused_conv_finishes_in_its_pieces(case, route, monkeypatch):
         ("FusedConv" if activation or residual else "Conv")
     x = rng.standard_normal((batch, c, size, size)).astype(np.float32)
     routed = []
-    kind = fused._PointwiseRoute if route == "products" else fused._TilesPointwiseRoute
+    kind = _epilogue.PointwiseRoute if route == "products" else _epilogue.TilesPointwiseRoute
     run = kind.run
     monkeypatch.setattr(kind, "run", lambda self, *a: (routed.append(1), run(self, *a))[1])
     got = sess.run({"x": x})[last]
@@ -932,7 +932,7 @@ def test_fused_conv_gelu_matches_onnxruntime(kernels, layout, approximate, monke
     if kernels == "numba":
         pytest.importorskip("numba")
     else:
-        for loops in (fused._epilogue_loops, activations._gelu_erf32_loops):
+        for loops in (_epilogue._epilogue_loops, activations._gelu_erf32_loops):
             monkeypatch.setitem(_compiled._compiled, loops, None)
     rng = np.random.default_rng(9)
     c, m = 24, 40
@@ -1518,7 +1518,7 @@ def test_tiles_read_a_channels_last_input_where_it_lies(monkeypatch):
     inputs, padded = [], []
     run, pad = conv._TiledRoute.run, conv._TiledRoute._padded
     monkeypatch.setattr(conv._TiledRoute, "run", lambda self, x: (
-        inputs.append(conv._channels_last(x)), run(self, x))[1])
+        inputs.append(_layout.channels_last(x)), run(self, x))[1])
     monkeypatch.setattr(conv._TiledRoute, "_padded", lambda self, layout: (
         padded.append(1), pad(self, layout))[1])
     want = ort.InferenceSession(proto.SerializeToString(),
@@ -1611,7 +1611,7 @@ def _split_kernel_cases():
 
         def compute():
             out = y.copy()
-            assert fused._epilogue_compiled(out, row, z, "Clip", [-0.5, 0.5])
+            assert _epilogue._epilogue_compiled(out, row, z, "Clip", [-0.5, 0.5])
             return out
         return compute
 
@@ -1708,7 +1708,7 @@ def test_channels_last_concat_of_two_images_copies_them_pixel_by_pixel(in_run):
     finally:
         if in_run:
             threads.leave()
-    assert conv._channels_last(got)
+    assert _layout.channels_last(got)
     np.testing.assert_array_equal(got, np.concatenate([a, b], axis=1))
 
 

@@ -1186,7 +1186,7 @@ class _ConvBase(OpImpl):
     def geometry(self, x, w):
         """(kernel, strides, dilations, pads begin, pads end) for these input and weight."""
         if x.__class__ is not np.ndarray or w.__class__ is not np.ndarray \
-                or "O" in (x.dtype.kind, w.dtype.kind):  # cheap first: a convolution reads them first
+                or "O" in (x.dtype.kind, w.dtype.kind):  # the cheap test first
             check_numeric(self, X=x, W=w)
         return remembered_geometry(self, (x.shape, w.shape), lambda: self._geometry(x, w))
 

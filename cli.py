@@ -21,7 +21,7 @@ from ember import __version__
 from ember.errors import EmberError, InputError
 from ember.golden import add_check_parser
 from ember.native.convert import add_convert_parser
-from ember.simplifier.cli import add_simplify_parser
+from ember.simplify_cli import add_simplify_parser
 from ember.importer import import_model
 from ember.inputs import (index_bounds, int_at_least, load_input_files, make_inputs, parse_dims,
                           parse_pairs)

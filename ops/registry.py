@@ -36,6 +36,9 @@ from ember.ir import Node
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
+# The backends a kernel may be registered for (ember.runtime.backends makes them).
+BACKENDS = ("cpu", "opencl", "cuda")
+
 # (backend, domain, op_type) -> {since_version: impl class}
 _TABLE: dict[tuple[str, str, str], dict[int, type["OpImpl"]]] = {}
 

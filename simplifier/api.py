@@ -20,12 +20,11 @@ from ember.errors import InputError
 from ember.importer import ModelSource, import_model
 from ember.importer.onnx_export import export_model
 from ember.ir import Model, TensorType, ValueInfo
+from ember.ops.registry import BACKENDS
 
 
 def parse_target(target: str) -> tuple[bool, str]:
     """(portable, backend) for a target: "onnx", "ember" or "ember:BACKEND"."""
-    from ember.runtime.backends import BACKENDS
-
     if target == "onnx":
         return True, "cpu"
     kind, _, backend = target.partition(":")

@@ -18,7 +18,7 @@ import ember
 from ember.importer import import_model
 from ember.importer.onnx_export import export_model
 from ember.simplifier import PASSES, UnknownPassError, simplify
-from ember.simplifier.cli import add_simplify_parser
+from ember.simplify_cli import add_simplify_parser
 from ember.simplifier.context import Context
 from ember.simplifier.passes.shape_inference import infer_shapes
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import os
 
 from ember.errors import BackendUnavailableError
+from ember.ops.registry import BACKENDS
 from ember.runtime.backends.base import Backend, CpuBackend
-
-BACKENDS = ("cpu", "opencl", "cuda")
 
 _instances: dict[str, Backend] = {}
 

@@ -19,6 +19,7 @@ import numpy as np
 from ember.errors import EmberError
 from ember.ir import Graph, Model, topological_order
 from ember.simplifier.context import Context, graphs_of
+from ember.simplifier.graph import outer_names
 from ember.simplifier.passes.constant_folding import constants_to_initializers, fold_constants
 from ember.simplifier.passes.cse import eliminate_common_subexpressions
 from ember.simplifier.passes.dead_code import eliminate_dead_code
@@ -166,16 +167,6 @@ def sort_topologically(graph: Graph) -> None:
         ordered = topological_order(g, available)
         seen = {id(n) for n in ordered}
         g.nodes = ordered + [n for n in g.nodes if id(n) not in seen]
-
-
-def outer_names(graph: Graph) -> set[str]:
-    """Names `graph` reads that none of its nodes, inputs or initialisers define (captures
-    from enclosing graphs); unlike Graph.free_names this ignores node order."""
-    defined = {v.name for v in graph.inputs} | set(graph.initializers) | {""}
-    for node in graph.nodes:
-        defined.update(node.outputs)
-    read = {name for node in graph.nodes for name in list(node.inputs) + node.implicit_inputs}
-    return read - defined
 
 
 __all__ = ["simplify", "copy_structure", "PASSES", "Context", "UnknownPassError",

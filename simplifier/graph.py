@@ -313,3 +313,13 @@ def folds_exactly(exact: np.ndarray, dtype: np.dtype) -> bool:
     with np.errstate(all="ignore"):
         stored = np.asarray(exact).astype(dtype).astype(np.float64)
         return bool(np.all((stored == exact) | (np.isnan(stored) & np.isnan(exact))))
+
+
+def outer_names(graph: Graph) -> set[str]:
+    """Names `graph` reads that none of its nodes, inputs or initialisers define (captures
+    from enclosing graphs); unlike Graph.free_names this ignores node order."""
+    defined = {v.name for v in graph.inputs} | set(graph.initializers) | {""}
+    for node in graph.nodes:
+        defined.update(node.outputs)
+    read = {name for node in graph.nodes for name in list(node.inputs) + node.implicit_inputs}
+    return read - defined

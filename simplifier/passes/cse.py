@@ -7,7 +7,7 @@ import numpy as np
 from ember.errors import InvalidModelError
 from ember.ir import Graph, Node, topological_order
 from ember.simplifier.context import Context
-from ember.simplifier.graph import GraphIndex, alias, drop_dead, rename_many
+from ember.simplifier.graph import GraphIndex, alias, drop_dead, outer_names, rename_many
 from ember.simplifier.passes.constant_folding import NONDETERMINISTIC
 
 # Constants are compared byte for byte up to this size; larger ones are left alone.
@@ -35,8 +35,6 @@ def eliminate_common_subexpressions(graph: Graph, ctx: Context) -> bool:
 
 
 def _topological(graph: Graph) -> list[Node]:
-    from ember.simplifier import outer_names
-
     available = {v.name for v in graph.inputs} | set(graph.initializers) | outer_names(graph)
     try:
         return topological_order(graph, available)

@@ -41,6 +41,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from ember import config
 from ember.errors import EmberError, ResourceLimitError
 
 ENV = "EMBER_MAX_TENSOR_BYTES"
@@ -70,7 +71,7 @@ def resolve(max_tensor_bytes: Any = None) -> int:
 
 def default_max_tensor_bytes() -> int:
     """$EMBER_MAX_TENSOR_BYTES if set, else half of the memory this process may use."""
-    text = os.environ.get(ENV, "").strip()
+    text = config.text(ENV) or ""
     if text:
         return _parse_bytes(text)
     return _memory_default()
@@ -128,7 +129,7 @@ def max_loop_iterations() -> int:
     """The most iterations one run of a Loop node may make: $EMBER_MAX_LOOP_ITERATIONS if set
     (a positive int), else DEFAULT_MAX_LOOP_ITERATIONS. Read at each run of a Loop (not per
     iteration), so a change of the variable applies to the next run."""
-    text = os.environ.get(LOOP_ENV, "").strip()
+    text = config.text(LOOP_ENV) or ""
     if not text:
         return DEFAULT_MAX_LOOP_ITERATIONS
     value = int(text) if text.isdigit() else 0

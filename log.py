@@ -13,7 +13,8 @@ log_severity_level) set the same logger's level: 0 verbose = DEBUG, 1 info, 2 wa
 from __future__ import annotations
 
 import logging
-import os
+
+from ember import config
 
 logger = logging.getLogger("ember")
 
@@ -35,7 +36,7 @@ def set_ort_severity(severity: int) -> None:
 def configure_from_env() -> None:
     """Apply EMBER_LOG, if set, to the `ember` logger (an unknown value is ignored with a
     warning of its own: logging must never stop a model from loading)."""
-    value = os.environ.get("EMBER_LOG", "").strip().lower()
+    value = (config.text("EMBER_LOG") or "").lower()
     if not value:
         return
     level = _LEVELS.get(value)

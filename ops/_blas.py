@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from ember import config
 from ember.ops import _compiled
 
 _address = _compiled.address  # an array's data pointer
@@ -105,7 +106,7 @@ class _Blas:
 def _blas() -> _Blas | None:
     """numpy's OpenBLAS's GEMMs and GEMVs, or None where products stay with np.matmul (see
     the module's docstring)."""
-    if os.environ.get("EMBER_POOL_PRODUCTS", "1").lower() in ("0", "", "false", "no"):
+    if not config.switch("EMBER_POOL_PRODUCTS", True):
         return None
     if _compiled.jit(_compiled.wait_for_job) is None:  # no numba: helpers sleep between jobs
         return None

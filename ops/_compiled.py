@@ -55,6 +55,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ember import config
+
 _OPTIONS = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 _compiled: dict[Callable, Any] = {}
 _lock = threading.Lock()
@@ -63,7 +65,7 @@ _job_lock = threading.Lock()  # a job's state: taken by a helper, or cancelled b
 
 
 def enabled() -> bool:
-    return os.environ.get("EMBER_NUMBA", "1").lower() not in ("0", "", "false", "no")
+    return config.switch("EMBER_NUMBA", True)
 
 
 # An array's data pointer is read from the array object itself: numpy's PyArrayObject puts it

@@ -8,18 +8,16 @@ reproducible runs (the tests set it).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from ember import limits
+from ember import config, limits
 from ember.ops.registry import OpImpl, register
 from ember.ops.tensor import STRING, cast_array, is_floatlike, onnx_dtype
 
 
 def _generator(seed) -> np.random.Generator:
     if seed is None:
-        fixed = os.environ.get("EMBER_RANDOM_SEED")
+        fixed = config.text("EMBER_RANDOM_SEED")
         return np.random.default_rng(int(fixed) if fixed else None)
     seed = float(seed)
     if seed.is_integer() and seed >= 0:

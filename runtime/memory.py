@@ -22,6 +22,8 @@ import ctypes
 import os
 import threading
 
+from ember import config
+
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # mallopt's parameter numbers (malloc.h)
 MMAP_THRESHOLD = 32 << 20                     # glibc's largest allowed on 64-bit
 TRIM_THRESHOLD = 256 << 20
@@ -43,7 +45,7 @@ def keep_freed_memory() -> bool:
 def opted_out() -> bool:
     """EMBER_KEEP_MEMORY=0 (or false, no, empty): keep no freed memory, here or in the kernels'
     kept buffers (ops/_tiles.empty)."""
-    return os.environ.get("EMBER_KEEP_MEMORY", "1").lower() in ("0", "", "false", "no")
+    return not config.switch("EMBER_KEEP_MEMORY", True)
 
 
 def _apply() -> bool:

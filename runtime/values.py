@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 from typing import Any, Sequence
 
 import numpy as np
 
+from ember import config
 from ember.errors import BackendUnavailableError, InputError
 from ember.runtime.backends import Backend, get_backend
 
@@ -43,7 +43,7 @@ def default_device_backend() -> Backend:
     runs here."""
     from ember.runtime import backends
 
-    env = (os.environ.get("EMBER_BACKEND") or "").lower()
+    env = (config.text("EMBER_BACKEND") or "").lower()
     if env in ("cuda", "opencl"):
         return get_backend(env)
     for name in ("cuda", "opencl"):

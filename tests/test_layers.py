@@ -9,7 +9,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP = {"tests", "benchmarks", "models", "docs", "build", ".venv", ".git"}
 # lowest first; a module in none of them is a tool (layer 5)
-LAYERS = [("ember.ir", "ember.errors", "ember.log", "ember.limits"), ("ember.importer",),
+LAYERS = [("ember.ir", "ember.errors", "ember.log", "ember.limits", "ember.config"), ("ember.importer",),
           ("ember.ops",), ("ember.simplifier",), ("ember.runtime",)]
 KNOWN_UPWARD = {
     ("ember.ops._blas", "ember.runtime.threads"),

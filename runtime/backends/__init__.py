@@ -3,8 +3,7 @@ its kernels live with the ops (ops/<family>.py for the CPU, ops/opencl/, ops/cud
 under the backend's name."""
 from __future__ import annotations
 
-import os
-
+from ember import config
 from ember.errors import BackendUnavailableError
 from ember.ops.registry import BACKENDS
 from ember.runtime.backends.base import Backend, CpuBackend
@@ -13,7 +12,7 @@ _instances: dict[str, Backend] = {}
 
 
 def resolve_backend_name(name: str | None) -> str:
-    name = (name or os.environ.get("EMBER_BACKEND") or "cpu").lower()
+    name = (name or config.text("EMBER_BACKEND") or "cpu").lower()
     if name not in BACKENDS:
         raise BackendUnavailableError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
     return name

@@ -8,11 +8,11 @@ cupy.matmul.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
+from ember import config
 from ember.errors import BackendUnavailableError
 from ember.runtime.backends.base import Backend
 
@@ -49,7 +49,7 @@ class CudaBackend(Backend):
             raise BackendUnavailableError(
                 "the CUDA backend found no CUDA device (the NVIDIA driver reports 0 GPUs)")
         if device is None:
-            device = int(os.environ.get("EMBER_CUDA_DEVICE", "0") or 0)
+            device = int(config.text("EMBER_CUDA_DEVICE") or 0)
         if not 0 <= device < count:
             raise BackendUnavailableError(
                 f"no CUDA device {device}: this machine has {count} (EMBER_CUDA_DEVICE)")

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ember import config
 from ember.errors import BackendUnavailableError
 from ember.runtime.backends.base import Backend
 from ember.runtime.backends.opencl_guard import GuardedAllocator
@@ -59,9 +60,7 @@ def gemm_vector_bits(device_version: str, cpu_device: bool) -> int:
 
 
 def default_cache_dir() -> str:
-    root = os.environ.get("EMBER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ember")
-    return os.path.join(root, "opencl")
+    return os.path.join(config.cache_root(), "opencl")
 
 
 class OpenCLBackend(Backend):
@@ -81,7 +80,7 @@ class OpenCLBackend(Backend):
             raise BackendUnavailableError(
                 f"the OpenCL backend needs pyopencl, which is not installed: {INSTALL_HINT}") from exc
         self.cl, self.cl_array = cl, cl_array
-        self.device = self._pick_device(device_hint or os.environ.get("EMBER_OPENCL_DEVICE"))
+        self.device = self._pick_device(device_hint or config.text("EMBER_OPENCL_DEVICE"))
         self.context = cl.Context([self.device])
         self.queue = cl.CommandQueue(self.context)
         # Pooled buffers: a fresh clCreateBuffer per kernel output costs more than the kernel
@@ -108,7 +107,7 @@ class OpenCLBackend(Backend):
         self._build_lock = threading.RLock()
         self.compiled_from_source = 0  # programs built from source (not from a cache)
         self.compile_seconds = 0.0  # time spent building them
-        self._log_compiles = "opencl" in os.environ.get("EMBER_LOG", "").lower().split(",")
+        self._log_compiles = "opencl" in (config.text("EMBER_LOG") or "").lower().split(",")
         self._announced_compiles = False
         self.fallbacks = 0  # kernel calls that ran on the CPU for want of a native dtype/case
         self.transfers = {"to_device": 0, "to_host": 0}  # real copies by to_device / to_host

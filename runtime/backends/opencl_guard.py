@@ -12,16 +12,16 @@ drain and two small reads per buffer argument per launch: it is for tests and de
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
+
+from ember import config
 
 GUARD_BYTES = 4096  # a multiple of every device's base address alignment we have met
 CANARY = 0xA5
 
 
 def enabled() -> bool:
-    return os.environ.get("EMBER_OPENCL_CHECK", "") not in ("", "0")
+    return config.switch("EMBER_OPENCL_CHECK", False)
 
 
 class OutOfBoundsError(RuntimeError):

@@ -209,13 +209,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     session, feeds, load_ms = _prepared(args)
     for _ in range(args.warmup):
         session.run(feeds)
-    compiling_before = getattr(session._backend, "compile_seconds", 0.0)
+    compiling_before = getattr(session.backend_instance, "compile_seconds", 0.0)
     times = []
     for _ in range(args.repeat):
         t0 = time.perf_counter()
         outputs = session.run(feeds)
         times.append((time.perf_counter() - t0) * 1e3)
-    compile_ms = (getattr(session._backend, "compile_seconds", 0.0) - compiling_before) * 1e3
+    compiled = getattr(session.backend_instance, "compile_seconds", 0.0) - compiling_before
+    compile_ms = compiled * 1e3
     for name, value in outputs.items():
         print(_summary(name, value))
     if args.repeat == 1:
@@ -314,7 +315,7 @@ def _infer_shapes(model: Model) -> None:
 
 
 def _shape_of(model: Model, name: str) -> str:
-    from ember.runtime.session import _io_info
+    from ember.runtime.session import io_info
 
     graph = model.graph
     if name in graph.initializers:
@@ -324,7 +325,7 @@ def _shape_of(model: Model, name: str) -> str:
         (v for v in graph.inputs + graph.outputs if v.name == name), None)
     if info is None or info.type is None:
         return "?"
-    io = _io_info(info)
+    io = io_info(info)
     if io.shape is None:
         return io.type
     return f"{io.dtype}[{', '.join(map(str, io.shape))}]"
@@ -343,12 +344,12 @@ def describe_nodes(model: Model) -> str:
 def model_summary(model: Model, session: Session | None, nodes: bool) -> dict:
     """`ember info --json`: what `describe` prints, as data."""
     from ember.ops.registry import lookup
-    from ember.runtime.session import _io_info
+    from ember.runtime.session import io_info
 
     graph = model.graph
 
     def io(v):
-        info = _io_info(v)
+        info = io_info(v)
         return {"name": info.name, "type": info.type,
                 "shape": None if info.shape is None else list(info.shape)}
 
@@ -373,7 +374,7 @@ def model_summary(model: Model, session: Session | None, nodes: bool) -> dict:
                              "outputs": [{"name": o, "shape": _shape_of(model, o)}
                                          for o in n.outputs if o]} for n in graph.nodes]
     if session is not None:
-        summary["plan"] = {"backend": session._backend.describe(),
+        summary["plan"] = {"backend": session.backend_instance.describe(),
                            "nodes": [{"name": name, "op": op, "where": where, "reason": reason}
                                      for name, op, where, reason in session.placement_reasons],
                            "summary": session.placement_summary()}
@@ -382,7 +383,7 @@ def model_summary(model: Model, session: Session | None, nodes: bool) -> dict:
 
 def describe_placement(session: Session) -> str:
     """Where each node runs on the session's backend, and how many fall back to the CPU."""
-    lines = [f"placement on {session._backend.describe()}:"]
+    lines = [f"placement on {session.backend_instance.describe()}:"]
     for name, op, where, reason in session.placement_reasons:
         lines.append(f"  {op:<24} {where:<9} {name}" + (f"  ({reason})" if reason else ""))
     counts = session.placement_summary()
@@ -393,7 +394,7 @@ def describe_placement(session: Session) -> str:
 
 def describe(model: Model) -> str:
     from ember.ops.registry import lookup, since_version
-    from ember.runtime.session import _io_info
+    from ember.runtime.session import io_info
 
     lines = [f"model: {model.path or '<memory>'}",
              f"producer: {model.producer_name} {model.producer_version}".rstrip(),
@@ -407,10 +408,10 @@ def describe(model: Model) -> str:
     lines.append("inputs:")
     for v in graph.inputs:
         if v.name not in graph.initializers:
-            lines.append(f"  {_io_line(_io_info(v))}")
+            lines.append(f"  {_io_line(io_info(v))}")
     lines.append("outputs:")
     for v in graph.outputs:
-        lines.append(f"  {_io_line(_io_info(v))}")
+        lines.append(f"  {_io_line(io_info(v))}")
     lines.append(f"parameters: {model.parameter_count():,} in {len(graph.initializers)} initializers")
     hist = model.op_histogram()
     lines.append(f"ops: {sum(hist.values())} nodes, {len(hist)} op types")

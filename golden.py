@@ -808,8 +808,8 @@ class _LockstepStream(_Stream):
     """Another ember plan of the same graph, advanced one node per candidate node."""
 
     def __init__(self, session: Session, feeds: Mapping[str, Any]):
-        self.backend = session._backend
-        self.steps = session._plan.iterate(session._check_feeds(feeds, session._plan))
+        self.backend = session.backend_instance
+        self.steps = session.iterate(feeds)
 
     def take(self, node) -> list[Any] | None:
         ref_node, values = next(self.steps)
@@ -857,10 +857,10 @@ def find_divergence(candidate: Session, reference: Reference | Session, feeds: M
     node differs a little (float16, where each side rounds differently), the first divergence
     is mere rounding; the node that adds the most error is the cause. `original` (the model
     as imported, before simplification) tells the simplifier's nodes from the model's own."""
-    plan = candidate._plan
-    steps = plan.iterate(candidate._check_feeds(feeds, plan))
+    plan = candidate.plan
+    steps = candidate.iterate(feeds)
     stream = _reference_stream(reference, feeds, plan, chunk)
-    to_host = candidate._backend.to_host
+    to_host = candidate.backend_instance.to_host
     graph = candidate.model.graph
     isolation = _Isolation(candidate, feeds)
     stats: dict[str, tuple[ValueStats, ValueStats | None]] = {}  # small: no arrays are kept
@@ -909,8 +909,8 @@ class _Isolation:
     isolated."""
 
     def __init__(self, session: Session, feeds: Mapping[str, Any]):
-        plan = session._plan
-        self.backend, self.feeds, self.constants = session._backend, feeds, plan.initial_env
+        plan = session.plan
+        self.backend, self.feeds, self.constants = session.backend_instance, feeds, plan.initial_env
         self.steps = {id(s.node): s for s in plan.steps if not _is_transfer(s)}
         self.on_device = {id(node) for node, where in plan.placement if where == "device"}
         self.last_reader = {name: id(s.node) for s in plan.steps if not _is_transfer(s)
@@ -1281,10 +1281,10 @@ def _prepare_cases(reference: Reference, ir: Model,
                    input_sets: Sequence[Mapping[str, Any]] | None = None) -> list[Case]:
     """Feeds and expected outputs per data set: recorded, or computed by the reference (on
     each of `input_sets`, or on one set)."""
-    from ember.runtime.session import _io_info
+    from ember.runtime.session import io_info
 
     graph = ir.graph
-    declared = [_io_info(v) for v in graph.inputs if v.name not in graph.initializers]
+    declared = [io_info(v) for v in graph.inputs if v.name not in graph.initializers]
     bounds = index_bounds(graph)
     recorded = reference.cases(ir)
     if recorded:
@@ -1354,11 +1354,11 @@ def _marked_values(session: Session, feeds: Mapping[str, Any], names: Sequence[s
                    ) -> dict[str, Any]:
     """The values `names` take in one run of `session`'s plan (host copies)."""
     wanted, found = set(names), {}
-    ordered = session._check_feeds(feeds, session._plan)
-    for node, values in session._plan.iterate(ordered):
+    to_host = session.backend_instance.to_host
+    for node, values in session.iterate(feeds):
         for name, value in zip(node.outputs, values):
             if name in wanted:
-                found[name] = session._backend.to_host(value) if value is not None else None
+                found[name] = to_host(value) if value is not None else None
     return found
 
 

@@ -25,7 +25,7 @@ from ember.batch.job import BatchJob, BatchReport, FileOutput, Progress, plan_fi
 from ember.batch.predict import ERROR_COLUMN, ColumnPlan, predict_batch
 from ember import errors
 from ember.errors import BackendUnavailableError, BadRowError, EmberError, InputError
-from ember.runtime.session import _io_info, load
+from ember.runtime.session import io_info, load
 
 # Ray restarts an actor that died (its process crashed, its node was lost) and retries its
 # tasks on the new one, this many times; bounded, so that a row that crashes the process
@@ -136,8 +136,8 @@ def model_signature(model: str):
     from ember.importer import import_model
 
     graph = import_model(model).graph
-    return ([_io_info(v) for v in graph.inputs if v.name not in graph.initializers],
-            [_io_info(v) for v in graph.outputs])
+    return ([io_info(v) for v in graph.inputs if v.name not in graph.initializers],
+            [io_info(v) for v in graph.outputs])
 
 
 def run_ray(job: BatchJob, progress: bool = False, workers: int = 1,

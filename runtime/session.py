@@ -34,7 +34,7 @@ class IOInfo:
     type: str  # onnxruntime-style type string, e.g. "tensor(float)"
 
 
-def _io_info(v: ValueInfo) -> IOInfo:
+def io_info(v: ValueInfo) -> IOInfo:
     t = v.type
     if isinstance(t, TensorType):
         return IOInfo(v.name, t.dtype, t.shape, f"tensor({_ort_type_name(t.dtype)})")
@@ -91,11 +91,27 @@ class Session:
         self._plans: dict[tuple, Plan] = {(None, False, frozenset()): self._plan}
         # Inputs backed by an initialiser are optional overrides, as in onnxruntime.
         self._required = [v for v in graph.inputs if v.name not in graph.initializers]
-        self.inputs: list[IOInfo] = [_io_info(v) for v in self._required]
+        self.inputs: list[IOInfo] = [io_info(v) for v in self._required]
         self.overridable_initializers: list[IOInfo] = [
-            _io_info(v) for v in graph.inputs if v.name in graph.initializers]
-        self.outputs: list[IOInfo] = [_io_info(v) for v in graph.outputs]
+            io_info(v) for v in graph.inputs if v.name in graph.initializers]
+        self.outputs: list[IOInfo] = [io_info(v) for v in graph.outputs]
         self._input_types = {v.name: v.type for v in graph.inputs}
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the whole graph (its steps, placement and initial values), for tools that
+        look inside a run, as `ember check` does."""
+        return self._plan
+
+    @property
+    def backend_instance(self) -> Backend:
+        """The backend object the session runs on (`backend` is its name)."""
+        return self._backend
+
+    def iterate(self, feeds: Mapping[str, Any]):
+        """Run the whole graph node by node, yielding (node, its output values) as each node
+        runs: values stay on the backend's device; nothing is kept for the caller."""
+        return self._plan.iterate(self._check_feeds(feeds, self._plan))
 
     @property
     def placement(self) -> list[tuple[str, str, str]]:

@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     ops = sub.add_parser("ops", help="print the table of ops each backend implements (markdown)",
                          description="Print the table of every registered op and the "
                                      "since-versions each backend implements, as markdown (the "
-                                     "README's ops table).")
+                                     "ops table in docs/ops.md).")
     ops.set_defaults(command=cmd_ops)
     _add_batch_parser(sub)
     add_check_parser(sub)
@@ -129,7 +129,7 @@ def _add_batch_parser(sub) -> None:
                     "into the folder OUT: the input's other columns, then one column per "
                     "model output. Each output file appears complete or not at all. The "
                     "local engine runs in this process; --engine ray runs Ray Data actors "
-                    "(pip install ember[ray]). See the README, \"Batch inference\".")
+                    "(pip install ember[ray]). See docs/batch.md.")
     batch.add_argument("model", help="path to an .onnx file")
     batch.add_argument("data", help="a Parquet, .npy or .npz file, or a folder of them")
     batch.add_argument("out", help="the folder for the outputs (made if missing)")
@@ -430,7 +430,7 @@ def describe(model: Model) -> str:
 
 
 def ops_table_markdown() -> str:
-    """The README's ops table: every registered op with the since-versions each backend runs."""
+    """The ops table of docs/ops.md: every registered op with the since-versions each backend runs."""
     from ember.ops.registry import supported_ops
 
     per_backend = {b: supported_ops(b) for b in BACKENDS}

@@ -23,7 +23,7 @@ def run_batch(model: str, data: str, out: str, *, batch_size: int = 64, engine: 
               on_error: str = "fail", progress: bool = False) -> BatchReport:
     """Run `model` over every row of `data` (a Parquet, .npy or .npz file or a folder of
     them) and write one Parquet file per input file into the folder `out`: the input's
-    other columns, then one column per model output. See the README, "Batch inference".
+    other columns, then one column per model output. See docs/batch.md.
 
     engine "local" runs one Session in this process; "ray" runs `workers` Ray actors (on the
     cluster at `ray_address`, else a local Ray), each with `gpus_per_worker` GPUs. `resume`

@@ -201,7 +201,7 @@ def lookup(domain: str, op_type: str, opset: int, backend: str = "cpu") -> type[
 
 
 def supported_ops(backend: str = "cpu") -> dict[tuple[str, str], list[int]]:
-    """(domain, op_type) -> since-versions implemented, for `ember info` and the README table."""
+    """(domain, op_type) -> since-versions implemented, for `ember info` and the ops table (docs/ops.md)."""
     _ensure_loaded(backend)
     return {(d, op): sorted(vs) for (b, d, op), vs in sorted(_TABLE.items()) if b == backend}
 

@@ -93,7 +93,7 @@ class SessionOptions:
 
     def register_custom_ops_library(self, library_path: str) -> None:
         raise EmberError("custom op libraries are onnxruntime's C++ kernels, which ember cannot "
-                         "load; register a Python op instead (README: custom ops)")
+                         "load; register a Python op instead (docs/native.md: custom kernels)")
 
 
 class RunOptions:

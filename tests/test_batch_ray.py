@@ -97,7 +97,7 @@ def test_ray_engine_failing_rows(mlp_data, tmp_path):
 
 
 def test_predictor_in_a_users_own_pipeline(mlp_data, tmp_path, monkeypatch):
-    """The README's example: read_parquet, map_batches(ember.ray.Predictor), write_parquet.
+    """The example of docs/batch.md: read_parquet, map_batches(ember.ray.Predictor), write_parquet.
     Ray chooses the batches there, so rows are compared with a Session.run within rounding."""
     data, x = mlp_data
     monkeypatch.setattr(ray.data.DataContext.get_current().execution_options, "preserve_order",

@@ -108,7 +108,7 @@ EVIL_OP, EVIL_DOMAIN = "Id'); __import__('os')#", "evil'\n.domain"
 
 @pytest.fixture
 def temporary_kernels():
-    """Register kernels for one test only, so the registry (and the README ops table other
+    """Register kernels for one test only, so the registry (and the ops table in docs/ops.md other
     tests check) is left as it was."""
     from ember.ops import registry
 

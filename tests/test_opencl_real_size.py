@@ -10,7 +10,7 @@ which runs kernels in the host process, fails that one test instead of killing p
   device buffer, checked after each launch: runtime/backends/opencl_guard.py), outputs compared
   as in the plain run. It reuses the caches the plain run filled (the kernels are the same
   binaries; that halves the tier's time) and then asserts that the load compiled nothing, as
-  the README promises for a second load; run on its own it starts from empty caches.
+  docs/backends.md promises for a second load; run on its own it starts from empty caches.
 
 Models, built here with seeded weights (nothing is downloaded) and cached under
 `.cache/realsize-*` keyed by the source of this file and of models/export_torch_models.py:

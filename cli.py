@@ -23,7 +23,7 @@ from ember.golden import add_check_parser
 from ember.native.convert import add_convert_parser
 from ember.simplify_cli import add_simplify_parser
 from ember.importer import import_model
-from ember.inputs import (index_bounds, int_at_least, load_input_files, make_inputs, parse_dims,
+from ember.golden.inputs import (index_bounds, int_at_least, load_input_files, make_inputs, parse_dims,
                           parse_pairs)
 from ember.ir import Model
 from ember.runtime.backends import BACKENDS

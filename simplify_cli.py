@@ -77,7 +77,7 @@ def _check_arguments(args: argparse.Namespace) -> tuple[str, dict]:
     """The arguments that need no model, checked before it loads (as `ember run` does): the
     target, the --input-shape, --dim, --check and tolerance values. InputError: one line,
     exit 2. Returns (target, input shapes)."""
-    from ember.inputs import parse_dims
+    from ember.golden.inputs import parse_dims
     from ember.runtime.backends import BACKENDS
 
     if args.backend is not None and args.backend not in BACKENDS:
@@ -97,7 +97,7 @@ def _check_arguments(args: argparse.Namespace) -> tuple[str, dict]:
 def _check_outputs(original: Model, simplified: Model, args: argparse.Namespace) -> int:
     """--check: both models on `args.check` random input sets (ember's CPU backend, the
     original as imported); 1 when an output differs past the tolerances, else 0."""
-    from ember.inputs import index_bounds, make_inputs, parse_dims
+    from ember.golden.inputs import index_bounds, make_inputs, parse_dims
     from ember.runtime.session import Session
 
     plain, fused = Session(original), Session(simplified)
@@ -139,7 +139,7 @@ def op_count_table(before: dict[str, int], after: dict[str, int]) -> str:
 
 
 def _difference_line(original: Model, simplified: Model, args: argparse.Namespace) -> str:
-    from ember.inputs import index_bounds, make_inputs, parse_dims
+    from ember.golden.inputs import index_bounds, make_inputs, parse_dims
     from ember.runtime.session import Session
 
     try:

@@ -64,7 +64,7 @@ class OpImpl:
     shape_inputs: tuple[int, ...] = ()
     # Inputs that index into another input (a Gather's indices into its data): {index input:
     # (indexed input, axis attribute or None, default axis)}. Random feeds for a check draw
-    # such indices within the size they index (ember.inputs.index_bounds).
+    # such indices within the size they index (ember.golden.inputs.index_bounds).
     index_inputs: dict[int, tuple[int, str | None, int]] = {}
     # Device kernels only: dtypes run natively (None: all), and indices of inputs the kernel
     # wants as host numpy arrays (shapes, axes, pads...) rather than device arrays.

@@ -230,4 +230,4 @@ def test_error_in_ulps():
 
 
 def test_the_passes_named_exist():
-    assert set(golden._MADE_BY.values()) <= set(PASSES)
+    assert set(golden.bisect._MADE_BY.values()) <= set(PASSES)

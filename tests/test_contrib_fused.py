@@ -253,7 +253,7 @@ def test_embed_layer_normalization_random_ids_fit_the_tables():
     """The ids a check draws for a fused BERT's embeddings index inside its tables (30 words,
     2 segments, 12 positions): onnxruntime runs them."""
     from ember.importer import import_model
-    from ember.inputs import index_bounds, make_inputs
+    from ember.golden.inputs import index_bounds, make_inputs
     from ember.runtime.session import Session
 
     inputs = embed_inputs(2, 5, 8, np.float32, position_ids=np.zeros((1, 5), np.int32))

@@ -335,7 +335,7 @@ def _bert_like_embeddings(path) -> str:
 def test_index_inputs_stay_inside_their_tables(tmp_path):
     """Random token types and positions stay inside their tables without --range (the default,
     [0, 10), made onnxruntime refuse a BERT's token types before); word ids keep it."""
-    from ember.inputs import index_bounds
+    from ember.golden.inputs import index_bounds
     path = _bert_like_embeddings(tmp_path / "emb.onnx")
     assert index_bounds(import_model(path).graph) == {"ids": 50, "token_type_ids": 2, "pos": 3}
     save = tmp_path / "g.npz"
@@ -355,7 +355,7 @@ def test_dimension_expressions_size_random_inputs(tmp_path):
     """A decoder step's mask is declared [batch, past + 1] (as torch.onnx names it) beside a
     cache of [batch, past, 4]: random inputs give it past + 1 columns, so the mask fits the
     cache with the new step appended (with every symbolic dim at 1 both were 1 before)."""
-    from ember.inputs import dim_size
+    from ember.golden.inputs import dim_size
     graph = helper.make_graph(
         [helper.make_node("Concat", ["past", "new"], ["present"], axis=1),
          helper.make_node("Cast", ["mask"], ["maskf"], to=TensorProto.FLOAT),
@@ -383,7 +383,7 @@ def test_dimension_expressions_size_random_inputs(tmp_path):
 def test_a_random_0d_bool_input_runs_against_onnxruntime(tmp_path):
     """A 0-d bool input (a flag) drawn at random is a 0-d array, as onnxruntime takes it: a
     numpy scalar (what `rng.random(()) < 0.5` gives) it refused. 0-d outputs compare too."""
-    from ember.inputs import make_inputs
+    from ember.golden.inputs import make_inputs
     from ember.runtime.session import load
     graph = helper.make_graph(
         [helper.make_node("Neg", ["x"], ["minus_x"]),

@@ -11,3 +11,4 @@ import pkgutil
 for _info in pkgutil.iter_modules(__path__):
     if not _info.ispkg and not _info.name.startswith("_") and _info.name != "registry":
         importlib.import_module(f"{__name__}.{_info.name}")
+importlib.import_module(f"{__name__}.microsoft")  # onnxruntime's com.microsoft ops

@@ -5,14 +5,14 @@ the ONNX spec names: matching takes time linear in the text whatever the pattern
 Python's backtracking `re` spends exponential time on a pattern like `(a+)+$`. RE2's syntax
 has no backreferences or lookaround; a pattern using them fails at load time. Without
 google-re2 installed (it is a dependency; a broken install) only patterns without regex
-metacharacters are accepted, as for the Tokenizer's patterns (ops/contrib_text.py).
+metacharacters are accepted, as for the Tokenizer's patterns (ops/microsoft/text.py).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ember import limits
-from ember.ops.contrib_text import _METACHARS, _re2
+from ember.ops.microsoft.text import _METACHARS, _re2
 from ember.ops.registry import OpImpl, register
 
 

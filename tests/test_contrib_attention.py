@@ -1,4 +1,4 @@
-"""com.microsoft attention contrib ops (ops/contrib_attention.py): Attention, MultiHeadAttention,
+"""com.microsoft attention contrib ops (ops/microsoft/attention.py): Attention, MultiHeadAttention,
 GroupQueryAttention, RotaryEmbedding and BiasSoftmax against onnxruntime's CPU kernels, on the
 CPU backend and on OpenCL (where they run through a planned CPU fallback); plus onnxruntime's
 transformer optimizer fusing a torch-exported BERT into Attention / MultiHeadAttention.

@@ -1,4 +1,4 @@
-"""onnxruntime's fused contrib ops (ops/contrib_fused.py): SkipLayerNormalization,
+"""onnxruntime's fused contrib ops (ops/microsoft/fused.py): SkipLayerNormalization,
 SkipSimplifiedLayerNormalization, SimplifiedLayerNormalization, EmbedLayerNormalization, Gelu,
 BiasGelu, FastGelu, QuickGelu, BiasAdd, BiasSplitGelu, FusedMatMul, GemmFastGelu and FusedConv.
 
@@ -27,7 +27,7 @@ from onnx import helper, numpy_helper
 import ember
 from backends import cuda_backend, real_cuda_device, unavailable_reason
 from ember.errors import EmberError
-from ember.ops import contrib_fused as cf
+from ember.ops.microsoft import fused as cf
 from ember.ops.registry import lookup
 
 ort = pytest.importorskip("onnxruntime")

@@ -1,4 +1,4 @@
-"""com.microsoft low-bit weight ops (ops/contrib_lowbit.py): MatMulNBits and GatherBlockQuantized
+"""com.microsoft low-bit weight ops (ops/microsoft/lowbit.py): MatMulNBits and GatherBlockQuantized
 against onnxruntime, on hand-built models and on a small Llama-style decoder quantised by
 onnxruntime's MatMulNBitsQuantizer, run as a greedy generation loop with a KV cache."""
 from __future__ import annotations
@@ -640,7 +640,7 @@ def _device_kernel(cpu_cls, node, attrs, backend):
 @pytest.mark.parametrize("zp,g_idx", [(None, False), ("packed", False), ("float", True)])
 def test_matmul_nbits_device_namespace(level, zp, g_idx):
     from backends import cuda_backend
-    from ember.ops.contrib_lowbit import MatMulNBits
+    from ember.ops.microsoft.lowbit import MatMulNBits
 
     g = np.random.default_rng(3).integers(0, 4, 101) if g_idx else None
     model, feeds = _nbits_model(101, 24, 4, 32, (2, 3, 101), zp=zp, bias=True, g_idx=g,
@@ -662,7 +662,7 @@ def test_matmul_nbits_device_namespace(level, zp, g_idx):
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_gather_block_quantized_device_namespace(bits):
     from backends import cuda_backend
-    from ember.ops.contrib_lowbit import GatherBlockQuantized
+    from ember.ops.microsoft.lowbit import GatherBlockQuantized
 
     rng = np.random.default_rng(2)
     comps = 8 // bits

@@ -1,4 +1,4 @@
-"""More com.microsoft contrib ops (ops/contrib_more.py), against onnxruntime 1.32.
+"""More com.microsoft contrib ops (ops/microsoft/misc.py), against onnxruntime 1.32.
 
 Oracles, op by op:
 - onnxruntime's CPU kernel on the same one-node model: FusedGemm, TransposeMatMul, GatherND,
@@ -39,7 +39,7 @@ from onnx import helper, numpy_helper
 import ember
 from backends import cuda_backend, real_cuda_device, unavailable_reason
 from ember.errors import EmberError
-from ember.ops import contrib_more as cm
+from ember.ops.microsoft import misc as cm
 from ember.ops.registry import lookup
 
 ort = pytest.importorskip("onnxruntime")

@@ -1,4 +1,4 @@
-"""com.microsoft quantized contrib ops (ops/contrib_quantized.py) against onnxruntime.
+"""com.microsoft quantized contrib ops (ops/microsoft/quantized.py) against onnxruntime.
 
 Each op runs as a hand-built one-node model on onnxruntime (the oracle) and on ember's CPU
 backend, and on the OpenCL backend (where these ops run through the planned CPU fallback).
@@ -1211,7 +1211,7 @@ def xp_cases():
 
 
 def test_xp_cases_cover_every_op():
-    from ember.ops import contrib_quantized
+    from ember.ops.microsoft import quantized as contrib_quantized
 
     ops = {cls.op_type for cls in vars(contrib_quantized).values()
            if isinstance(cls, type) and getattr(cls, "versions", None)}

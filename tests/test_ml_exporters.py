@@ -447,7 +447,7 @@ def test_tokenizer_pathological_pattern_is_linear():
 
 def test_tokenizer_without_re2_refuses_regex(monkeypatch):
     """Without google-re2, literal patterns still work and regexes fail at load time."""
-    from ember.ops import contrib_text
+    from ember.ops.microsoft import text as contrib_text
 
     monkeypatch.setattr(contrib_text, "_re2", None)
     x = np.array(["a,b;;c", "d"], dtype=object)

@@ -13,10 +13,13 @@ strings, random numbers, data-dependent output shapes computed with Python loops
 """
 from __future__ import annotations
 
-from ember.ops import (activations, attention, contrib_attention, contrib_fused, contrib_lowbit,
-                       contrib_more, contrib_quantized, conv, elementwise, fused, image,
-                       indexing, linalg, loss, normalization, pool, quantize, reduction, rnn,
-                       shape, signal, tensor)
+from ember.ops import (activations, attention, conv, elementwise, fused, image, indexing, linalg,
+                       loss, normalization, pool, quantize, reduction, rnn, shape, signal, tensor)
+from ember.ops.microsoft import attention as ms_attention
+from ember.ops.microsoft import fused as ms_fused
+from ember.ops.microsoft import lowbit as ms_lowbit
+from ember.ops.microsoft import misc as ms_misc
+from ember.ops.microsoft import quantized as ms_quantized
 from ember.ops.cuda import conv as _native_conv  # noqa: F401  (native kernels register first)
 from ember.ops.cuda import elementwise as _native_elementwise  # noqa: F401
 from ember.ops.cuda._common import register_shared
@@ -24,7 +27,7 @@ from ember.ops.registry import OpImpl
 
 FAMILIES = (elementwise, activations, linalg, reduction, normalization, shape, tensor, indexing,
             pool, conv, attention, loss, image, rnn, signal, quantize, fused,
-            contrib_attention, contrib_fused, contrib_lowbit, contrib_more, contrib_quantized)
+            ms_attention, ms_fused, ms_lowbit, ms_misc, ms_quantized)
 
 # Ops of those families that stay on the host.
 EXCLUDED = frozenset({

@@ -1,7 +1,7 @@
 """OpenCL kernels of onnxruntime's transformer hot-path contrib ops (com.microsoft): Attention,
 MultiHeadAttention, GroupQueryAttention, SkipLayerNormalization, MatMulNBits, BiasGelu and
-FastGelu. Semantics are the CPU kernels' (ops/contrib_attention.py, contrib_fused.py,
-contrib_lowbit.py), whose classes these subclass for attributes, defaults and validation.
+FastGelu. Semantics are the CPU kernels' (ops/microsoft/attention.py, fused.py,
+lowbit.py), whose classes these subclass for attributes, defaults and validation.
 
 What is reused:
 
@@ -58,9 +58,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from ember.ops import contrib_attention as CA
-from ember.ops import contrib_fused as CF
-from ember.ops import contrib_lowbit as CL
+from ember.ops.microsoft import attention as CA
+from ember.ops.microsoft import fused as CF
+from ember.ops.microsoft import lowbit as CL
 from ember.ops.linalg import CachedPack
 from ember.ops.opencl._common import (
     FLOAT_TYPES, cached_table, c_type, contiguous, kernel, launch)

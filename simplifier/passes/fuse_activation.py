@@ -10,7 +10,7 @@ from onnx import AttributeProto
 from ember.ir import Graph, Node
 from ember.ops.registry import attribute_defaults
 from ember.simplifier.context import Context
-from ember.ops.contrib_fused import CONV_ACTIVATIONS
+from ember.ops.microsoft.fused import CONV_ACTIVATIONS
 from ember.ops.fused import ACTIVATIONS, DOMAIN
 from ember.simplifier.graph import GraphIndex, drop_dead
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from ember.ops import _xp
 from ember.ops._dtypes import is_narrow_float, widen
-from ember.ops.contrib_fused import FusedMatMul
+from ember.ops.microsoft.fused import FusedMatMul
 from ember.ops.conv import Conv, QLinearConv as _QLinearConv, auto_pads, ints, out_size
 from ember.ops.image import GridSample as _GridSample
 from ember.ops.indexing import GatherND11, Unique as _Unique

@@ -184,27 +184,22 @@ class MsDequantizeLinear(_MsLinearQuant):
 
 
 class _QLinearBinary(_QOp):
-    def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale,
-            c_zero_point=None):
+    def _parameters(self, a, b, a_scale, a_zero_point, b_scale, b_zero_point, c_scale,
+                    c_zero_point):
+        """The checked per-tensor scales (sa, sb, sc) and int32 zero points (za, zb, zc)."""
         xp = self.xp
         self.check_int8(a, "A")
         if b.dtype != a.dtype:
             raise self.fail(f"A and B must have the same type, got {a.dtype} and {b.dtype}")
-        sa = self.scalar(xp, a_scale, "A_scale")
-        sb = self.scalar(xp, b_scale, "B_scale")
-        sc = self.scalar(xp, c_scale, "C_scale")
-        za = self.zero_point(xp, a_zero_point, "A_zero_point", a.dtype)
-        zb = self.zero_point(xp, b_zero_point, "B_zero_point", a.dtype)
-        zc = self.zero_point(xp, c_zero_point, "C_zero_point", a.dtype)
-        da = a.astype(np.int32) - za
-        db = b.astype(np.int32) - zb
-        with np.errstate(all="ignore"):
-            value = self.combine(xp, da, db, sa, sb, sc)
-        return _quantize(xp, value, 1, zc, a.dtype)
+        return (self.scalar(xp, a_scale, "A_scale"), self.scalar(xp, b_scale, "B_scale"),
+                self.scalar(xp, c_scale, "C_scale"),
+                self.zero_point(xp, a_zero_point, "A_zero_point", a.dtype),
+                self.zero_point(xp, b_zero_point, "B_zero_point", a.dtype),
+                self.zero_point(xp, c_zero_point, "C_zero_point", a.dtype))
 
 
 @register("QLinearAdd", versions=[1], domain=_MS)
-class QLinearAdd(_QOp):
+class QLinearAdd(_QLinearBinary):
     """C = (A_scale (A - A_zp) + B_scale (B - B_zp)) / C_scale + C_zp, with numpy broadcasting,
     rounded as onnxruntime's x64 kernel (MLAS, AVX2 with FMA) rounds it: with the ratios
     rA = A_scale / C_scale and rB = B_scale / C_scale, a fixed part C_zp - (rA A_zp + rB B_zp)
@@ -215,15 +210,10 @@ class QLinearAdd(_QOp):
     def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale,
             c_zero_point=None):
         xp = self.xp
-        self.check_int8(a, "A")
-        if b.dtype != a.dtype:
-            raise self.fail(f"A and B must have the same type, got {a.dtype} and {b.dtype}")
-        sc = self.scalar(xp, c_scale, "C_scale")
-        ra = self.scalar(xp, a_scale, "A_scale") / sc
-        rb = self.scalar(xp, b_scale, "B_scale") / sc
-        za = self.zero_point(xp, a_zero_point, "A_zero_point", a.dtype).astype(_F32)
-        zb = self.zero_point(xp, b_zero_point, "B_zero_point", a.dtype).astype(_F32)
-        zc = self.zero_point(xp, c_zero_point, "C_zero_point", a.dtype).astype(_F32)
+        sa, sb, sc, za, zb, zc = self._parameters(a, b, a_scale, a_zero_point, b_scale,
+                                                  b_zero_point, c_scale, c_zero_point)
+        ra, rb = sa / sc, sb / sc
+        za, zb, zc = (z.astype(_F32) for z in (za, zb, zc))
         if _innermost_scalar(a, b):  # the kernel is called with the operands swapped
             a, b, ra, rb, za, zb = b, a, rb, ra, zb, za
         fixed = zc - _fma32(xp, ra, za, rb * zb)
@@ -243,9 +233,14 @@ def _innermost_scalar(x, other) -> bool:
 class QLinearMul(_QLinearBinary):
     """C = (A - A_zp)(B - B_zp) A_scale B_scale / C_scale + C_zp; the integer product is exact."""
 
-    @staticmethod
-    def combine(xp, da, db, sa, sb, sc):
-        return (da * db).astype(_F32) * (sa * sb / sc)
+    def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale,
+            c_zero_point=None):
+        sa, sb, sc, za, zb, zc = self._parameters(a, b, a_scale, a_zero_point, b_scale,
+                                                  b_zero_point, c_scale, c_zero_point)
+        product = (a.astype(np.int32) - za) * (b.astype(np.int32) - zb)
+        with np.errstate(all="ignore"):
+            value = product.astype(_F32) * (sa * sb / sc)
+        return _quantize(self.xp, value, 1, zc, a.dtype)
 
 
 # --------------------------------------------------------------------------------------------

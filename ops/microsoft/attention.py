@@ -451,21 +451,66 @@ class GroupQueryAttention(OpImpl):
         if self.qk_mode not in (0, 1, 2):
             raise self.fail(f"qk_output must be 0, 1 or 2, got {self.qk_mode}")
 
-    def run(self, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
-            total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None,
-            attention_bias=None, head_sink=None, k_scale=None, v_scale=None, q_norm_weight=None,
-            k_norm_weight=None, query_seqlens=None):
-        xp = self.xp
+    # Checks every kernel of the op makes (the CPU's below, OpenCL's subclass), written once.
+
+    def refuse_unsupported(self, k_scale, v_scale, q_norm_weight, k_norm_weight, query_seqlens):
         for name, given in (("k_scale/v_scale", k_scale is not None or v_scale is not None),
                             ("q_norm_weight/k_norm_weight",
                              q_norm_weight is not None or k_norm_weight is not None),
                             ("query_seqlens", query_seqlens is not None)):
             if given:
                 raise self.fail(f"the {name} input is not supported")
+
+    def check_required(self, seqlens_k, total_sequence_length, past_key, past_value):
         if seqlens_k is None or total_sequence_length is None:
             raise self.fail("seqlens_k and total_sequence_length are required")
         if (past_key is None) != (past_value is None):
             raise self.fail("past_key and past_value must be given together")
+
+    def step_lengths(self, seqlens_k, total_sequence_length, past_key, past_value, batch: int,
+                     q_len: int, head: int):
+        """(total, kv_total (B,), first_prompt, past_lens (B,), past_buf, present_len) of this
+        step, checked: seqlens_k (host) + 1 keys for each batch entry, within
+        total_sequence_length and the past buffers' length."""
+        total = int(np.asarray(total_sequence_length).reshape(-1)[0])
+        seqlens = np.asarray(seqlens_k).astype(np.int64).reshape(-1)
+        if seqlens.shape[0] != batch:
+            raise self.fail(f"seqlens_k must have {batch} elements, got {seqlens.shape[0]}")
+        kv_total = seqlens + 1  # keys each batch entry sees after this step
+        first_prompt = q_len == total
+        past_lens = np.zeros(batch, np.int64) if first_prompt else kv_total - q_len
+        past_buf = past_key.shape[2] if past_key is not None else 0
+        nkv = self.kv_num_heads
+        if past_key is not None:
+            if (past_key.ndim != 4 or tuple(past_key.shape[:2]) != (batch, nkv)
+                    or past_key.shape[3] != head or tuple(past_value.shape) !=
+                    tuple(past_key.shape)):
+                raise self.fail(f"past_key {tuple(past_key.shape)} / past_value "
+                                f"{tuple(past_value.shape)} must be ({batch}, {nkv}, P, {head})")
+        if (kv_total < 1).any() or (kv_total > total).any():
+            raise self.fail(f"seqlens_k + 1 must lie in [1, total_sequence_length={total}], got "
+                            f"{kv_total.tolist()}")
+        if (past_lens < 0).any() or (past_lens > past_buf).any():
+            raise self.fail(f"seqlens_k {seqlens.tolist()} do not fit sequence_length {q_len} and "
+                            f"a past of {past_buf} positions")
+        return total, kv_total, first_prompt, past_lens, past_buf, max(past_buf, total)
+
+    def check_rotary_caches(self, cos_cache, sin_cache, head: int):
+        if cos_cache is None or sin_cache is None:
+            raise self.fail("do_rotary needs cos_cache and sin_cache")
+        half = cos_cache.shape[-1]
+        if cos_cache.ndim != 2 or tuple(sin_cache.shape) != tuple(cos_cache.shape) \
+                or 2 * half > head:
+            raise self.fail(f"cos_cache/sin_cache must be (max_sequence_length, <= "
+                            f"{head // 2}), got {tuple(cos_cache.shape)}")
+
+    def run(self, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
+            total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None,
+            attention_bias=None, head_sink=None, k_scale=None, v_scale=None, q_norm_weight=None,
+            k_norm_weight=None, query_seqlens=None):
+        xp = self.xp
+        self.refuse_unsupported(k_scale, v_scale, q_norm_weight, k_norm_weight, query_seqlens)
+        self.check_required(seqlens_k, total_sequence_length, past_key, past_value)
         n, nkv = self.num_heads, self.kv_num_heads
         out_dtype = query.dtype
         work = work_dtype(out_dtype)
@@ -495,38 +540,13 @@ class GroupQueryAttention(OpImpl):
         if k.shape[-1] != head or v.shape[-1] != head:
             raise self.fail("query, key and value head sizes differ")
 
-        total = int(np.asarray(total_sequence_length).reshape(-1)[0])
-        seqlens = _xp.to_host(xp, seqlens_k).astype(np.int64).reshape(-1)
-        if seqlens.shape[0] != batch:
-            raise self.fail(f"seqlens_k must have {batch} elements, got {seqlens.shape[0]}")
-        kv_total = seqlens + 1  # keys each batch entry sees after this step
-        first_prompt = q_len == total
-        past_lens = np.zeros(batch, np.int64) if first_prompt else kv_total - q_len
-        past_buf = past_key.shape[2] if past_key is not None else 0
-        if past_key is not None:
-            want = (batch, nkv)
-            if (past_key.ndim != 4 or tuple(past_key.shape[:2]) != want
-                    or past_key.shape[3] != head or tuple(past_value.shape) !=
-                    tuple(past_key.shape)):
-                raise self.fail(f"past_key {tuple(past_key.shape)} / past_value "
-                                f"{tuple(past_value.shape)} must be ({batch}, {nkv}, P, {head})")
-        if (kv_total < 1).any() or (kv_total > total).any():
-            raise self.fail(f"seqlens_k + 1 must lie in [1, total_sequence_length={total}], got "
-                            f"{kv_total.tolist()}")
-        if (past_lens < 0).any() or (past_lens > past_buf).any():
-            raise self.fail(f"seqlens_k {seqlens.tolist()} do not fit sequence_length {q_len} and "
-                            f"a past of {past_buf} positions")
-        present_len = max(past_buf, total)
+        total, kv_total, first_prompt, past_lens, past_buf, present_len = self.step_lengths(
+            _xp.to_host(xp, seqlens_k), total_sequence_length, past_key, past_value, batch,
+            q_len, head)
         past_d = xp.asarray(past_lens)  # (B,) on the device
 
         if self.do_rotary:
-            if cos_cache is None or sin_cache is None:
-                raise self.fail("do_rotary needs cos_cache and sin_cache")
-            half = cos_cache.shape[-1]
-            if cos_cache.ndim != 2 or tuple(sin_cache.shape) != tuple(cos_cache.shape) \
-                    or 2 * half > head:
-                raise self.fail(f"cos_cache/sin_cache must be (max_sequence_length, <= "
-                                f"{head // 2}), got {tuple(cos_cache.shape)}")
+            self.check_rotary_caches(cos_cache, sin_cache, head)
             steps = xp.arange(q_len, dtype=np.int64).reshape(1, q_len)
             if position_ids is None:
                 pos = past_d.reshape(batch, 1) + steps

@@ -719,19 +719,11 @@ class GroupQueryAttentionCL(CA.GroupQueryAttention):
         args = (query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
                 cos_cache, sin_cache, position_ids, attention_bias, head_sink, k_scale,
                 v_scale, q_norm_weight, k_norm_weight, query_seqlens)
-        for name, given in (("k_scale/v_scale", k_scale is not None or v_scale is not None),
-                            ("q_norm_weight/k_norm_weight",
-                             q_norm_weight is not None or k_norm_weight is not None),
-                            ("query_seqlens", query_seqlens is not None)):
-            if given:
-                raise self.fail(f"the {name} input is not supported")
+        self.refuse_unsupported(k_scale, v_scale, q_norm_weight, k_norm_weight, query_seqlens)
         if self.cpu_reason or self.refuses(_dtypes_of(args[:11])) or \
                 query.size == 0 or (key is not None and key.size == 0):
             return self.run_on_cpu(*args[:self.n_inputs])
-        if seqlens_k is None or total_sequence_length is None:
-            raise self.fail("seqlens_k and total_sequence_length are required")
-        if (past_key is None) != (past_value is None):
-            raise self.fail("past_key and past_value must be given together")
+        self.check_required(seqlens_k, total_sequence_length, past_key, past_value)
         be = self.device
         n, nkv = self.num_heads, self.kv_num_heads
         dtype = query.dtype
@@ -765,38 +757,14 @@ class GroupQueryAttentionCL(CA.GroupQueryAttention):
         else:
             raise self.fail("key and value must be given together (or neither, packed QKV)")
 
-        # lengths, on the host (as the CPU kernel checks them)
-        total = int(np.asarray(total_sequence_length).reshape(-1)[0])
-        seqlens = np.asarray(be.to_host(seqlens_k)).astype(np.int64).reshape(-1)
-        if seqlens.shape[0] != batch:
-            raise self.fail(f"seqlens_k must have {batch} elements, got {seqlens.shape[0]}")
-        kv_total = seqlens + 1
-        first_prompt = q_len == total
-        past_lens = np.zeros(batch, np.int64) if first_prompt else kv_total - q_len
-        past_buf = past_key.shape[2] if past_key is not None else 0
-        if past_key is not None:
-            if (past_key.ndim != 4 or tuple(past_key.shape[:2]) != (batch, nkv)
-                    or past_key.shape[3] != head or tuple(past_value.shape) !=
-                    tuple(past_key.shape)):
-                raise self.fail(f"past_key {tuple(past_key.shape)} / past_value "
-                                f"{tuple(past_value.shape)} must be ({batch}, {nkv}, P, {head})")
-        if (kv_total < 1).any() or (kv_total > total).any():
-            raise self.fail(f"seqlens_k + 1 must lie in [1, total_sequence_length={total}], got "
-                            f"{kv_total.tolist()}")
-        if (past_lens < 0).any() or (past_lens > past_buf).any():
-            raise self.fail(f"seqlens_k {seqlens.tolist()} do not fit sequence_length {q_len} and "
-                            f"a past of {past_buf} positions")
-        present_len = max(past_buf, total)
+        # lengths, on the host, checked as the CPU kernel checks them
+        total, kv_total, first_prompt, past_lens, past_buf, present_len = self.step_lengths(
+            be.to_host(seqlens_k), total_sequence_length, past_key, past_value, batch, q_len,
+            head)
 
         rotary = None
         if self.do_rotary:
-            if cos_cache is None or sin_cache is None:
-                raise self.fail("do_rotary needs cos_cache and sin_cache")
-            half = cos_cache.shape[-1]
-            if cos_cache.ndim != 2 or tuple(sin_cache.shape) != tuple(cos_cache.shape) \
-                    or 2 * half > head:
-                raise self.fail(f"cos_cache/sin_cache must be (max_sequence_length, <= "
-                                f"{head // 2}), got {tuple(cos_cache.shape)}")
+            self.check_rotary_caches(cos_cache, sin_cache, head)
             steps = np.arange(q_len, dtype=np.int64).reshape(1, q_len)
             if position_ids is None:
                 pos = past_lens.reshape(batch, 1) + steps

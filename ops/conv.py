@@ -1179,8 +1179,7 @@ class _ConvBase(OpImpl):
         if self.group < 1:
             raise self.fail(f"group must be positive, got {self.group}")
         check_window_attributes(self)
-        self._wkey = None
-        self._wval = None
+        self._weight = None  # (key, value) of cached_weight, one object: threads read it whole
         self._routes = RouteMemo()   # Conv.run's, without a clamp
 
     def geometry(self, x, w):
@@ -1226,12 +1225,13 @@ class _ConvBase(OpImpl):
         are the same read-only numpy constants (the CUDA kernels override this: device
         arrays have no read-only flag)."""
         key = (w,) + extra
-        if self._wkey is not None and len(key) == len(self._wkey) \
-                and all(a is b for a, b in zip(key, self._wkey)):
-            return self._wval
+        kept = self._weight
+        if kept is not None and len(key) == len(kept[0]) \
+                and all(a is b for a, b in zip(key, kept[0])):
+            return kept[1]
         value = convert(w)
         if all(isinstance(a, np.ndarray) and not a.flags.writeable for a in key if a is not None):
-            self._wkey, self._wval = key, value
+            self._weight = (key, value)
         return value
 
 

@@ -482,3 +482,27 @@ def test_qlinear_add_every_code_pair_as_onnxruntime(bits, zeros):
                                     providers=["CPUExecutionProvider"]).run(None, {"a": fa, "b": fb})
         got = ember.load(model, backend="cpu").run({"a": fa, "b": fb})
         assert_bits(got, {"c": want[0]}, f"QLinearAdd {fa.shape} + {fb.shape}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["cnn_qdq_pc", "cnn_qop_pc", "crnn_dyn_pc"])
+def test_a_shared_session_gives_each_thread_onnxruntimes_bits(files, name, backend):
+    """One session run from 4 threads at once on different inputs: each result has the bits of
+    onnxruntime and of the same session run alone (the integer kernels keep weights they
+    prepare once, read by every thread)."""
+    import concurrent.futures
+
+    path, feeds = files(name)
+    shape = next(iter(feeds.values())).shape
+    inputs = [{k: np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+               for k in feeds} for seed in range(8)]
+    session = ember.load(path, backend=backend)
+    sequential = [session.run(f) for f in inputs]
+    fresh = ember.load(path, backend=backend)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(fresh.run, inputs))
+    threads = 1 if name.startswith("crnn_dyn") else 0  # onnxruntime's LSTM chunks by threads
+    for i, (alone, shared) in enumerate(zip(sequential, together)):
+        assert_bits(shared, alone, f"{backend}:{name}: input {i}, shared against alone")
+        assert_bits(shared, ort_run(path, inputs[i], threads=threads),
+                    f"{backend}:{name}: input {i}, against onnxruntime")

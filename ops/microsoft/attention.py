@@ -130,11 +130,12 @@ class _PaddedAttention(OpImpl):
         self.mask_filter_value = float(self.mask_filter_value)
         self.scale = float(self.scale or 0.0)
 
-    def _key_mask(self, mask, batch, q_len, total, past, work, four_d):
-        """The padding mask as an additive bias broadcastable to (B, 1, S, T), or None."""
-        xp = self.xp
+    def mask_format(self, mask, batch, q_len, total, past, four_d):
+        """Which of onnxruntime's key padding mask formats `mask` has, its shape checked (every
+        kernel of the op reads it so): "ends" (B,) or "ends_starts" (2B,) of mask_index, "keys"
+        (B, T), "queries_keys" (B, S, T), "positions" (Megatron's (B, 1, max, max), rows by
+        absolute query position), or None for onnxruntime's dummy 4-D-model mask (B or 1, 1)."""
         shape = tuple(mask.shape)
-        cols = xp.arange(total)
         if mask.ndim == 1:
             n = shape[0]
             if n == 3 * batch + 2:
@@ -143,38 +144,50 @@ class _PaddedAttention(OpImpl):
             if n not in (batch, 2 * batch):
                 raise self.fail(f"1-D mask must have batch_size ({batch}) or 2 * batch_size "
                                 f"elements, got {n}")
-            if int(_xp.to_host(xp, mask).min(initial=0)) < 0:
-                raise self.fail("mask_index values must be non-negative")
-            ends = mask[:batch].astype(np.int64).reshape(batch, 1)
-            keep = cols.reshape(1, total) < ends
-            if n == 2 * batch:
-                starts = mask[batch:].astype(np.int64).reshape(batch, 1)
-                keep &= cols.reshape(1, total) >= starts
-            keep = keep.reshape(batch, 1, 1, total)
-        elif mask.ndim == 2:
+            return "ends" if n == batch else "ends_starts"
+        if mask.ndim == 2:
             if shape == (batch, total):
-                keep = (mask > 0).reshape(batch, 1, 1, total)
-            elif four_d and shape[1] == 1 and shape[0] in (1, batch):
+                return "keys"
+            if four_d and shape[1] == 1 and shape[0] in (1, batch):
                 return None  # onnxruntime's dummy mask: no masking
-            else:
-                raise self.fail(f"2-D mask must have shape (batch_size, total_sequence_length)"
-                                f" = {(batch, total)}, got {shape}")
-        elif mask.ndim == 3:
+            raise self.fail(f"2-D mask must have shape (batch_size, total_sequence_length)"
+                            f" = {(batch, total)}, got {shape}")
+        if mask.ndim == 3:
             if shape != (batch, q_len, total):
                 raise self.fail(f"3-D mask must have shape (batch_size, sequence_length, "
                                 f"total_sequence_length) = {(batch, q_len, total)}, got {shape}")
-            keep = (mask > 0).reshape(batch, 1, q_len, total)
-        elif mask.ndim == 4 and four_d:
-            # Megatron: (B, 1, max_sequence_length, max_sequence_length), rows by absolute
-            # query position
+            return "queries_keys"
+        if mask.ndim == 4 and four_d:
             if (shape[0] != batch or shape[1] != 1 or shape[2] < past + q_len
                     or shape[3] < total):
                 raise self.fail(f"4-D mask must have shape (batch_size, 1, max_sequence_length,"
                                 f" max_sequence_length) covering {past + q_len} query and "
                                 f"{total} key positions, got {shape}")
-            keep = mask[:, :, past:past + q_len, :total] > 0
+            return "positions"
+        raise self.fail(f"unsupported mask shape {shape}")
+
+    def _key_mask(self, mask, batch, q_len, total, past, work, four_d):
+        """The padding mask as an additive bias broadcastable to (B, 1, S, T), or None."""
+        xp = self.xp
+        form = self.mask_format(mask, batch, q_len, total, past, four_d)
+        if form is None:
+            return None
+        cols = xp.arange(total)
+        if form in ("ends", "ends_starts"):
+            if int(_xp.to_host(xp, mask).min(initial=0)) < 0:
+                raise self.fail("mask_index values must be non-negative")
+            ends = mask[:batch].astype(np.int64).reshape(batch, 1)
+            keep = cols.reshape(1, total) < ends
+            if form == "ends_starts":
+                starts = mask[batch:].astype(np.int64).reshape(batch, 1)
+                keep &= cols.reshape(1, total) >= starts
+            keep = keep.reshape(batch, 1, 1, total)
+        elif form == "keys":
+            keep = (mask > 0).reshape(batch, 1, 1, total)
+        elif form == "queries_keys":
+            keep = (mask > 0).reshape(batch, 1, q_len, total)
         else:
-            raise self.fail(f"unsupported mask shape {shape}")
+            keep = mask[:, :, past:past + q_len, :total] > 0
         return xp.where(keep, work.type(0), work.type(self.mask_filter_value))
 
     def _bias(self, mask, attention_bias, batch, q_len, total, past, work, four_d=False):

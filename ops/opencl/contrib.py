@@ -384,41 +384,19 @@ class _PaddedAttentionCL:
 
     def _mask_kind(self, mask, batch, q_len, total, past, four_d):
         """(kind for attn_bias, MA, MB) of `mask` (None: no mask, also for the dummy 2-D mask),
-        with the CPU kernel's shape checks and messages."""
+        checked as the CPU kernel checks it (mask_format)."""
         if mask is None:
             return None
-        shape = tuple(mask.shape)
-        if mask.ndim == 1:
-            n = shape[0]
-            if n == 3 * batch + 2:
-                raise self.fail("key mask of shape (3 * batch_size + 2) (cumulated sequence "
-                                "lengths) is not supported")
-            if n not in (batch, 2 * batch):
-                raise self.fail(f"1-D mask must have batch_size ({batch}) or 2 * batch_size "
-                                f"elements, got {n}")
-            if n:
+        form = self.mask_format(mask, batch, q_len, total, past, four_d)
+        if form in ("ends", "ends_starts"):
+            if mask.shape[0]:
                 self._check_nonnegative(mask)
-            return (1 if n == batch else 2), 0, 0
-        if mask.ndim == 2:
-            if shape == (batch, total):
-                return 3, 0, 0
-            if four_d and shape[1] == 1 and shape[0] in (1, batch):
-                return None  # onnxruntime's dummy mask: no masking
-            raise self.fail(f"2-D mask must have shape (batch_size, total_sequence_length)"
-                            f" = {(batch, total)}, got {shape}")
-        if mask.ndim == 3:
-            if shape != (batch, q_len, total):
-                raise self.fail(f"3-D mask must have shape (batch_size, sequence_length, "
-                                f"total_sequence_length) = {(batch, q_len, total)}, got {shape}")
+            return (1 if form == "ends" else 2), 0, 0
+        if form == "keys":
+            return 3, 0, 0
+        if form == "queries_keys":
             return 4, q_len, 0
-        if mask.ndim == 4 and four_d:
-            if (shape[0] != batch or shape[1] != 1 or shape[2] < past + q_len
-                    or shape[3] < total):
-                raise self.fail(f"4-D mask must have shape (batch_size, 1, max_sequence_length,"
-                                f" max_sequence_length) covering {past + q_len} query and "
-                                f"{total} key positions, got {shape}")
-            return 5, shape[2], shape[3]
-        raise self.fail(f"unsupported mask shape {shape}")
+        return None if form is None else (5, mask.shape[2], mask.shape[3])
 
     def _bias_cl(self, mask, attention_bias, batch, q_len, total, past, dtype, four_d=False):
         """(bias, strides over (B, N, S, T)) for the row kernel, or (None, zeros)."""

@@ -213,7 +213,7 @@ def profile_ember(job: dict, feeds: dict) -> dict:
     (gathering its inputs, its kernel, then freeing the values that died). Runs of plain
     Session.run are interleaved, to show what the per-step view leaves out."""
     run, _, version, sess = load_ember(job["model"], feeds)
-    from ember.runtime import threads
+    from ember.ops.cpu import threads
     plan = sess._plan  # the plan Session.run uses for all outputs (runtime/session.py)
     ordered = [feeds[n] for n in plan.input_names]
     for _ in range(job["warmup"]):

@@ -20,7 +20,7 @@ from ember.importer.gradient import expand_gradient_nodes
 from ember.importer.onnx_values import decode_attribute, decode_type, tensor_to_array
 from ember.importer.validate import check_model, check_node, node_label, opset_version
 from ember.ir import Graph, Model, Node, ValueInfo
-from ember.ops.registry import normalize_domain
+from ember.importer.schemas import normalize_domain
 
 ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto]
 

@@ -40,7 +40,7 @@ from google.protobuf.message import DecodeError
 from onnx import AttributeProto, defs
 
 from ember.errors import InvalidModelError, ModelLoadError
-from ember.ops.registry import attribute_defaults, normalize_domain, schema_for
+from ember.importer.schemas import attribute_defaults, normalize_domain, schema_for
 
 # Opset versions past this are no real opset (ai.onnx is at 25): a typo or a mutation.
 MAX_OPSET = 10000

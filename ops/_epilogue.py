@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from ember.ops import _blas, _compiled, _tiles
+from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles
 from ember.ops._dtypes import is_narrow_float, widen
 from ember.ops._layout import channels_last, pixel_rows
 from ember.ops.activations import gelu, gelu_erf_float32, gelu_tanh_float32
@@ -120,12 +120,12 @@ def _epilogue_whole(xp, y, bias, z, activation, params):
     return work.astype(dtype, copy=False)
 
 
-# --- the compiled epilogue (numba, ops/_compiled.py): bias, residual and activation in one
+# --- the compiled epilogue (numba, ops/cpu/compiled.py): bias, residual and activation in one
 # pass over the product instead of one numpy pass each. A pass over a convolution's output is
 # a trip through memory (MobileNetV2's first layers write 1.2-4.8 MB each): one pass instead
 # of two or three cut a 1x1 convolution's node time by 1.2-1.9x here. The kernel does numpy's
 # operations in numpy's order and rounding (no contraction), so it gives the same bits; but
-# GELU's tanh form, whose float32 tanh (ops/_compiled.py) is within 2 ulp of numpy's.
+# GELU's tanh form, whose float32 tanh (ops/cpu/compiled.py) is within 2 ulp of numpy's.
 
 _EPILOGUE_CODES = {"": 0, "Relu": 1, "LeakyRelu": 2, "Clip": 3, "HardSigmoid": 4,
                    "HardSwish": 5}
@@ -184,7 +184,7 @@ def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels
     return True
 
 
-# The epilogue's piece functions (ops/_compiled.py: the helpers run their pieces without
+# The epilogue's piece functions (ops/cpu/compiled.py: the helpers run their pieces without
 # Python), one per dtype; `_epilogue_arguments` rebuilds the arguments.
 @_compiled.kernel_math
 def _epilogue_arguments(block, dtype):  # pragma: no cover
@@ -412,12 +412,12 @@ class PointwiseRoute:
         return out.reshape(self.rows_shape).transpose(self.axes)
 
 
-# --- a 1x1 convolution as register tiles (ops/_tiles.py) over its pixels: the weights packed
+# --- a 1x1 convolution as register tiles (ops/cpu/tiles.py) over its pixels: the weights packed
 # once (OpenBLAS packs them again on every call), the bias and a clip in the tiles' stores, a
 # residual and any other activation after each piece's rows, by the thread that wrote them.
 # A piece is whole bands of tiles (every block of output channels of its pixels), so that
 # the caller keeps to the first rows and a helper to the last, as the products' pieces do
-# (ops/_blas.py): the rows a thread reads next are the ones it wrote.
+# (ops/cpu/blas.py): the rows a thread reads next are the ones it wrote.
 
 def tiles_pointwise_fits(x, w, b, group, strides, begin, end) -> bool:
     """Whether a 1x1 convolution of x by w (+ bias b) runs as `TilesPointwiseRoute` in runs:

@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 
-from ember.ops import _compiled
-from ember.ops._compiled import tanh_float32
+from ember.ops.cpu import compiled as _compiled
+from ember.ops.cpu.compiled import tanh_float32
 from ember.ops._dtypes import widen
 from ember.ops.elementwise import (_ERF32_P, _ERF32_Q, back, blocks, erf, erf_float32_block,
                                    unary)

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from ember.ops import _blas
+from ember.ops.cpu import blas as _blas
 from ember.ops._dtypes import is_narrow_float, work_dtype
 from ember.ops.reduction import softmax
 from ember.ops.registry import OpImpl, register

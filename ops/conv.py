@@ -32,7 +32,8 @@ import math
 import numpy as np
 
 from ember import limits
-from ember.ops import _blas, _compiled, _epilogue, _tiles, _xp
+from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles
+from ember.ops import _epilogue, _xp
 from ember.ops._layout import channels_last
 from ember.ops.linalg import check_numeric
 from ember.ops.registry import OpImpl, register
@@ -489,7 +490,7 @@ def route_key(x, clamp):
             _blas.in_run())
 
 
-# The depthwise convolution as explicit vector code (ops/_tiles.py; AVX-512, channels a
+# The depthwise convolution as explicit vector code (ops/cpu/tiles.py; AVX-512, channels a
 # multiple of 16, 3x3 / 5x5 / 7x7 windows): the pixels whose whole window lies inside the
 # image, 4 output pixels by 16 channels at a time with the window's weights in registers;
 # the border pixels as in `_depthwise_rows`. Measured on one core (Zen 4), MobileNetV2's 3x3
@@ -570,7 +571,7 @@ def _depthwise_vector_rows(x4, vectors, taps, w3, b, out4, ph, pw, sh, sw, dh, d
 
 
 def _depthwise_vector_piece(block, row0, row1):  # pragma: no cover
-    """_depthwise_vector_rows' piece function (ops/_compiled.py: the helpers run its pieces
+    """_depthwise_vector_rows' piece function (ops/cpu/compiled.py: the helpers run its pieces
     without Python), its arguments from the block `split_rows` made."""
     v = _compiled.array_at(block, (30,), np.int64)
     f = _compiled.array_at(block, (30,), np.float64)
@@ -585,7 +586,7 @@ def _depthwise_vector_piece(block, row0, row1):  # pragma: no cover
         row0, row1)
 
 
-# --- optional compiled depthwise kernels (numba: ops/_compiled.py), one for 3x3 windows and
+# --- optional compiled depthwise kernels (numba: ops/cpu/compiled.py), one for 3x3 windows and
 # one for any other: the einsum kernel above stays the fallback and the reference. The
 # output rows are split among the run's threads.
 
@@ -603,7 +604,7 @@ def _numba_depthwise():
     return _compiled.jit(_depthwise_rows, fastmath={"contract"})
 
 
-# The depthwise kernels' piece functions (ops/_compiled.py: the helpers run their pieces
+# The depthwise kernels' piece functions (ops/cpu/compiled.py: the helpers run their pieces
 # without Python), one per kernel and dtype; `_depthwise_arguments` rebuilds the arguments.
 @_compiled.kernel_math
 def _depthwise_arguments(block, dtype):  # pragma: no cover
@@ -827,7 +828,7 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
 
 
 # A 2-D convolution (group 1, float32) as register tiles over a channels-last padded image
-# (ops/_tiles.py): no patch matrix, the bias and a clip (ReLU, ReLU6) in the tiles' own
+# (ops/cpu/tiles.py): no patch matrix, the bias and a clip (ReLU, ReLU6) in the tiles' own
 # stores, the result channels-last. With numba on an AVX-512 CPU it runs every such
 # convolution with a window larger than 1x1 and no negative pads (AVX2: see below): on 2
 # cores of a Zen 4 EPYC, ResNet-50's 3x3 layers at 150-200 GF/s where OpenBLAS's GEMM on
@@ -854,7 +855,7 @@ def _tiled_fits(x, w, group, begin, end):
 
 # conv_nd's 1x1 convolutions of one image (outside runs; in runs, see above) run as tiles
 # where the product is large and the input channels many (measured before the tiles stopped
-# counting references per unit: ops/_tiles.py): the tiles read weights packed once, where
+# counting references per unit: ops/cpu/tiles.py): the tiles read weights packed once, where
 # OpenBLAS packs them again on every call (8 MB for ResNet-50's 1024 -> 2048 layer, for 49
 # rows of 7x7 pixels). On a 2-core
 # Xeon with AVX-512, in the model (ResNet-50 b1), those of 512-1024 input channels ran
@@ -1010,7 +1011,7 @@ def _pad_rows(src, image, height, length, plane, row, first, row0, row1):  # pra
 
 
 def _pad_rows_piece(block, row0, row1):  # pragma: no cover
-    """_pad_rows' piece function (ops/_compiled.py), its arguments from the block."""
+    """_pad_rows' piece function (ops/cpu/compiled.py), its arguments from the block."""
     v = _compiled.array_at(block, (9,), np.int64)
     _pad_rows(_compiled.array_at(v[0], (v[1],), np.float32),
               _compiled.array_at(v[2], (v[3],), np.float32), v[4], v[5], v[6], v[7], v[8],

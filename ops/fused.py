@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.ops import _blas, _compiled
+from ember.ops.cpu import blas as _blas, compiled as _compiled
 from ember.ops._epilogue import (ACTIVATIONS, PointwiseRoute, epilogue, pointwise_route,
                                  tiles_pointwise_fits, tiles_pointwise_route, with_defaults)
 from ember.ops._layout import pixel_rows

@@ -10,14 +10,14 @@ with AVX2, 2-16 rows) run as register tiles over the weight packed once (`_tiled
 numba on an AVX-512 or AVX2 CPU); elsewhere, products of 2-4 rows run as one GEMV per row
 where that was measured faster (`_rows_faster`), and products of 4-12 rows by a large
 constant weight as dot products with the rows of its transpose (`_dot_columns`, numba);
-the products BLAS does go through ops/_blas.py, which cuts them into pieces for ember's kernel
+the products BLAS does go through ops/cpu/blas.py, which cuts them into pieces for ember's kernel
 pool during runs (OpenBLAS then on one thread), or leaves them to OpenBLAS's threads.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ember.ops import _blas, _compiled, _tiles
+from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles
 from ember.ops._dtypes import is_narrow_float, widen
 from ember.ops.registry import OpImpl, register
 
@@ -37,7 +37,7 @@ def _int_matmul(xp, a, b):
 
 
 # How OpenBLAS (numpy's BLAS) runs small float products fastest on its own threads (without
-# numba, or with EMBER_POOL_PRODUCTS=0: ops/_blas.py), measured on a 2-core AMD EPYC
+# numba, or with EMBER_POOL_PRODUCTS=0: ops/cpu/blas.py), measured on a 2-core AMD EPYC
 # VM with OpenBLAS 0.3.31 (Haswell kernels), M = 1..64 rows, K, N = 256..3072 (report of
 # issue 12; medians of interleaved runs, 100 us of other work between products):
 # * Threads. OpenBLAS runs a GEMM on one thread up to M*N*K = 65536 * GEMM_MULTITHREAD_THRESHOLD
@@ -164,7 +164,7 @@ def _dot_columns(a, b, weight: CachedPack):
     return out
 
 
-# The same few rows by a large constant weight as register tiles (ops/_tiles.py; AVX-512):
+# The same few rows by a large constant weight as register tiles (ops/cpu/tiles.py; AVX-512):
 # the weight packed once in blocks of 32 columns, each block's K x 32 values read in order
 # and multiplied with 12 rows at a time (4 for the last few) in vector registers. Measured
 # on 2 cores (Zen 4), weight from memory, against the dot products above: GPT-2's LM head
@@ -187,7 +187,7 @@ def _dot_columns(a, b, weight: CachedPack):
 # decoder step's rows: 128 x 768 x 768 and x 3072 ran 1.05x slower than OpenBLAS (one core,
 # Zen 3), 8 x 768 x 768 0.77x of the dot products.
 # K up to 3072 since such an input (128 x 3072: 1.5 MB) is one band of tiles where the weights
-# are 4x its size (ops/_tiles.py: ONE_BAND_BYTES), each block of weights then read once: on
+# are 4x its size (ops/cpu/tiles.py: ONE_BAND_BYTES), each block of weights then read once: on
 # 2 cores of a Xeon with AVX-512, paired processes, b1: BERT-base 0.87-0.92x, DistilBERT
 # 0.88-0.97x, GPT-2 0.95-0.99x, BERT-small 1.01x, the decoder step 0.98-0.99x (BERT-base b8
 # 0.99x: its products are BLAS's).

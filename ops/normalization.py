@@ -4,7 +4,7 @@ GroupNormalization, RMSNormalization, LpNormalization, MeanVarianceNormalization
 Statistics are computed with keepdims reductions in the precision the spec asks for (stash_type,
 float32 by default for the transformer norms), never with Python loops over elements.
 
-With numba (ops/_compiled.py), a float LayerNormalization with one output runs compiled
+With numba (ops/cpu/compiled.py), a float LayerNormalization with one output runs compiled
 (`_layernorm_rows`): each row's mean, variance (summed in float64) and normalised, scaled and
 shifted result in three passes over the row while it is in cache, where numpy made seven
 passes over the whole tensor (ConvNeXt-T's 23 LayerNorms: 14 ms a run, onnxruntime's 2.5).
@@ -16,7 +16,8 @@ import math
 import numpy as np
 from onnx import helper
 
-from ember.ops import _compiled, _xp
+from ember.ops.cpu import compiled as _compiled
+from ember.ops import _xp
 from ember.ops._dtypes import is_narrow_float, widen
 from ember.ops.registry import OpImpl, register
 
@@ -213,7 +214,7 @@ def _layernorm_compiled(x, axis, scale, b, epsilon):
     return y.reshape(x.shape)
 
 
-# `_layernorm_rows`' piece functions (ops/_compiled.py: the helpers run its pieces without
+# `_layernorm_rows`' piece functions (ops/cpu/compiled.py: the helpers run its pieces without
 # Python), one per dtype, the arguments rebuilt from the block `split_rows` made.
 @_compiled.kernel_math
 def _layernorm_arguments(block, dtype):  # pragma: no cover - numba

@@ -10,7 +10,7 @@ data stays so), and on the CPU the last, contiguous axis runs over all rows laid
 stride-1 pass plus one strided pick). MaxPool's Indices output uses a tap loop over the padded
 input that remembers the winning tap. No loop ever runs over output pixels in numpy.
 
-With numba (ops/_compiled.py), a float 2-D MaxPool without Indices runs compiled instead
+With numba (ops/cpu/compiled.py), a float 2-D MaxPool without Indices runs compiled instead
 (`_maxpool2d`): one pass over the output, each window read where it lies in the input (the
 separable passes wrote and reread a whole intermediate array per axis: 1.7 ms for ResNet-50's
 112x112x64 pool here, where onnxruntime takes 0.2 ms).
@@ -22,7 +22,8 @@ import math
 import numpy as np
 
 from ember import limits
-from ember.ops import _compiled, _xp
+from ember.ops.cpu import compiled as _compiled
+from ember.ops import _xp
 from ember.ops._layout import channels_last
 from ember.ops.conv import (auto_pads, check_window_attributes, compute_dtype, ints, out_size,
                             pad_array, remembered_geometry, tap_slices, window3x3_offsets)
@@ -343,7 +344,7 @@ def _maxpool2d_channels_last_rows(x4, out4, kh, kw, sh, sw, ph, pw, dh, dw, row0
                         out[o + c] = _max_or_nan(x[at + c], out[o + c])
 
 
-# The channels-last kernel's piece functions (ops/_compiled.py: the helpers run its pieces
+# The channels-last kernel's piece functions (ops/cpu/compiled.py: the helpers run its pieces
 # without Python, where a Python job waited for the GIL: ResNet-50's stem pool at b1, 2
 # threads, 252 -> 176 us in the model, 74 with its input in cache; onnxruntime's 83), one
 # per dtype, the arguments from the block.

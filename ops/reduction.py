@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.ops import _compiled, _xp
-from ember.ops._compiled import exp_float32
+from ember.ops.cpu import compiled as _compiled
+from ember.ops import _xp
+from ember.ops.cpu.compiled import exp_float32
 from ember.ops._dtypes import widen
 from ember.ops.registry import OpImpl, register
 
@@ -139,7 +140,7 @@ class _ReduceMean(_Reduce):
 
 # The mean over the pixels of a channels-last image (N, C, H, W) (a network's global average
 # pool, after a 1x1 convolution whose rows both cores wrote): each thread sums the rows its
-# core wrote (the caller the first, a helper the last: ops/_blas.py's board), then the caller
+# core wrote (the caller the first, a helper the last: ops/cpu/blas.py's board), then the caller
 # adds the pieces' sums in order. numpy's sum over the view read half of its input from the
 # other core's cache, a value at a time: MobileNetV2's (1280 channels at 7x7) 78 us in the
 # model (14 us with its input in the caller's cache), 55 us in pieces; the model 0.99x
@@ -187,7 +188,7 @@ def _pixel_sums(x, cuts, partial, p0, p1):  # pragma: no cover
 
 
 def _pixel_sums_piece(block, p0, p1):  # pragma: no cover
-    """_pixel_sums' piece function (ops/_compiled.py), its arguments from the block."""
+    """_pixel_sums' piece function (ops/cpu/compiled.py), its arguments from the block."""
     v = _compiled.array_at(block, (10,), np.int64)
     _pixel_sums(_compiled.array_at(v[0], (v[1], v[2], v[3]), np.float32),
                 _compiled.array_at(v[4], (v[5],), np.int64),
@@ -450,7 +451,7 @@ def _softmax_compiled(xp, x, axis, empty_rows_zero):
 
 
 def _softmax_rows_piece(block, r0, r1):  # pragma: no cover - numba
-    """`_softmax_rows_loops`' piece function (ops/_compiled.py: the helpers run its pieces
+    """`_softmax_rows_loops`' piece function (ops/cpu/compiled.py: the helpers run its pieces
     without Python), its arguments rebuilt from the block `split_rows` made."""
     v = _compiled.array_at(block, (7,), np.int64)
     _softmax_rows_loops(_compiled.array_at(v[0], (v[1], v[2]), np.float32),

@@ -23,18 +23,14 @@ registered with `backend=`; they inherit its semantics and override `run`.
 """
 from __future__ import annotations
 
-import functools
 import importlib
 from typing import Any, Callable, Iterable
 
 import numpy as np
-import onnx
-from onnx import defs
 
 from ember.errors import InvalidModelError
+from ember.importer.schemas import attribute_defaults, normalize_domain, schema_for
 from ember.ir import Node
-
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 # The backends a kernel may be registered for (ember.runtime.backends makes them).
 BACKENDS = ("cpu", "opencl", "cuda")
@@ -146,10 +142,6 @@ class OpImpl:
         return InvalidModelError(f"{self.op_type} node '{label}': {message}")
 
 
-def normalize_domain(domain: str) -> str:
-    return "" if domain in _DEFAULT_DOMAINS else domain
-
-
 def register(op_type: str, versions: Iterable[int], domain: str = "",
              backend: str = "cpu") -> Callable[[type[OpImpl]], type[OpImpl]]:
     """Class decorator: `cls` implements `op_type` for each listed since-version."""
@@ -166,15 +158,6 @@ def register(op_type: str, versions: Iterable[int], domain: str = "",
         return cls
 
     return wrap
-
-
-@functools.lru_cache(maxsize=None)
-def schema_for(domain: str, op_type: str, opset: int) -> defs.OpSchema | None:
-    """The ONNX schema in force for this op at this opset, or None for unknown/custom ops."""
-    try:
-        return defs.get_schema(op_type, opset, domain)
-    except (defs.SchemaError, TypeError, OverflowError):  # unknown op; opset past int32
-        return None
 
 
 def since_version(domain: str, op_type: str, opset: int) -> int:
@@ -204,26 +187,6 @@ def supported_ops(backend: str = "cpu") -> dict[tuple[str, str], list[int]]:
     """(domain, op_type) -> since-versions implemented, for `ember info` and the ops table (docs/ops.md)."""
     _ensure_loaded(backend)
     return {(d, op): sorted(vs) for (b, d, op), vs in sorted(_TABLE.items()) if b == backend}
-
-
-@functools.lru_cache(maxsize=None)
-def attribute_defaults(domain: str, op_type: str, opset: int) -> tuple[dict[str, Any], frozenset[str]]:
-    """Defaults declared by the ONNX schema, and the names of required attributes."""
-    from ember.importer.onnx_values import decode_attribute
-
-    schema = schema_for(domain, op_type, opset)
-    if schema is None:
-        return {}, frozenset()
-    defaults: dict[str, Any] = {}
-    required = set()
-    for name, attr in schema.attributes.items():
-        if attr.required:
-            required.add(name)
-        elif attr.default_value.type != onnx.AttributeProto.UNDEFINED:
-            defaults[name] = decode_attribute(attr.default_value)
-        else:
-            defaults[name] = None
-    return defaults, frozenset(required)
 
 
 def bind(node: Node, impl: type[OpImpl], attrs: dict[str, Any], device: Any = None) -> OpImpl:

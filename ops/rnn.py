@@ -18,7 +18,7 @@ each step is then one matmul into a preallocated gate buffer plus a dozen in-pla
 (`out=`) on fixed views, writing h straight into Y. Other activations and clip take the
 general per-step driver (`_run_all`).
 
-With numba (ops/_compiled.py), a float32 LSTM, or GRU with linear_before_reset (what PyTorch
+With numba (ops/cpu/compiled.py), a float32 LSTM, or GRU with linear_before_reset (what PyTorch
 exports), on the CPU without sequence_lens, peepholes or coupled gates runs each direction as
 one compiled call (`_lstm_steps_loops`, `_gru_lbr_steps_loops`) on a team of threads that
 split the hidden units and wait for one another after each step: no Python and no hand-off to
@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.ops import _blas, _compiled, _tiles, _xp
-from ember.ops._compiled import chunk_done, exp_float32, tanh_float32, take_chunk, wait_step
-from ember.ops._tiles import columns_from_blocks
+from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles
+from ember.ops import _xp
+from ember.ops.cpu.compiled import chunk_done, exp_float32, tanh_float32, take_chunk, wait_step
+from ember.ops.cpu.tiles import columns_from_blocks
 from ember.ops.linalg import dot_columns_loops
 from ember.ops.registry import OpImpl, register
 
@@ -179,7 +180,7 @@ def _gru_lbr_steps_loops(XW, R, P, Rbn, Y, h0, G, reverse, cuts, rank,
         wait_step(sync, i, chunks)
 
 
-# The team kernels' piece functions (ops/_compiled.py's run_in_lockstep: the helpers run their
+# The team kernels' piece functions (ops/cpu/compiled.py's run_in_lockstep: the helpers run their
 # part without Python), the rank as row0, the arguments rebuilt from the block.
 def _lstm_steps_piece(block, rank, _):  # pragma: no cover
     v = _compiled.array_at(block, (29,), np.int64)
@@ -524,7 +525,7 @@ class _RecurrentBase(OpImpl):
 
     # The compiled whole-direction kernel (see `_lstm_steps_loops`), where the op has one.
     team_loops = None
-    team_piece = None  # its piece function (ops/_compiled.py)
+    team_piece = None  # its piece function (ops/cpu/compiled.py)
 
     def _team_kernel(self, cdt, no_masks, extra):
         """`team_loops` compiled, where it serves (numba, the CPU, float32, no sequence_lens,

@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from ember import limits
-from ember.ops import _compiled
+from ember.ops.cpu import compiled as _compiled
 from ember.ops._layout import channels_last
 from ember.ops.registry import OpImpl, register
 
@@ -338,7 +338,7 @@ def _concat_pixels(a, b, out, row0, row1):  # pragma: no cover - numba
 
 
 def _concat_pixels_piece(block, row0, row1):  # pragma: no cover - numba
-    """_concat_pixels' piece function (ops/_compiled.py), its arguments from the block."""
+    """_concat_pixels' piece function (ops/cpu/compiled.py), its arguments from the block."""
     v = _compiled.array_at(block, (9,), np.int64)
     _concat_pixels(_compiled.array_at(v[0], (v[1], v[2]), np.float32),
                    _compiled.array_at(v[3], (v[4], v[5]), np.float32),

@@ -18,8 +18,8 @@ from ember.importer import ModelSource, import_model
 from ember.log import logger
 from ember.ir import Dim, MapType, Model, OptionalType, SequenceType, TensorType, ValueInfo
 from ember.runtime.backends import Backend, get_backend
-from ember.runtime import memory as _memory
-from ember.runtime import threads as _threads
+from ember.ops.cpu import memory as _memory
+from ember.ops.cpu import threads as _threads
 from ember.runtime.executor import Plan
 from ember.runtime.profiler import Profiler
 from ember.runtime.values import OrtValue
@@ -76,7 +76,7 @@ class Session:
         self.model = model
         # per-node events of each run while set (ember.runtime.profiler); end_profiling writes
         self.profiler = profiler
-        # BLAS threads during run() (ember.runtime.threads); default: the physical cores
+        # BLAS threads during run() (ember.ops.cpu.threads); default: the physical cores
         self.threads = _threads.check_threads(threads) or _threads.default_threads()
         # the largest tensor a node may produce (ember.limits); default: half the memory
         self.max_tensor_bytes = limits.resolve(max_tensor_bytes)
@@ -437,7 +437,7 @@ def load(model: ModelSource | Model, backend: str | Backend | None = None,
     (its own context and queue). With `simplify` (the default) the graph is simplified for that
     backend first (constant folding, fusions, expansion of ops the backend lacks; see
     ember.simplifier); the caller's IR is never modified. `threads`: BLAS threads during
-    `run` (default: the physical cores this process may use; see ember.runtime.threads).
+    `run` (default: the physical cores this process may use; see ember.ops.cpu.threads).
     `max_tensor_bytes`: the largest tensor a node may produce or ask for; past it a run fails
     with ResourceLimitError (default: $EMBER_MAX_TENSOR_BYTES, else half the memory this
     process may use; see ember.limits). `profile`: record one event per node of every run,

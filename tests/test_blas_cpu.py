@@ -1,4 +1,4 @@
-"""Products on ember's kernel pool (ember.ops._blas): OpenBLAS's GEMM / GEMV called on pieces of
+"""Products on ember's kernel pool (ember.ops.cpu.blas): OpenBLAS's GEMM / GEMV called on pieces of
 a product during runs. Checked against numpy's float64 product (the oracle; float32 results
 within 1e-6 of sum_k |a_ik| |b_kj|, the scale any summation order's rounding is relative to),
 for every layout the pieces address (transposed operands, batches, a matrix by a stack, one row
@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from ember.ops import _blas, _compiled
-from ember.runtime import threads as ember_threads
+from ember.ops.cpu import blas as _blas, compiled as _compiled
+from ember.ops.cpu import threads as ember_threads
 
 pytestmark = pytest.mark.skipif(not _blas.enabled(),
                                 reason="products stay with np.matmul (no numba or OpenBLAS)")

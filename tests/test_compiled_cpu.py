@@ -1,4 +1,4 @@
-"""The CPU kernels that numba compiles where it is installed (ops/_compiled.py), each against
+"""The CPU kernels that numba compiles where it is installed (ops/cpu/compiled.py), each against
 its numpy kernel and onnxruntime:
 
 * the depthwise convolution, 3x3 and any other window (numpy's einsum kernel and numba's,
@@ -20,7 +20,7 @@ its numpy kernel and onnxruntime:
   and with the numpy kernel's bits (NaN included), its rows split among threads or not;
 * LayerNormalization (row statistics in float64), against onnxruntime over one or several
   normalised axes, transposed input and broadcast parameters, the same bits however split;
-* 2-D convolutions as register tiles (ops/_tiles.py), with a fused Relu / Clip and a
+* 2-D convolutions as register tiles (ops/cpu/tiles.py), with a fused Relu / Clip and a
   residual, against onnxruntime (and the numpy kernels against it too), every part-filled
   tile, the same bits however split or shared by threads, a weight fed at run time;
 * few rows by a large constant weight, as tiles and as dot products with its transpose,
@@ -38,9 +38,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ember
-from ember.ops import (_compiled, _epilogue, _layout, _tiles, activations, conv, fused, linalg,
-                       normalization, pool, reduction, rnn)
-from ember.runtime import threads
+from ember.ops import (_epilogue, _layout, activations, conv, fused, linalg, normalization, pool,
+                       reduction, rnn)
+from ember.ops.cpu import compiled as _compiled, tiles as _tiles
+from ember.ops.cpu import threads
 
 ort = pytest.importorskip("onnxruntime")
 F = TensorProto.FLOAT
@@ -509,7 +510,7 @@ def test_recurrence_in_lockstep_matches_onnxruntime_and_one_thread(op, direction
         np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-5, err_msg=name)
     # the loop on one thread, in a session of two: the lockstep's split is what is compared
     # (the input projection before the loop is a product, which rounds differently on one
-    # thread and on two: OpenBLAS's Haswell kernels, serving AVX2 CPUs, and ops/_blas.py's
+    # thread and on two: OpenBLAS's Haswell kernels, serving AVX2 CPUs, and ops/cpu/blas.py's
     # pieces), so only the lockstep is held to one thread
     monkeypatch.setattr(_compiled, "_CPUS", 1)
     one = ember.load(proto, threads=2).run(feeds)
@@ -526,7 +527,7 @@ def test_recurrence_ranks_run_on_the_board(op, monkeypatch):
     go on the board, a helper takes one without Python, and the bits are those of the loop
     on one thread."""
     pytest.importorskip("numba")
-    from ember.ops import _blas
+    from ember.ops.cpu import blas as _blas
     if not _blas.enabled():
         pytest.skip("no board here (products stay with np.matmul)")
     taken = []
@@ -777,7 +778,7 @@ def test_pointwise_fused_conv_finishes_in_its_pieces(case, route, monkeypatch):
     of one thread), in a session shared by threads too, and matches onnxruntime. A plain
     Conv (its bias the only epilogue) takes it too."""
     pytest.importorskip("numba")
-    from ember.ops import _blas
+    from ember.ops.cpu import blas as _blas
     if not _blas.enabled():
         pytest.skip("no board here (products stay with np.matmul)")
     if route == "tiles" and (_tiles.kernel() is None or not _tiles.WIDE):
@@ -1663,7 +1664,7 @@ def test_split_kernels_run_their_pieces_on_the_board(case, monkeypatch):
     tiles) put their pieces on the products' board, where the helpers take them without
     Python: one thread's bits, and some pieces taken by a helper."""
     pytest.importorskip("numba")
-    from ember.ops import _blas
+    from ember.ops.cpu import blas as _blas
     if not _blas.enabled():
         pytest.skip("no board here (products stay with np.matmul)")
     if case == "tiles":

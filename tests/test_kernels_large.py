@@ -71,8 +71,8 @@ def test_conv_with_a_bias_computed_at_run_time():
 @pytest.fixture
 def numpy_conv_kernels(monkeypatch):
     """The convolutions' numpy kernels (BLAS), as without numba: the register tiles
-    (ops/_tiles.py, tested in test_compiled_cpu.py) would take these float32 cases."""
-    from ember.ops import _compiled, _tiles
+    (ops/cpu/tiles.py, tested in test_compiled_cpu.py) would take these float32 cases."""
+    from ember.ops.cpu import compiled as _compiled, tiles as _tiles
     monkeypatch.setitem(_compiled._compiled, _tiles.conv_tiles_loops, None)
 
 

@@ -1,4 +1,4 @@
-"""ember.runtime.memory: freed memory is kept for the next run (glibc's malloc thresholds)."""
+"""ember.ops.cpu.memory: freed memory is kept for the next run (glibc's malloc thresholds)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ import pytest
 CHILD = r"""
 import resource, sys
 import numpy as np
-from ember.runtime import memory
+from ember.ops.cpu import memory
 
 def faults_of_a_run():   # six 3 MiB arrays alive at once, then freed: a run's outputs
 
@@ -48,7 +48,7 @@ def test_an_array_of_a_size_freed_before_is_served_without_page_faults():
 
 def test_the_users_own_malloc_settings_and_the_opt_out_are_left_alone():
     for env in ({"EMBER_KEEP_MEMORY": "0"}, {"MALLOC_TRIM_THRESHOLD_": "1000000"}):
-        code = "from ember.runtime import memory; print(memory.keep_freed_memory())"
+        code = "from ember.ops.cpu import memory; print(memory.keep_freed_memory())"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**os.environ, **env}, check=True)
         assert out.stdout.strip() == "False"
@@ -57,7 +57,7 @@ def test_the_users_own_malloc_settings_and_the_opt_out_are_left_alone():
 def test_a_large_buffer_is_handed_out_again_only_once_nothing_refers_to_it(monkeypatch):
     """ops/_tiles.empty from 32 MB: a freed buffer is reused, one still referred to (by the
     array or any view of it) is not, and at most _KEEP_BUFFERS are kept."""
-    from ember.ops import _tiles
+    from ember.ops.cpu import tiles as _tiles
     monkeypatch.setenv("EMBER_KEEP_MEMORY", "1")
     monkeypatch.setattr(_tiles, "_kept", [])
     n = _tiles.KEEP_FROM_BYTES // 4 + 1024

@@ -1,4 +1,4 @@
-"""ember's BLAS thread pool on the CPU (ember.runtime.threads): the `threads` session option is
+"""ember's BLAS thread pool on the CPU (ember.ops.cpu.threads): the `threads` session option is
 what BLAS runs with inside `run` (as threadpoolctl reports it), results do not depend on it, and
 no BLAS worker keeps a core busy after `run` returns.
 
@@ -28,8 +28,9 @@ import threadpoolctl
 from onnx import TensorProto, helper, numpy_helper
 
 import ember
-from ember.ops import _blas, _compiled, fused, linalg
-from ember.runtime import threads as ember_threads
+from ember.ops.cpu import blas as _blas, compiled as _compiled
+from ember.ops import fused, linalg
+from ember.ops.cpu import threads as ember_threads
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRANSFORMER = os.path.join(REPO, "models", "transformer.onnx")

@@ -18,7 +18,11 @@ import functools
 
 import numpy as np
 
-from ember.runtime.backends.cuda import DEVICE_DTYPES
+# dtypes that move to the device; everything else (strings, objects, ml_dtypes such as
+# bfloat16 and the float8s) stays on the host and the kernels that meet it fall back to the CPU.
+DEVICE_DTYPES = frozenset(np.dtype(t) for t in (
+    np.float32, np.float64, np.float16, np.int8, np.uint8, np.int16, np.uint16, np.int32,
+    np.uint32, np.int64, np.uint64, np.bool_, np.complex64, np.complex128))
 
 FLOAT_TYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 # numpy dtype -> CUDA C type, for templated kernels

@@ -14,14 +14,10 @@ import numpy as np
 
 from ember import config
 from ember.errors import BackendUnavailableError
+from ember.ops.cuda._common import DEVICE_DTYPES
 from ember.runtime.backends.base import Backend
 
 INSTALL_HINT = "pip install 'ember[cuda]' (cupy-cuda12x, for a CUDA 12 driver)"
-# dtypes that move to the device; everything else (strings, objects, ml_dtypes such as
-# bfloat16 and the float8s) stays on the host and the kernels that meet it fall back to the CPU.
-DEVICE_DTYPES = frozenset(np.dtype(t) for t in (
-    np.float32, np.float64, np.float16, np.int8, np.uint8, np.int16, np.uint16, np.int32,
-    np.uint32, np.int64, np.uint64, np.bool_, np.complex64, np.complex128))
 
 
 class CudaBackend(Backend):

@@ -3,12 +3,12 @@
     y = _blas.matmul(a, b)          # np.matmul's result; on the pool where it applies
 
 Why: a run alternates BLAS products with ember's compiled kernels, and each had a thread pool
-of its own: OpenBLAS's workers, then ember's helpers (ops/_compiled.py). Each sleeps shortly
+of its own: OpenBLAS's workers, then ember's helpers (ops/cpu/compiled.py). Each sleeps shortly
 after its own work, so each product and each split kernel first waited for a sleeping thread
 to wake (on a 2-vCPU KVM guest, 120-180 us: a small product's whole time), and a pool that
 spun longer took the core the other pool needed. With the products on ember's pool there is
 one pool, awake for the whole run: OpenBLAS runs on one thread during runs
-(ember.runtime.threads.enter), and a product of at least PIECE_MACS multiply-adds a piece is
+(ember.ops.cpu.threads.enter), and a product of at least PIECE_MACS multiply-adds a piece is
 cut into one piece per thread of the run (its batch items, rows, or columns in blocks of 16),
 each one sgemm / dgemm call (sgemv / dgemv for one row or column). Smaller products, stacks
 of matrices of fewer than PIECE_MACS multiply-adds each, and GEMVs of fewer than
@@ -26,7 +26,7 @@ GIL released: `wait_for_job_or_pieces`); CBLAS is called from compiled code thro
 registered with LLVM. A helper handed a Python job instead needs the GIL back first, which
 the caller holds until its own piece starts: on a 2-vCPU KVM guest it started 100-170 us
 late, a small product's whole time. The board carries the pieces of split compiled kernels
-too (ops/_compiled.py's piece functions: `run_pieces`).
+too (ops/cpu/compiled.py's piece functions: `run_pieces`).
 
 Measured on 2 vCPUs (Zen 3 KVM), against OpenBLAS's own threads (EMBER_POOL_PRODUCTS=0),
 the median ratio of times over 12-20 blocks of runs alternated in one process, b1: ResNet-50
@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from ember import config
-from ember.ops import _compiled
+from ember.ops.cpu import compiled as _compiled
 
 _address = _compiled.address  # an array's data pointer
 
@@ -110,7 +110,7 @@ def _blas() -> _Blas | None:
         return None
     if _compiled.jit(_compiled.wait_for_job) is None:  # no numba: helpers sleep between jobs
         return None
-    from ember.runtime import threads
+    from ember.ops.cpu import threads
     libs = [lib for lib in threads.blas_libraries() if lib.raw]
     libs.sort(key=lambda lib: "numpy" not in str(getattr(lib.controller, "filepath", "")))
     for lib in libs:
@@ -282,7 +282,7 @@ def product(xp: Any, a, b):
 
 
 def run_pieces(piece: int, block: np.ndarray, bounds: list[int]) -> int:
-    """A split kernel's pieces on the board (ops/_compiled.py's split_rows): the piece
+    """A split kernel's pieces on the board (ops/cpu/compiled.py's split_rows): the piece
     function at address `piece` on `block`, rows [bounds[i], bounds[i + 1]) each, taken by
     this thread and the helpers. Returns the pieces this thread ran."""
     product = _kernel_fields(piece, tuple(bounds)).copy()

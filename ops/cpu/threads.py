@@ -8,7 +8,7 @@ Three things, all on the host (they matter to the CPU kernels and to host fallba
   `os.sched_getaffinity`, hyperthread siblings counted once), as onnxruntime does. BLAS thread
   pools are process-wide, so the count is set when a run starts and the previous one restored
   when the last run in flight returns (with runs of different counts in flight at once, the
-  latest asked wins). Where ember's kernel pool runs the products (ember.ops._blas: numba
+  latest asked wins). Where ember's kernel pool runs the products (ember.ops.cpu.blas: numba
   installed, numpy's BLAS an OpenBLAS) the pool takes that count and BLAS is set to one
   thread for the run instead (`_blas_count`). The libraries are found with threadpoolctl;
   OpenBLAS on its own pthreads server is set through its C entry points directly (1 us a
@@ -145,7 +145,7 @@ def blas_libraries() -> tuple[_Lib, ...]:
 _lock = threading.Lock()
 _active = 0                    # runs in flight
 # runs in flight, read by compiled code: the kernel pool's helpers spin for the next job only
-# while it is above 0 (ember.ops._compiled)
+# while it is above 0 (ember.ops.cpu.compiled)
 in_flight = np.zeros(1, np.int64)
 _saved: list[tuple[_Lib, Any]] = []  # each library's count before the first of them
 _target: int | None = None     # the count the runs in flight asked for
@@ -204,8 +204,8 @@ def adopt_new_libraries() -> None:
 
 def _blas_count(threads: int) -> int:
     """BLAS's own thread count during runs of `threads` threads: one where the products run
-    on ember's kernel pool (ember.ops._blas), which then has the cores to itself."""
-    from ember.ops import _blas  # here: the ops import this module
+    on ember's kernel pool (ember.ops.cpu.blas), which then has the cores to itself."""
+    from ember.ops.cpu import blas as _blas  # here: the ops import this module
     return 1 if _blas.enabled() else threads
 
 

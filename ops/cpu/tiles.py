@@ -22,7 +22,7 @@ Why written by hand: LLVM's SLP pass left a register-blocked loop scalar (5 GF/s
 OpenBLAS's GEMM on the patch matrix ran ResNet-50's and UNet's convolutions at 45-80% of
 this machine's peak, plus the patch copy. As intrinsics, the vector code is compiled and
 cached on disk with the kernel that calls it (numba checks only that kernel's file for
-changes: see ops/_compiled.py). Measured on one core of a Zen 4 EPYC: the tiles 108-119 GF/s
+changes: see ops/cpu/compiled.py). Measured on one core of a Zen 4 EPYC: the tiles 108-119 GF/s
 (the core's peak is ~118) on ResNet-50's 3x3 layers and UNet's 32-channel layers, against
 OpenBLAS's 60-95 on the same patch matrices; the depthwise pixels 28-31 GFMA/s on aligned
 data, against 10-18 for the numba loops in ops/conv.py.
@@ -45,7 +45,7 @@ import threading
 
 import numpy as np
 
-from ember.ops import _compiled
+from ember.ops.cpu import compiled as _compiled
 
 
 def _host_lanes() -> int:
@@ -608,7 +608,7 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
 
 
 # From 32 MB, glibc maps every allocation afresh (its mmap threshold stops at 32 MB, where
-# ember.runtime.memory sets it) and unmaps it when freed, so each page faults again on its
+# ember.ops.cpu.memory sets it) and unmaps it when freed, so each page faults again on its
 # first write; with transparent huge pages each fault clears 2 MB. MobileNetV2's 16 -> 96
 # channel layer at batch 8 (a 38 MB output) took 211 page faults a run, and 6-44 ms where
 # it took 5-6 without them; onnxruntime's arena keeps its memory. So such buffers are kept,
@@ -630,9 +630,9 @@ if hasattr(os, "register_at_fork"):
 
 
 def _keeping() -> bool:
-    """Off with EMBER_KEEP_MEMORY=0, as glibc's thresholds (ember.runtime.memory, imported
+    """Off with EMBER_KEEP_MEMORY=0, as glibc's thresholds (ember.ops.cpu.memory, imported
     here: ember.runtime imports the ops)."""
-    from ember.runtime import memory
+    from ember.ops.cpu import memory
     return not memory.opted_out()
 
 
@@ -743,7 +743,7 @@ def streams(out: np.ndarray) -> bool:
 
 # Where the packed weights are at most ROWS_SPLIT_WEIGHTS_RATIO times the output's size, the
 # pieces are whole bands (every block of output channels for their pixels), so that each
-# thread keeps to its own rows, as the products' pieces do (ops/_blas.py); cut in blocks,
+# thread keeps to its own rows, as the products' pieces do (ops/cpu/blas.py); cut in blocks,
 # each thread wrote part of every row. Two sessions alternated in one process, 2-core Xeon,
 # against blocks always: ResNet-50 b1 0.986x (b8 1.01x), MobileNetV2 0.983x (b8 0.95x), UNet
 # 0.993x, BERT-small 0.988x; with 8 times the output instead: ResNet-50 0.993x, UNet 1.007x.
@@ -759,7 +759,7 @@ def rows_split(tiles, blocks, band, pieces):
 
 
 def _conv_tiles_piece(block, u0, u1):  # pragma: no cover
-    """conv_tiles_loops' piece function (ops/_compiled.py: the helpers run its pieces
+    """conv_tiles_loops' piece function (ops/cpu/compiled.py: the helpers run its pieces
     without Python), its arguments from the block `split_rows` made."""
     v = _compiled.array_at(block, (22,), np.int64)
     f = _compiled.array_at(block, (22,), np.float64)

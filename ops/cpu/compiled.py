@@ -9,19 +9,19 @@ A kernel is compiled on first use, once per argument types, and cached on disk b
 to its source, or in numba's user-wide cache directory): a later process loads it (~0.5 s with
 numba's import) instead of compiling it again (a few seconds). numba checks only the kernel's
 own file for changes: after editing a function it calls from another file (`kernel_math`, the
-vector code of ops/_tiles.py), delete ops/__pycache__/*.nbi and *.nbc, or it runs the old
+vector code of ops/cpu/tiles.py), delete ops/__pycache__/*.nbi and *.nbc, or it runs the old
 code (an installed release writes every file anew, which clears them all). Kernels release
 the GIL and compute each output element with the same expression whatever the split, so a run
 gives the same bits on one thread or several.
 
 Threads: `split_rows` cuts the rows into two pieces per thread of the run in flight
-(ember.runtime.threads), which the caller and a small pool of ours (`_Helpers`) take in
+(ember.ops.cpu.threads), which the caller and a small pool of ours (`_Helpers`) take in
 turn; a kernel with a piece function (see "pieces without Python" below) has them taken
 from the board the helpers watch, without the GIL. numba's own `parallel=True` loops were
 slower here: numba's workers and OpenBLAS's competed for the cores from one node to the
 next. The pool's threads spin a few tens of
 microseconds for a next job during a run (~0.6 ms where the pool runs the products too:
-ops/_blas.py), then sleep: they use no CPU between runs.
+cpu/blas.py), then sleep: they use no CPU between runs.
 
 Steps in lockstep: `run_in_lockstep` runs a loop of dependent steps (a recurrence's time
 steps) on several threads with no Python between the steps: each step's units (hidden units)
@@ -114,7 +114,7 @@ def _numba() -> Any:
     """numba, imported on the first call, or None. With it, the BLAS its CPU target loads on
     its first compilation (scipy's OpenBLAS, where scipy is installed: numba.np.arraymath
     calls ensure_blas on import) is loaded now, and the runs in flight set its thread count
-    (ember.runtime.threads): otherwise it would appear in the middle of a run, unmanaged
+    (ember.ops.cpu.threads): otherwise it would appear in the middle of a run, unmanaged
     until the next one. Both once per process (looking the libraries up costs ~2 ms)."""
     global _numba_module
     if _numba_module is None:
@@ -136,7 +136,7 @@ def _numba() -> Any:
 
 # A kernel is split among threads only where each piece has at least this much work. Below
 # it, handing pieces to our pool costs more than it saves: after every BLAS product
-# OpenBLAS's workers spin for up to ~0.1 ms (ember.runtime.threads) on the very cores our
+# OpenBLAS's workers spin for up to ~0.1 ms (ember.ops.cpu.threads) on the very cores our
 # pool's threads would need, so a piece handed over right after a GEMM may wait that long.
 # Measured on MobileNetV2 (2 cores, runs paired in two processes): splitting every kernel of
 # at least 16k values, as before, was 10% slower than this; 60 us was 1-4% faster than
@@ -144,7 +144,7 @@ def _numba() -> Any:
 # 30 us against 60 (2-core Xeon with AVX-512, paired processes, b1): MobileNetV2 0.94-0.98x
 # (its depthwise layers at 28x28 now split), BERT-small 0.96-0.99x, LSTM+GRU 0.97-1.01x,
 # UNet 1.00-1.01x, the decoder step 0.99-1.00x; MobileNetV2 b8 1.01-1.03x. 15 us against 30,
-# once each thread kept to its own rows (ops/_blas.py: the board's ends; a core reads what the
+# once each thread kept to its own rows (ops/cpu/blas.py: the board's ends; a core reads what the
 # other wrote at half the speed it reads memory, here), two sessions alternated in one process:
 # MobileNetV2 0.974x (b8 0.971x; its depthwise layers at 14x14 now split, their inputs split
 # by the products before them), ConvNeXt-T 0.99x, LSTM+GRU, BERT-small, UNet and the decoder
@@ -271,13 +271,13 @@ def _away_from(cpu: int, work: Callable, *args: Any) -> None:
         os.sched_setaffinity(0, allowed)
 
 
-_threads: Any = None  # ember.runtime.threads
+_threads: Any = None  # ember.ops.cpu.threads
 
 
 def _blas_threads() -> Any:
     global _threads
     if _threads is None:  # imported on first use: ember.runtime imports the ops
-        from ember.runtime import threads
+        from ember.ops.cpu import threads
         _threads = threads
     return _threads
 
@@ -287,7 +287,7 @@ def run_threads() -> int:
 
 
 def rouse_helpers() -> None:
-    """Products on the board (ops/_blas.py) are taken by the helpers that are awake: one
+    """Products on the board (ops/cpu/blas.py) are taken by the helpers that are awake: one
     asleep is woken by a job that does nothing, for the products that follow, moved off the
     caller's CPU if it woke there (`_away_from`): pieces taken on the board never pass
     through a Python job that would move it, and a helper sharing the caller's core (beside
@@ -352,13 +352,13 @@ class _Helpers:
 
     Handing work to a sleeping thread costs ~50 us on the machines measured (the wake-up of
     an idle core: a small kernel's whole time), and so does a caller that sleeps until a
-    helper is done. So, while a run is in flight (ember.runtime.threads.in_flight), a helper
+    helper is done. So, while a run is in flight (ember.ops.cpu.threads.in_flight), a helper
     that has just run a job waits HELPER_PAUSES pauses for the next one, GIL released
     (`wait_for_job`), before it sleeps on a condition; and a caller waits for a started job
     spinning (`_Job.result`). The spin is short and never yields the core: a helper that
     yielded while another process is busy (even at nice 19) handed it its core for a time
     slice, and splits under load got slower. Once no run is in flight, a helper watching
-    the products' board spins ~0.15 ms more for the next run (ops/_blas.py's LINGER_PAUSES),
+    the products' board spins ~0.15 ms more for the next run (ops/cpu/blas.py's LINGER_PAUSES),
     then nothing spins.
     Measured (2 cores, Zen 4): a 1x1 convolution as tiles (112x112, 32 -> 16 channels) split
     in 4 pieces went from 690 to 310 us; in models, paired: MobileNetV2 b1 0.97x, ResNet-50
@@ -433,7 +433,7 @@ class _Helpers:
 _ALWAYS = np.ones(1, np.int64)  # as `runs` for wait_while_equal: wait whether runs are or not
 HELPER_PAUSES = 1000  # ~25-40 us: how long a helper spins for a next job
 SETTLE_PAUSES = 200   # ~5 us: see wait_for_job
-# ~0.6 ms where the products run on the pool too (ops/_blas.py): then OpenBLAS's workers
+# ~0.6 ms where the products run on the pool too (ops/cpu/blas.py): then OpenBLAS's workers
 # sleep through the run, the helpers are the only threads that need the other cores, and the
 # next job is usually a product a few tens of microseconds away. Measured on 2 vCPUs (Zen 3,
 # KVM), products on the pool, paired runs at b1: HELPER_PAUSES instead of this made
@@ -447,13 +447,13 @@ def _nothing() -> None:
 
 def _helper_wait(wait: Callable) -> Callable:
     """`wait` (wait_for_job), or where the pool runs the products, the wait that also takes
-    the pieces of the products posted meanwhile (ops/_blas.py)."""
-    from ember.ops import _blas  # here: _blas imports this module
+    the pieces of the products posted meanwhile (ops/cpu/blas.py)."""
+    from ember.ops.cpu import blas as _blas  # here: _blas imports this module
     return _blas.helper_wait() or wait
 
 
 def _helper_pauses() -> int:
-    from ember.ops import _blas  # here: _blas imports this module
+    from ember.ops.cpu import blas as _blas  # here: _blas imports this module
     return POOL_PRODUCTS_HELPER_PAUSES if _blas.enabled() else HELPER_PAUSES
 
 
@@ -485,7 +485,7 @@ def wait_for_job(finished, posted, seen, runs, pauses, settle):
 
 # ------------------------------------------------------------------ pieces without Python
 # A split kernel's pieces go on the board the pool's helpers watch while they spin (the
-# products' board, ops/_blas.py), and a helper runs them without taking the GIL, as it runs
+# products' board, ops/cpu/blas.py), and a helper runs them without taking the GIL, as it runs
 # a product's pieces: a helper handed a Python job instead takes the GIL first, in turn with
 # the caller, and on a 2-vCPU KVM guest the two threads then wait on each other for it
 # (MobileNetV2's depthwise layers: the caller waited 30-50 us a call for the helper's last
@@ -503,7 +503,7 @@ def wait_for_job(finished, posted, seen, runs, pauses, settle):
 def _pieces_on_board(piece: Callable, args: tuple, bounds: list[int]) -> bool:
     """Run the pieces [bounds[i], bounds[i + 1]) of `piece` on `args` on the board, if it
     can take them (a board, numba, C-ordered arrays, not too many pieces): whether it ran."""
-    from ember.ops import _blas  # here: _blas imports this module
+    from ember.ops.cpu import blas as _blas  # here: _blas imports this module
     if len(bounds) - 1 > _MAX_BOARD_PIECES or not _blas.enabled():
         return False
     address = piece_address(piece)
@@ -569,7 +569,7 @@ def piece_address(fn: Callable) -> int | None:
     return _pieces[fn]
 
 
-_MAX_BOARD_PIECES = 256  # ops/_blas.py's _MAX_PIECES
+_MAX_BOARD_PIECES = 256  # ops/cpu/blas.py's _MAX_PIECES
 _pieces: dict[Callable, int | None] = {}
 _pieces_kept: list[Any] = []  # the compiled piece functions (their addresses stay valid)
 

@@ -100,12 +100,18 @@ def _parser() -> argparse.ArgumentParser:
         description="Describe a model without running it: producer, doc string and custom "
                     "metadata, opsets, inputs and outputs, parameters, op counts and which "
                     "backends have kernels for them; --nodes lists every node with its shapes, "
-                    "--backend the plan `ember run` executes there.")
+                    "--backend the plan `ember run` executes there: where each node runs and "
+                    "the kernel chosen for it, and why. A few CPU kernels are chosen at a "
+                    "node's first run (by its input's geometry or layout): --run runs the "
+                    "model once on random inputs to show those choices.")
     info.add_argument("model", help="path to an .onnx file")
     info.add_argument("--backend", default=None,
                       help="also show the plan on this backend: where each node runs")
     info.add_argument("--nodes", action="store_true",
                       help="list every node: op, name, inputs and outputs with their shapes")
+    info.add_argument("--run", action="store_true",
+                      help="with --backend: run once on random inputs (symbolic dims 1), so "
+                           "that kernels chosen at the first run are shown as chosen")
     info.add_argument("--json", action="store_true", help="print it all as one JSON object")
     info.set_defaults(command=cmd_info)
 
@@ -292,6 +298,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     model = import_model(model_file(args.model))
     # the plan `ember run` executes: simplified for that backend
     session = load(model, args.backend) if args.backend else None
+    if session is not None and args.run:
+        from ember.golden.inputs import index_bounds, make_inputs
+
+        session.run(make_inputs(session.inputs, bounds=index_bounds(session.plan.graph)))
     if args.nodes or args.json:
         _infer_shapes(model)
     if args.json:
@@ -375,8 +385,10 @@ def model_summary(model: Model, session: Session | None, nodes: bool) -> dict:
                                          for o in n.outputs if o]} for n in graph.nodes]
     if session is not None:
         summary["plan"] = {"backend": session.backend_instance.describe(),
-                           "nodes": [{"name": name, "op": op, "where": where, "reason": reason}
-                                     for name, op, where, reason in session.placement_reasons],
+                           "nodes": [{"name": name, "op": op, "where": where, "reason": reason,
+                                      "kernel": kernel}
+                                     for (name, op, where, reason), (_, _, kernel, _)
+                                     in zip(session.placement_reasons, session.kernels)],
                            "summary": session.placement_summary()}
     return summary
 
@@ -384,8 +396,10 @@ def model_summary(model: Model, session: Session | None, nodes: bool) -> dict:
 def describe_placement(session: Session) -> str:
     """Where each node runs on the session's backend, and how many fall back to the CPU."""
     lines = [f"placement on {session.backend_instance.describe()}:"]
-    for name, op, where, reason in session.placement_reasons:
-        lines.append(f"  {op:<24} {where:<9} {name}" + (f"  ({reason})" if reason else ""))
+    for (name, op, where, reason), (_, _, kernel, _) in zip(session.placement_reasons,
+                                                            session.kernels):
+        lines.append(f"  {op:<24} {where:<9} {kernel:<22} {name}"
+                     + (f"  ({reason})" if reason else ""))
     counts = session.placement_summary()
     lines.append("summary: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
                  + f"; {counts.get('fallback', 0)} node(s) fall back to the CPU")

@@ -213,7 +213,8 @@ def profile_ember(job: dict, feeds: dict) -> dict:
     (gathering its inputs, its kernel, then freeing the values that died). Runs of plain
     Session.run are interleaved, to show what the per-step view leaves out."""
     run, _, version, sess = load_ember(job["model"], feeds)
-    from ember.ops.cpu import threads
+    from ember.ops.cpu import engine
+    cpu = engine.current()
     plan = sess._plan  # the plan Session.run uses for all outputs (runtime/session.py)
     ordered = [feeds[n] for n in plan.input_names]
     for _ in range(job["warmup"]):
@@ -229,7 +230,7 @@ def profile_ember(job: dict, feeds: dict) -> dict:
         run()
         plain.append(time.perf_counter() - t)
         i = 0
-        threads.enter(sess.threads)  # as Session.run does: BLAS's threads, the kernel pool's
+        cpu.enter(sess.threads)  # as Session.run does: BLAS's threads, the kernel pool's
         start = t = time.perf_counter()
         for node, outs in plan.iterate(ordered):
             now = time.perf_counter()
@@ -245,7 +246,7 @@ def profile_ember(job: dict, feeds: dict) -> dict:
             i += 1
             t = time.perf_counter()
         totals.append(time.perf_counter() - start)
-        threads.leave()
+        cpu.leave()
     rows = []
     for node, ts, (ins, outs) in zip(nodes, per_node, io):
         rows.append({"op": (f"{node.domain}::" if node.domain else "") + node.op_type,

@@ -8,10 +8,11 @@ import math
 
 import numpy as np
 
-from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles
+from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles, tuning
 from ember.ops._dtypes import is_narrow_float, widen
 from ember.ops._layout import channels_last, pixel_rows
 from ember.ops.activations import gelu, gelu_erf_float32, gelu_tanh_float32
+from ember.ops.registry import Lowering
 
 _address = _compiled.address  # an array's data pointer
 
@@ -79,8 +80,8 @@ def epilogue(xp, y, bias, z, activation: str, params: list[float], channel_bias=
 
     On a fresh dense float `y` (the usual case: C-contiguous, or the channels-last view a
     CPU convolution returns) every step writes into y: no new arrays. Each step is one call
-    over the whole array: for one or two passes that is faster than cache blocking (measured
-    on ResNet-50's convolutions), while GELU, a long formula, blocks inside `gelu`. Anything
+    over the whole array: for one or two passes that is faster than cache blocking on a
+    convolution's output, while GELU, a long formula, blocks inside `gelu`. Anything
     else (integer products, a bias of another shape) takes steps that allocate.
     """
     row = channels = None
@@ -121,32 +122,27 @@ def _epilogue_whole(xp, y, bias, z, activation, params):
 
 
 # --- the compiled epilogue (numba, ops/cpu/compiled.py): bias, residual and activation in one
-# pass over the product instead of one numpy pass each. A pass over a convolution's output is
-# a trip through memory (MobileNetV2's first layers write 1.2-4.8 MB each): one pass instead
-# of two or three cut a 1x1 convolution's node time by 1.2-1.9x here. The kernel does numpy's
-# operations in numpy's order and rounding (no contraction), so it gives the same bits; but
-# GELU's tanh form, whose float32 tanh (ops/cpu/compiled.py) is within 2 ulp of numpy's.
+# pass over the product instead of one numpy pass each: a pass over a convolution's output is
+# a trip through memory. Below EPILOGUE_MIN elements (ops/cpu/tuning.py) numpy's passes are
+# as fast as a compiled call, but for GELU's (a pass for each step of its formula). The
+# kernel does numpy's operations in numpy's order and rounding (no contraction), so it gives
+# the same bits; but GELU's tanh form, whose float32 tanh (ops/cpu/compiled.py) is within 2
+# ulp of numpy's.
 
 _EPILOGUE_CODES = {"": 0, "Relu": 1, "LeakyRelu": 2, "Clip": 3, "HardSigmoid": 4,
                    "HardSwish": 5}
 _GELU_CODES = (6, 7)     # GELU's erf form, its tanh approximation: float32 only
-_GELU_NS = 1.5           # GELU's own time per element (float32)
-# elements; below, numpy's passes are as fast as a compiled call, but for GELU's (a pass
-# for each step of its formula: a decoder step's 3072 values took 26 us so, 15 compiled;
-# GELU's erf form 52 and 12)
-_EPILOGUE_MIN = 1 << 14
-_EPILOGUE_NS = 0.3       # its time per element, ~0.15-0.35 ns measured here (split_rows)
 _EPILOGUE_EMPTY = {t: (np.empty(0, t), np.empty((0, 0), t)) for t in (np.float32, np.float64)}
 
 
 def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels=None) -> bool:
     """activation(y + row + z), or with `channels` (one bias per channel, y's axis 1) for
     `row`, into y by the compiled kernel where it applies: a float32 / float64 `y` of at least
-    _EPILOGUE_MIN elements, C-ordered or channels-last, an activation it knows; `row` (over
-    y's last axis) only on a C-ordered y. Returns whether it ran."""
+    EPILOGUE_MIN elements (GELU: any), C-ordered or channels-last, an activation it knows;
+    `row` (over y's last axis) only on a C-ordered y. Returns whether it ran."""
     code = _epilogue_code(activation, params, y.dtype)
     if code is None or y.dtype.type not in _EPILOGUE_EMPTY or (
-            y.size < _EPILOGUE_MIN and code not in _GELU_CODES):
+            y.size < tuning.EPILOGUE_MIN and code not in _GELU_CODES):
         return False
     if code == 0 and row is None and channels is None and z is None:
         return True                            # nothing to do
@@ -178,7 +174,7 @@ def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels
     p0, p1 = (with_defaults(activation, params) + [0.0, 0.0])[:2]   # (unused ones: 0)
     if activation == "Relu":
         p1 = np.inf    # the upper bound of ReLU's loop (see _epilogue_loops)
-    ns = _EPILOGUE_NS + (_GELU_NS if code in _GELU_CODES else 0.0)
+    ns = tuning.EPILOGUE_NS + (tuning.GELU_NS if code in _GELU_CODES else 0.0)
     _compiled.split_rows(kernel, rows.shape[0], rows, bias, per_row, residual, code, t(p0), t(p1),
                          ns_per_row=ns * rows.shape[1], piece=_EPILOGUE_PIECES[t])
     return True
@@ -245,9 +241,8 @@ def _epilogue_loops(y, bias, bias_per_row, z, code, p0, p1, row0, row1):  # prag
 
     No loop stores back, on one branch only, the value it loaded (ReLU as `0 if v <= 0 else
     v`): LLVM turns that into a store on the other branch, a masked vector store, which AMD's
-    CPUs run slowly (ReLU 0.57 ns a value against Clip's 0.14 on Zen 3). So ReLU's loop clips
-    to [0, p1] with p1 = inf, as Clip's does, and LeakyRelu multiplies every value, by 1 where
-    it is not negative (exact)."""
+    CPUs run slowly. So ReLU's loop clips to [0, p1] with p1 = inf, as Clip's does, and
+    LeakyRelu multiplies every value, by 1 where it is not negative (exact)."""
     C = y.shape[1]
     one, zero, sixth, half = y.dtype.type(1), y.dtype.type(0), y.dtype.type(1 / 6), \
         y.dtype.type(0.5)
@@ -384,9 +379,11 @@ def pointwise_route(x, wt, b, z, activation: str, params: list[float]) -> Pointw
 class PointwiseRoute:
     """A 1x1 convolution of a channels-last image (conv.pointwise_cl_fits, stride 1, group 1)
     as one product with its epilogue in the product's pieces, worked out once for an input
-    geometry: a run fills in three addresses and posts the pieces. The convolution's own path
-    took ~40-70 us a node around its product (MobileNetV2: 35 such FusedConv nodes a run, and
-    7 Conv ones)."""
+    geometry: a run fills in three addresses and posts the pieces, without the convolution's
+    own path around its product, whose cost adds up over a mobile network's many 1x1
+    convolutions."""
+    lowering = Lowering("cpu.board-gemm", "1x1 convolution of a channels-last image: one "
+                        "product cut into pieces on the pool's board, the epilogue in its pieces")
 
     def __init__(self, x, wt, b, z, activation, params):
         N, C, *spatial = x.shape
@@ -431,10 +428,8 @@ def tiles_pointwise_fits(x, w, b, group, strides, begin, end) -> bool:
 
 
 def tiles_pointwise_size(x, w) -> bool:
-    """Where the tiles beat OpenBLAS on 1x1 convolutions: AVX-512. Two sessions alternated
-    in one process, 2-core Xeon: MobileNetV2 b1 0.84x, b8 0.90x; ResNet-50 b1 0.96x, b8
-    0.96x; UNet b1 1.00x (paired against the products' route with its epilogue). On AVX2
-    the tiles ran 64 -> 256 channels at 56x56 2x slower than OpenBLAS (one core, Zen 3)."""
+    """Where the tiles beat OpenBLAS on 1x1 convolutions in runs: AVX-512 (AVX2's narrower
+    tiles lose to OpenBLAS there)."""
     return _tiles.WIDE
 
 
@@ -453,6 +448,8 @@ class TilesPointwiseRoute:
     """A 1x1 convolution of a channels-last image (`tiles_pointwise_fits`) as register tiles,
     with its epilogue, worked out once for an input geometry: a run fills in the addresses
     and posts the pieces."""
+    lowering = Lowering("cpu.tiles-pointwise", "1x1 convolution of a channels-last image by "
+                        "register tiles, bias, residual and activation in their stores")
 
     def __init__(self, x, packed, packed_bias, M, z, clamp, activation, params):
         N, C, H, W = x.shape

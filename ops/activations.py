@@ -10,12 +10,13 @@ import math
 
 import numpy as np
 
-from ember.ops.cpu import compiled as _compiled
+from ember.ops.cpu import compiled as _compiled, tuning
 from ember.ops.cpu.compiled import tanh_float32
 from ember.ops._dtypes import widen
 from ember.ops.elementwise import (_ERF32_P, _ERF32_Q, back, blocks, erf, erf_float32_block,
                                    unary)
-from ember.ops.registry import OpImpl, register
+from ember.ops._lowering import compiled_rows
+from ember.ops.registry import PORTABLE, OpImpl, register
 
 
 def _float_op(formula):
@@ -47,12 +48,12 @@ def gelu(xp, w, tanh: bool = False, out=None):
     elif not out.flags.c_contiguous:  # the blocks below are flat views of C-ordered memory
         out[...] = gelu(xp, w, tanh)
         return out
-    if xp is np and not tanh and w.dtype == np.float32 and w.size >= _COMPILED_MIN:
+    if xp is np and not tanh and w.dtype == np.float32 and w.size >= tuning.GELU_COMPILED_MIN:
         kernel = _compiled.jit(_gelu_erf32_loops)
-        if kernel is not None:  # numba: the same bits as _gelu_erf32_block, 3-5x faster
+        if kernel is not None:  # numba: the same bits as _gelu_erf32_block, faster
             flat_out = out.reshape(-1)
             _compiled.split_rows(kernel, flat_out.size, np.ascontiguousarray(w).reshape(-1),
-                                 flat_out, ns_per_row=1.5)  # per element, measured here
+                                 flat_out, ns_per_row=tuning.GELU_NS)  # per element
             return out
     block = _gelu_tanh_block if tanh else \
         _gelu_erf32_block if w.dtype == np.float32 else _gelu_erf_block
@@ -67,11 +68,6 @@ def _gelu_erf32_block(xp, w, out):
     half_one_plus_erf *= np.float32(0.5)  # 0.5 * (1 + erf) == 0.5 + 0.5 * erf, exactly
     half_one_plus_erf += np.float32(0.5)
     xp.multiply(w, half_one_plus_erf, out=out)
-
-
-# Below this many elements the compiled GELU is not worth its call (and a thread's share of
-# a split is at least half of it).
-_COMPILED_MIN = 1 << 14
 
 
 # erf's float32 coefficients as scalars: numba freezes globals into the compiled code
@@ -230,6 +226,15 @@ class Gelu(_FloatActivation):
 
     def formula(self, w):
         return gelu(self.xp, w, self.tanh)
+
+    def lower(self, inputs):
+        """`gelu`'s test: the erf form of float32, large enough (known in the run)."""
+        x = inputs[0]
+        if not self.tanh and x is not None and x.dtype == np.float32:
+            return compiled_rows("erf GELU, split among the threads, numpy's bits") \
+                if not x.static() or math.prod(x.shape) >= tuning.GELU_COMPILED_MIN \
+                else PORTABLE
+        return PORTABLE
 
 
 @register("Swish", versions=[24])

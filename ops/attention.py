@@ -13,7 +13,7 @@ import numpy as np
 from ember.ops.cpu import blas as _blas
 from ember.ops._dtypes import is_narrow_float, work_dtype
 from ember.ops.reduction import softmax
-from ember.ops.registry import OpImpl, register
+from ember.ops.registry import PORTABLE, Lowering, OpImpl, register
 
 # ONNX TensorProto data type codes accepted by softmax_precision
 _PRECISION = {1: np.float32, 10: np.float16, 11: np.float64}
@@ -44,6 +44,13 @@ def _masked_softmax(xp, scores):
 
 
 class _Attention(OpImpl):
+    def lower(self, inputs):
+        q = inputs[0]
+        if q is not None and q.dtype in (np.float32, np.float64) and _blas.enabled():
+            return Lowering("cpu.board-gemm", "scores and weighted sums as BLAS products, cut "
+                            "in pieces on the pool's board in runs; softmax by rows")
+        return PORTABLE
+
     has_nonpad = False
     has_window = False
 

@@ -9,8 +9,7 @@ Every convolution is N-D (1-D, 2-D, 3-D, ...) and reduces to one of three kernel
   single GEMM (groups: one batched GEMM). The bias rides along as an extra weight column
   matched by a row of ones, so the GEMM writes the final result;
 * many small groups (ResNeXt-like): the same im2col + batched GEMM, over chunks of groups
-  sized to stay in cache (measured ~2x faster here than a loop over kernel taps accumulating
-  shifted slices);
+  sized to stay in cache (faster than a loop over kernel taps accumulating shifted slices);
 * depthwise 2-D (one output channel per input channel), on the CPU: a channels-last kernel
   (np.einsum, or a compiled 3x3 loop where numba is installed) whose result stays
   channels-last, as do the 1x1 convolutions fed such an input (see "CPU kernels over
@@ -32,11 +31,15 @@ import math
 import numpy as np
 
 from ember import limits
-from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles
+from ember.errors import EmberError
+from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles, tuning
+# as plain globals: conv_nd's im2col path reads the first two, a compiled kernel the third
+from ember.ops.cpu.tuning import (IM2COL_CHUNK as _IM2COL_CHUNK,
+                                  IMAGE_CHANNELS as _IMAGE_CHANNELS, DEPTHWISE_BAND_BYTES)
 from ember.ops import _epilogue, _xp
 from ember.ops._layout import channels_last
 from ember.ops.linalg import check_numeric
-from ember.ops.registry import OpImpl, register
+from ember.ops.registry import Lowering, OpImpl, register
 
 # ----------------------------------------------------------------------------------------------
 # shared geometry helpers
@@ -77,9 +80,10 @@ def check_window_attributes(op: OpImpl) -> None:
 
 def remembered_geometry(op: OpImpl, key: tuple, resolve):
     """resolve(), remembered on `op` for the last `key` (the input shapes it depends on): a
-    node sees the same shapes run after run, and resolving its attributes again cost 5-15 us
-    a call. The key and its value are one attribute, replaced whole, so threads sharing the
-    op never pair a key with another key's value. Callers must not modify the value."""
+    node sees the same shapes run after run, and resolving its attributes again is a
+    noticeable share of a small node's time. The key and its value are one attribute,
+    replaced whole, so threads sharing the op never pair a key with another key's value.
+    Callers must not modify the value."""
     last = getattr(op, "_last_geometry", None)
     if last is not None and last[0] == key:
         return last[1]
@@ -216,36 +220,15 @@ def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, 
     `cache` is a dict the caller keeps for as long as w and bias stay the same constants; the
     bias-augmented weight matrix is remembered there.
     """
-    N, C = x.shape[:2]
+    N = x.shape[0]
     M = w.shape[0]
-    Cg, Mg = C // group, M // group
-    in_sp = x.shape[2:]
-    outs = out_size(in_sp, kernel, strides, dilations, begin, end)
-    L = math.prod(outs)
-    K = math.prod(kernel)
+    outs = out_size(x.shape[2:], kernel, strides, dilations, begin, end)
     limits.check_shape((N, M, *outs), x.dtype)
-    if L == 0 or N == 0 or M == 0:
+    if math.prod(outs) == 0 or N == 0 or M == 0:
         out = xp.zeros((N, M, *outs), x.dtype)
         return _add_bias(out, bias)
     if bias is not None:
         bias = bias.astype(x.dtype, copy=False).reshape(M)
-
-    def augmented():
-        # weights with the bias as an extra column, matched by a row of ones in the patches:
-        # the GEMM then writes the biased result directly (no extra pass over the output)
-        def make():
-            wa = xp.empty((group, Mg, Cg * K + 1), x.dtype)
-            wa[:, :, :-1] = w.reshape(group, Mg, Cg * K)
-            wa[:, :, -1] = bias.reshape(group, Mg)
-            return wa
-        return _remembered(cache, "aug", make)
-
-    def gemm(wm, cols):
-        if group == 1:
-            out = _blas.product(xp, wm[0], cols[:, 0])
-        else:
-            out = _blas.product(xp, wm, cols)
-        return out.reshape(N, M, *outs)
 
     if xp is np and _depthwise_fast(x, w, group, kernel, begin, end):
         return _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp)
@@ -253,36 +236,79 @@ def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, 
         return _conv_tiled(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp)
     assert clamp is None, "a clamp only where clamps_in_pass"
 
-    if K == 1 and not any(begin) and not any(end):
-        if xp is np and channels_last(x):   # (as pointwise_cl_fits says, past the above)
-            return _pointwise_cl(x, w, group, strides, outs, bias, cache)
-        # pointwise: plain matmul over (strided) pixels
-        if any(s != 1 for s in strides):
-            x = x[(slice(None), slice(None)) + tuple(slice(0, (o - 1) * s + 1, s)
-                                                    for o, s in zip(outs, strides))]
-        if bias is not None and (Mg > Cg or any(s != 1 for s in strides)):
-            # copying the input (with a ones row) is cheaper than a pass over the output
-            cols = xp.empty((N, group, Cg + 1, L), x.dtype)
-            cols[:, :, :Cg].reshape((N, group, Cg) + tuple(outs))[...] = \
-                x.reshape((N, group, Cg) + tuple(outs))
-            cols[:, :, Cg] = 1
-            return gemm(augmented(), cols)
-        out = gemm(w.reshape(group, Mg, Cg), x.reshape(N, group, Cg, L))
-        return _add_bias(out, bias)
-
+    if math.prod(kernel) == 1 and not any(begin) and not any(end):
+        return _conv_pointwise(xp, x, w, group, strides, outs, bias, cache)
     if xp is np and _shifted_fits(x, group, kernel, strides, dilations, begin, end, outs):
         return _conv_shifted(x, w, kernel, begin, end, outs, bias, cache)
     if xp is np and _patch_rows_fit(x, group, begin, end):
         return _conv_patch_rows(x, w, kernel, strides, dilations, begin, outs, bias, cache)
+    return _conv_im2col(xp, x, w, group, kernel, strides, dilations, begin, end, outs, bias,
+                        cache)
 
+
+def _augmented_weights(xp, w, bias, group, width, dtype, cache):
+    """w as (group, M/group, width + 1) with the bias as the extra column, remembered: matched
+    by a row of ones in the patches, the GEMM then writes the biased result directly (no extra
+    pass over the output). `width` is C/group times the kernel's size."""
+    def make():
+        Mg = w.shape[0] // group
+        wa = xp.empty((group, Mg, width + 1), dtype)
+        wa[:, :, :-1] = w.reshape(group, Mg, width)
+        wa[:, :, -1] = bias.reshape(group, Mg)
+        return wa
+    return _remembered(cache, "aug", make)
+
+
+def _conv_gemm(xp, wm, cols, group, out_shape):
+    """wm (group, Mg, rows) times the patches cols (N, group, rows, L), as out_shape
+    (N, M, *outs); one group is a plain matrix product, broadcast over N."""
+    if group == 1:
+        out = _blas.product(xp, wm[0], cols[:, 0])
+    else:
+        out = _blas.product(xp, wm, cols)
+    return out.reshape(out_shape)
+
+
+def _conv_pointwise(xp, x, w, group, strides, outs, bias, cache):
+    """A 1x1 convolution without padding: a plain matmul over the (strided) pixels."""
+    if xp is np and channels_last(x):   # (as pointwise_cl_fits says, past conv_nd's checks)
+        return _pointwise_cl(x, w, group, strides, outs, bias, cache)
+    N, C = x.shape[:2]
+    M = w.shape[0]
+    Cg, Mg = C // group, M // group
+    L = math.prod(outs)
+    if any(s != 1 for s in strides):
+        x = x[(slice(None), slice(None)) + tuple(slice(0, (o - 1) * s + 1, s)
+                                                for o, s in zip(outs, strides))]
+    if bias is not None and (Mg > Cg or any(s != 1 for s in strides)):
+        # copying the input (with a ones row) is cheaper than a pass over the output
+        cols = xp.empty((N, group, Cg + 1, L), x.dtype)
+        cols[:, :, :Cg].reshape((N, group, Cg) + tuple(outs))[...] = \
+            x.reshape((N, group, Cg) + tuple(outs))
+        cols[:, :, Cg] = 1
+        wa = _augmented_weights(xp, w, bias, group, Cg, x.dtype, cache)
+        return _conv_gemm(xp, wa, cols, group, (N, M, *outs))
+    out = _conv_gemm(xp, w.reshape(group, Mg, Cg), x.reshape(N, group, Cg, L), group,
+                     (N, M, *outs))
+    return _add_bias(out, bias)
+
+
+def _conv_im2col(xp, x, w, group, kernel, strides, dilations, begin, end, outs, bias, cache):
+    """The general case: the padded input's windows copied into a patch matrix (with a ones
+    row for the bias), then GEMMs."""
+    N, C = x.shape[:2]
+    M = w.shape[0]
+    Cg, Mg = C // group, M // group
+    K, L = math.prod(kernel), math.prod(outs)
     padded = pad_array(xp, x, begin, end)
     win = _windows(xp, padded, kernel, strides, dilations, outs)  # (N, C, *kernel, *outs)
     win = win.reshape((N, group, Cg) + tuple(kernel) + tuple(outs))
     rows = Cg * K + (bias is not None)
-    wm = w.reshape(group, Mg, Cg * K) if bias is None else augmented()
+    wm = w.reshape(group, Mg, Cg * K) if bias is None else \
+        _augmented_weights(xp, w, bias, group, Cg * K, x.dtype, cache)
 
     # im2col: the window view copied once into the patch matrix, then one GEMM (on a device,
-    # always: the chunked loops below only pay off in a CPU's caches)
+    # always: the chunked loops of _im2col_chunked only pay off in a CPU's caches)
     if xp is not np or (N == 1 and (group == 1 or rows * L * group <= _IM2COL_CHUNK)):
         cols = xp.empty((N, group, rows, L), x.dtype)
         _fill_cols(xp, cols, win, bias is not None)
@@ -291,32 +317,36 @@ def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, 
             # reads both transposed), for the depthwise and pointwise kernels that follow
             out = _blas.matmul(cols[0, 0].T, wm[0].T)
             return out.reshape(N, *outs, M).transpose(0, 3, 1, 2)
-        return gemm(wm, cols)
-    # the CPU from here on (xp is np)
+        return _conv_gemm(xp, wm, cols, group, (N, M, *outs))
+    return _im2col_chunked(win, wm, x.dtype, outs, bias is not None)
+
+
+def _im2col_chunked(win, wm, dtype, outs, ones_row):
+    """im2col on the CPU in cache-sized pieces: the windows win (N, group, C/group, *kernel,
+    *outs) times wm (group, M/group, rows), written straight into the (N, M, *outs) result."""
+    N, group = win.shape[:2]
+    Mg, rows = wm.shape[1:]
+    M, L = group * Mg, math.prod(outs)
     if group == 1:
         # a batch: one image at a time, reusing one patch matrix (a smaller working set)
-        out = np.empty((N, M, L), x.dtype)
-        cols = np.empty((1, 1, rows, L), x.dtype)
+        out = np.empty((N, M, L), dtype)
+        cols = np.empty((1, 1, rows, L), dtype)
         for i in range(N):
-            _fill_cols(np, cols, win[i:i + 1], bias is not None)
+            _fill_cols(np, cols, win[i:i + 1], ones_row)
             _blas.matmul(wm[0], cols[0, 0], out=out[i])
         return out.reshape(N, M, *outs)
 
     # many small groups (depthwise, ResNeXt-like): im2col + batched GEMM over chunks of groups
-    # sized to stay in cache, written straight into the output
+    # sized to stay in cache
     per = max(1, _IM2COL_CHUNK // (N * rows * L))
-    out = np.empty((N, group, Mg, L), x.dtype)
-    buf = np.empty((N, min(per, group), rows, L), x.dtype)
+    out = np.empty((N, group, Mg, L), dtype)
+    buf = np.empty((N, min(per, group), rows, L), dtype)
     for g0 in range(0, group, per):
         g1 = min(group, g0 + per)
         cols = buf[:, :g1 - g0]
-        _fill_cols(np, cols, win[:, g0:g1], bias is not None)
+        _fill_cols(np, cols, win[:, g0:g1], ones_row)
         _blas.matmul(wm[g0:g1], cols, out=out[:, g0:g1])
     return out.reshape(N, M, *outs)
-
-
-_IM2COL_CHUNK = 1 << 18  # patch-matrix elements per chunk when looping over groups
-_IMAGE_CHANNELS = 4      # at most this many input channels: a first layer (RGB, RGBA, gray)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,12 +356,12 @@ _IMAGE_CHANNELS = 4      # at most this many input channels: a first layer (RGB,
 # channels last in memory, np.einsum does it in one fused multiply-accumulate pass per tap
 # whose inner loop runs along contiguous channels (stride 1: along whole contiguous rows of
 # pixels x channels, the weights tiled along the row once), where the channels-first
-# formulations cost two passes per tap (or an im2col copy plus one tiny GEMM per channel):
-# 2-9x faster on MobileNetV2's depthwise layers. Its result is returned channels-last: a
-# (N, C, H, W) view of (N, H, W, C) memory. Pointwise convolutions keep such an input's layout
-# (their GEMM reads it as a plain (N*H*W, C) matrix, transposes included, and writes (N*H*W,
-# M)), so a chain of depthwise-separable blocks stays channels-last without a transposing
-# copy between layers; every other kernel reads any strides.
+# formulations cost two passes per tap (or an im2col copy plus one tiny GEMM per channel).
+# Its result is returned channels-last: a (N, C, H, W) view of (N, H, W, C) memory.
+# Pointwise convolutions keep such an input's layout (their GEMM reads it as a plain
+# (N*H*W, C) matrix, transposes included, and writes (N*H*W, M)), so a chain of
+# depthwise-separable blocks stays channels-last without a transposing copy between layers;
+# every other kernel reads any strides.
 
 
 def clamps_in_pass(xp, x, w, group, kernel, begin, end) -> bool:
@@ -397,19 +427,37 @@ def _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache, cl
     return out.transpose(0, 3, 1, 2)
 
 
+_DEPTHWISE_VECTOR = Lowering("cpu.depthwise-vector", "one channel per group: AVX-512 vector "
+                             "code over the channels-last image, the window's weights in registers")
+_DEPTHWISE_LOOPS = Lowering("cpu.depthwise", "one channel per group: compiled loops over the "
+                            "channels-last image")
+_BY_GEOMETRY = Lowering("by geometry", "chosen at the first run of each input geometry: the "
+                        "plan does not know the input's shape or the weights")
+_BY_LAYOUT = Lowering("by layout", "1x1: register tiles or one product on the board where the "
+                      "input arrives channels-last in a run, else conv_nd's product")
+_CONV_ND = Lowering("numpy", "conv_nd: patches and BLAS products (a channels-last depthwise "
+                    "einsum or one pointwise product where they apply)")
+
+
+def _depthwise_vector_fits(x, kernel) -> bool:
+    """Whether the depthwise vector code serves x: AVX-512, float32, whole vectors of
+    channels, a window it was compiled for."""
+    return (_tiles.WIDE and x.dtype == np.float32 and x.shape[1] % _tiles.LANES == 0
+            and math.prod(kernel) in _tiles.DEPTHWISE_TAPS)
+
+
 class _DepthwiseRoute:
     """A depthwise convolution of a channels-last image by a compiled kernel, with its bias
     and clip, worked out once for an input geometry and the run's thread count (Conv.route):
-    a call allocates the output and runs the kernel's pieces. Around the kernel, conv_nd's
-    way to it took ~50 us a call (MobileNetV2: 17 depthwise layers a run)."""
+    a call allocates the output and runs the kernel's pieces, without conv_nd's way to the
+    kernel, a large share of a small layer's time."""
 
     @classmethod
     def make(cls, x, w, bias, clamp, kernel, strides, dilations, begin, outs, cache):
         """The route, or None where no compiled kernel serves (numba not installed)."""
-        (kh, kw), C = kernel, x.shape[1]
+        kh, kw = kernel
         vector = None
-        if (_tiles.WIDE and x.dtype == np.float32 and C % _tiles.LANES == 0
-                and kh * kw in _tiles.DEPTHWISE_TAPS):
+        if _depthwise_vector_fits(x, kernel):
             vector = _tiles.depthwise_kernel(_depthwise_vector_rows)
         compiled = vector or (_numba_depthwise3x3() if kh == kw == 3 else _numba_depthwise())
         if compiled is None:
@@ -428,16 +476,20 @@ class _DepthwiseRoute:
         self.geometry = (begin[0], begin[1], sh, sw, dh, dw, lo, hi)
         self.out_shape = (N, Oh, Ow, C)
         self.kernel = compiled
+        self.lowering = _DEPTHWISE_VECTOR if vector else _DEPTHWISE_LOOPS
         if vector:
             self.weights = (*_vector_weights(wt, W, dh, dw, cache), wt)
             self.piece = _depthwise_vector_piece
-            ns = _DEPTHWISE_VECTOR_NS
+            ns = tuning.DEPTHWISE_VECTOR_NS
         else:
             self.weights = (wt,)
             self.piece = _DEPTHWISE_PIECES[(kh, kw) == (3, 3), x.dtype == np.float32]
-            ns = _DEPTHWISE_TAP_NS
+            ns = tuning.DEPTHWISE_TAP_NS
+        # split by the input's size too: the layer before (a 1x1 convolution) wrote its rows
+        # from both cores, and a thread reads the other core's half slowly
         self.bounds = _compiled.row_bounds(Oh, max(ns * kh * kw * N * Ow * C,
-                                                   _INPUT_NS_PER_BYTE * x.nbytes / Oh))
+                                                   tuning.DEPTHWISE_INPUT_NS_PER_BYTE
+                                                   * x.nbytes / Oh))
 
     def run(self, x):
         xt = x.transpose(0, 2, 3, 1)
@@ -453,8 +505,8 @@ class RouteMemo:
     """The route a convolution's last call ran, for a next call with the same inputs: the
     same read-only (constant) weight and bias arrays, x and z of the same shape, strides and
     dtype, in a run of as many threads. In a run, a convolution gets such inputs run after
-    run, and working its route out again through the op's checks and the weights' cache took
-    ~5 us a node (MobileNetV2: 52 convolutions a run). Held as one tuple, replaced whole:
+    run, and working its route out again through the op's checks and the weights' cache is
+    a noticeable share of a small node's time. Held as one tuple, replaced whole:
     threads sharing a session read either the old memo or the new one."""
 
     __slots__ = ("_last",)
@@ -493,30 +545,14 @@ def route_key(x, clamp):
 # The depthwise convolution as explicit vector code (ops/cpu/tiles.py; AVX-512, channels a
 # multiple of 16, 3x3 / 5x5 / 7x7 windows): the pixels whose whole window lies inside the
 # image, 4 output pixels by 16 channels at a time with the window's weights in registers;
-# the border pixels as in `_depthwise_rows`. Measured on one core (Zen 4), MobileNetV2's 3x3
-# layers: 28-31 GFMA/s, 2-3x the numba loops below, with 64-byte aligned data (a vector load
-# across two cache lines made it 1.6x slower: outputs here are allocated aligned). Not on
-# AVX2, where LLVM vectorises the numba loops to the same width: the vector code was no
-# faster there (Zen 3, in the model: MobileNetV2 0.99-1.03x at batch 1, 1.37x at batch 8,
-# ConvNeXt-T 1.03x).
+# the border pixels as in `_depthwise_rows`. Outputs are allocated 64-byte aligned: a vector
+# load across two cache lines is much slower. Not on AVX2, where LLVM vectorises the numba
+# loops below to the same width and the vector code gains nothing.
 #
 # The inner pixels are taken in bands of output rows whose input rows fill at most
-# _DEPTHWISE_BAND_BYTES, each band by every block of channels in turn: the band's input
-# stays in cache for the next block. Block by block over the whole image, each block read
-# the image from memory again, 64 bytes of each pixel (on a 2-core Xeon with AVX-512: 96
-# channels at 112x112, stride 2, 501 -> 287 us on one thread).
-# The split's estimate is this machine's: 18-20 GFMA/s a core for the 3x3 layers at 28x28 to
-# 112x112 (their data does not stay in cache). At the Zen 4 figure, 0.03 ns, the 112x112 and
-# 56x56 layers ran on one thread: 32 channels at 112x112 195 us on one, 87 us on two.
-_DEPTHWISE_BAND_BYTES = 512 << 10
-_DEPTHWISE_VECTOR_NS = 0.06  # time per tap of an output value (split_rows)
-# A depthwise layer splits by its input's size too: the layer before it (a 1x1 convolution)
-# wrote its rows from both cores, and one thread alone reads the other core's half at about
-# half the speed it reads memory. At 0.2 ns a byte (each thread then reads the rows its core
-# wrote), two sessions alternated in one process, 2-core Xeon: MobileNetV2 b1 0.967x (its
-# 28 -> 14 stride-2 layer 69 -> 34 us in the model), b8 0.945x, ConvNeXt-T 0.988x; 0.4 no
-# faster.
-_INPUT_NS_PER_BYTE = 0.2
+# DEPTHWISE_BAND_BYTES (ops/cpu/tuning.py), each band by every block of channels in turn:
+# the band's input stays in cache for the next block, where a block at a time over the whole
+# image would read the image from memory again for each block.
 
 
 def _vector_weights(wt, W, dh, dw, cache):
@@ -547,7 +583,7 @@ def _depthwise_vector_rows(x4, vectors, taps, w3, b, out4, ph, pw, sh, sw, dh, d
     bottom = max(top, min(Oh, (H - 1 - (kh - 1) * dh + ph) // sh + 1))
     right = max(left, min(Ow, (W - 1 - (kw - 1) * dw + pw) // sw + 1))
     a, z = max(row0, top), min(row1, bottom)
-    band = max(1, _DEPTHWISE_BAND_BYTES // (sh * W * C * x4.itemsize))  # output rows
+    band = max(1, DEPTHWISE_BAND_BYTES // (sh * W * C * x4.itemsize))  # output rows
     for n in range(N):
         for oh in range(row0, row1):
             inner = a <= oh < z
@@ -589,8 +625,6 @@ def _depthwise_vector_piece(block, row0, row1):  # pragma: no cover
 # --- optional compiled depthwise kernels (numba: ops/cpu/compiled.py), one for 3x3 windows and
 # one for any other: the einsum kernel above stays the fallback and the reference. The
 # output rows are split among the run's threads.
-
-_DEPTHWISE_TAP_NS = 0.12  # time per tap of an output value: 0.08-0.15 ns here (split_rows)
 
 
 def _numba_depthwise3x3():
@@ -661,9 +695,9 @@ def _depthwise3x3_rows(x4, w3, b, out4, ph, pw, sh, sw, dh, dw, lo, hi,
     (N, Oh, Ow, C)), r = oh*sh - ph + i*dh and q = ow*sw - pw + j*dw, taps outside x skipped.
     Pixels whose nine taps all lie inside x sum them in one expression over flat offsets
     (the channel loop vectorises and the sums stay in registers: with 19 separate row views
-    LLVM gave up on the aliasing checks and the loop ran scalar, 1.2-1.6x slower; offsets are
-    unsigned so that no negative-index wraparound hides the contiguous loads); the border
-    pixels add their valid taps one at a time."""
+    LLVM gives up on the aliasing checks and the loop runs scalar; offsets are unsigned so
+    that no negative-index wraparound hides the contiguous loads); the border pixels add
+    their valid taps one at a time."""
     N, H, W, C = x4.shape
     Oh, Ow = out4.shape[1], out4.shape[2]
     x, w, out = x4.reshape(-1), w3.reshape(-1), out4.reshape(-1)
@@ -721,10 +755,9 @@ def _depthwise_rows(x4, w3, b, out4, ph, pw, sh, sw, dh, dw, lo, hi,
                     row0, row1):  # pragma: no cover
     """As `_depthwise3x3_rows`, for any kh x kw window (w (kh, kw, C)). A pixel whose window
     lies inside x, with 5 or 7 taps a row (EfficientNet's 5x5, ConvNeXt's 7x7), adds one
-    row of taps at a time, each row one expression over flat offsets (its sum in registers:
-    on one core of a Zen 3, ConvNeXt-T's 7x7 layers 1.2-1.5x and 5x5 ones 1.9-2x faster than
-    a tap at a time); the other pixels take their valid taps one at a time. Then the bias and
-    the clamp."""
+    row of taps at a time, each row one expression over flat offsets (its sum in registers,
+    faster than a tap at a time); the other pixels take their valid taps one at a time.
+    Then the bias and the clamp."""
     N, H, W, C = x4.shape
     kh, kw = w3.shape[0], w3.shape[1]
     Oh, Ow = out4.shape[1], out4.shape[2]
@@ -811,7 +844,7 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
         return out.reshape(N, *outs, M).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
     if group == 1:
         # the weights as a C-ordered (C, M) matrix: BLAS runs short products (7x7, 14x14
-        # images) 1.1-1.4x faster from it than from the transposed view of w (M, C)
+        # images) faster from it than from the transposed view of w (M, C)
         wt = pointwise_weights(w, cache)
         # aligned to a cache line for the vector kernels that read it (a depthwise one next)
         out = _blas.matmul(xt.reshape(L, C), wt, out=_tiles.empty((L, M), x.dtype))
@@ -830,52 +863,37 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
 # A 2-D convolution (group 1, float32) as register tiles over a channels-last padded image
 # (ops/cpu/tiles.py): no patch matrix, the bias and a clip (ReLU, ReLU6) in the tiles' own
 # stores, the result channels-last. With numba on an AVX-512 CPU it runs every such
-# convolution with a window larger than 1x1 and no negative pads (AVX2: see below): on 2
-# cores of a Zen 4 EPYC, ResNet-50's 3x3 layers at 150-200 GF/s where OpenBLAS's GEMM on
-# the patch rows ran 60-130 (with the copies), the 7x7 stem at batch 1 2.2 -> 1.4 ms,
-# UNet's 32-channel layers 2-3x faster than the shifted GEMMs below. Elsewhere the kernels
-# below serve. In runs, a 1x1 convolution of a channels-last image takes the tiles as a
+# convolution with a window larger than 1x1 and no negative pads (AVX2: see below), faster
+# than BLAS on patch rows and than the shifted GEMMs below. Elsewhere the kernels below
+# serve. In runs, a 1x1 convolution of a channels-last image takes the tiles as a
 # route of its own, its residual and activation in its pieces (_epilogue.TilesPointwiseRoute);
 # conv_nd's path takes them for 1x1 ones only where `_pointwise_tiles_fit` says.
 #
-# On AVX2 the tiles are 6 pixels by 16 channels and serve sums of at most _NARROW_TILES_MAX_K
-# terms (taps x input channels): measured on one core of a Zen 3 EPYC against OpenBLAS on the
-# patch matrix, ResNet-50's 3x3 layers of 64 and 128 channels (576, 1152 terms) 0.72-0.87x,
-# its 7x7 stem 0.75x, UNet's 32-channel layers 0.72x; with 256 channels (2304) 1.04-1.20x and
-# 512 (4608) 2.7x slower, each tile reading more of the weights again.
-_NARROW_TILES_MAX_K = 1536
+# On AVX2 the tiles are 6 pixels by 16 channels and serve sums of at most NARROW_TILES_MAX_K
+# terms (taps x input channels): with longer sums each tile reads more of the weights again,
+# and OpenBLAS on the patch matrix is faster.
 
 
 def _tiled_fits(x, w, group, begin, end):
     return (x.ndim == 4 and group == 1 and x.dtype == np.float32
             and (w.shape[2] * w.shape[3] > 1 or _pointwise_tiles_fit(x, w))
-            and (_tiles.WIDE or w.shape[1] * w.shape[2] * w.shape[3] <= _NARROW_TILES_MAX_K)
+            and (_tiles.WIDE or w.shape[1] * w.shape[2] * w.shape[3]
+                 <= tuning.NARROW_TILES_MAX_K)
             and min(begin) >= 0 and min(end) >= 0 and _tiles.kernel() is not None)
 
 
 # conv_nd's 1x1 convolutions of one image (outside runs; in runs, see above) run as tiles
-# where the product is large and the input channels many (measured before the tiles stopped
-# counting references per unit: ops/cpu/tiles.py): the tiles read weights packed once, where
-# OpenBLAS packs them again on every call (8 MB for ResNet-50's 1024 -> 2048 layer, for 49
-# rows of 7x7 pixels). On a 2-core
-# Xeon with AVX-512, in the model (ResNet-50 b1), those of 512-1024 input channels ran
-# 0.63-0.9x OpenBLAS's time as tiles (the model 0.97x, then 0.97x again with 1024-2048,
-# in-process alternation), those of 64-256 1.1-2.3x, so those stay with BLAS. (On Zen 4 the
-# tiles had run 64-1023 channels at 0.82-0.98x OpenBLAS's time standalone, and kept ResNet-50
-# beside a busy process, 0.84x; 1024 and more 1.1-1.2x: without the weights' prefetch.)
-# Elsewhere BLAS stays: MobileNetV2's 16-32 channels ran 1.9-2.5x slower as tiles, the
-# smaller products of its 7x7 and 14x14 layers 1.02-1.06x (Zen 4), and with 64 channels or
-# more at 14x14 and 7x7 the model 1.06x (Xeon); a batch keeps BLAS's blocking. AVX-512 only:
-# AVX2's tiles ran 64 -> 256 channels at 56x56 2x slower than OpenBLAS (one core, Zen 3).
-_POINTWISE_TILE_CHANNELS = (512, 2049)   # input channels, [lo, hi)
-_POINTWISE_TILE_MIN_MACS = 1 << 24      # input pixels x input x output channels
+# where the product is large and the input channels many (POINTWISE_TILE_CHANNELS,
+# POINTWISE_TILE_MIN_MACS): the tiles read weights packed once, where OpenBLAS packs them
+# again on every call. Fewer channels, smaller products and batches stay with BLAS, whose
+# blocking wins there; AVX-512 only, as AVX2's tiles lose to OpenBLAS on 1x1 convolutions.
 
 
 def _pointwise_tiles_fit(x, w):
-    lo, hi = _POINTWISE_TILE_CHANNELS
+    lo, hi = tuning.POINTWISE_TILE_CHANNELS
     C, M = x.shape[1], w.shape[0]
     return (_tiles.WIDE and x.shape[0] == 1 and w.shape[2] * w.shape[3] == 1 and lo <= C < hi
-            and x.shape[2] * x.shape[3] * C * M >= _POINTWISE_TILE_MIN_MACS)
+            and x.shape[2] * x.shape[3] * C * M >= tuning.POINTWISE_TILE_MIN_MACS)
 
 
 def _conv_tiled(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp):
@@ -885,18 +903,15 @@ def _conv_tiled(x, w, kernel, strides, dilations, begin, outs, bias, cache, clam
                        keep_image=False).run(x)
 
 
-# A route keeps its padded image between calls where it is at most this large: its border,
-# zeroed once, stays zero, and a call only copies the input in. Allocated and zeroed on each
-# call, the image's border (a value at each end of every row, each in a cache line of its
-# own) and its allocation took 40 us of MobileNetV2's stem (224x224), on every call.
-_KEEP_IMAGE_BYTES = 8 << 20
-
-
 class _TiledRoute:
     """A convolution by the tiles (`_tiled_fits`) worked out once for an input geometry
     (Conv.route): the packed weights, the tiles' offsets, the padded image's geometry, and
-    the image itself kept between calls (`_KEEP_IMAGE_BYTES`; one per thread running the
-    route at once). A call copies its input into the image and runs the tiles."""
+    the image itself kept between calls (at most KEEP_IMAGE_BYTES, ops/cpu/tuning.py; one per
+    thread running the route at once). A call copies its input into the image and runs the
+    tiles: a kept image's border, zeroed once, stays zero, where zeroing it (a value at each
+    end of every row, each in a cache line of its own) and allocating it cost every call."""
+    lowering = Lowering("cpu.tiles", "register tiles over the padded channels-last image: no "
+                        "patch matrix, the weights packed once")
 
     def __init__(self, x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp,
                  keep_image=True):
@@ -910,8 +925,7 @@ class _TiledRoute:
         if planar:
             # An image (RGB, gray) is read in its planes: a tap is one window row of one
             # channel, kw contiguous values; padding copies whole rows. Made channels-last, its
-            # 3 values a pixel were written one by one: MobileNetV2's stem (224x224, 2 cores
-            # of a Xeon) 268 -> 215 us with its input in cache, 522 -> 479 in the model
+            # 3 values a pixel would be written one by one
             self.packed, self.packed_bias = _remembered(
                 cache, "tiles-planar",
                 lambda: _tiles.pack(np.ascontiguousarray(w.reshape(M, C * kh * kw).T), bias))
@@ -943,7 +957,8 @@ class _TiledRoute:
         self.clamp = clamp
         self.cut = _tiles.cut(N, Ho * Wo, plane, run, sh * sw, self.packed, 4 * N * Ho * Wo * M)
         self.padded = (Hp, Wp) != (H, W)
-        self.keep_image = keep_image and 4 * math.prod(self.image_shape) <= _KEEP_IMAGE_BYTES
+        self.keep_image = keep_image and (4 * math.prod(self.image_shape)
+                                          <= tuning.KEEP_IMAGE_BYTES)
         self.images: list[np.ndarray] = []   # kept padded images not in use
         # the input's rows as _pad_rows copies them into the image: (row length, the image's
         # row and plane lengths, the first row's start), and the rows' cut
@@ -952,7 +967,7 @@ class _TiledRoute:
         else:        # rows of W * C values, H of them an image
             self.pad_rows = (W * C, Wp * C, Hp * Wp * C, (begin[0] * Wp + begin[1]) * C)
         self.pad_bounds = _compiled.row_bounds(N * C * H if planar else N * H,
-                                               self.pad_rows[0] * _PAD_NS_PER_VALUE)
+                                               self.pad_rows[0] * tuning.PAD_NS_PER_VALUE)
 
     def run(self, x):
         layout = x if self.planar else x.transpose(0, 2, 3, 1)
@@ -995,11 +1010,6 @@ class _TiledRoute:
         return image
 
 
-# A padded image's rows are copied in by pieces (_pad_rows), split at this estimate: a value
-# read from memory or from the other core's cache and written, ~0.4 ns
-_PAD_NS_PER_VALUE = 0.4
-
-
 @_compiled.kernel_math
 def _pad_rows(src, image, height, length, plane, row, first, row0, row1):  # pragma: no cover
     """Rows [row0, row1) of src (rows of `length` values, `height` of them a plane: an
@@ -1023,24 +1033,18 @@ def _pad_rows_piece(block, row0, row1):  # pragma: no cover
 # away), a sum over taps (i, j) of P's rows [i*Wp + j, i*Wp + j + Ho*Wp) as a (Ho*Wp, C)
 # matrix, a contiguous slice of P, times the tap's (C, M) weights. So no patch matrix is
 # built: im2col writes and reads C*kh*kw values per pixel, this reads the image kh*kw times
-# from cache. The taps accumulate over chunks of _SHIFTED_CHUNK output pixels. Measured here
-# (one thread): 1.4-1.9x faster than im2col on 64x64 to 128x128 images with 16-128 channels
-# (UNet 128x128: 1.25x faster in all); slower with more channels (bigger GEMMs, where im2col's
-# one large GEMM wins) or fewer (K = C too short for BLAS); no clear gain on ResNet-50's 56x56
-# and 28x28 layers, which keep im2col. Chunks of 2048 pixels, to keep the partial sums in
-# cache, lost on 2 threads to whole images (one GEMM per tap instead of 8 small ones, whose
-# BLAS calls each start and stop both threads): 32 -> 32 channels at 128x128 4.1 -> 2.8 ms,
-# UNet at batch 1 0.89x (Zen 4, paired runs).
-_SHIFTED_CHUNK = 1 << 15
-_SHIFTED_CHANNELS = (16, 128)   # input channels it runs for
-_SHIFTED_MIN_PIXELS = 4096      # output pixels per image (64x64) it runs from
+# from cache. It beats im2col on large images (SHIFTED_MIN_PIXELS) with a middling number of
+# channels (SHIFTED_CHANNELS): with more, im2col's one large GEMM wins; with fewer, K = C is
+# too short for BLAS. The taps accumulate over chunks of SHIFTED_CHUNK output pixels, a whole
+# 128x128 image: smaller chunks mean more BLAS calls, each starting and stopping the threads.
 
 
 def _shifted_fits(x, group, kernel, strides, dilations, begin, end, outs):
-    lo, hi = _SHIFTED_CHANNELS
+    lo, hi = tuning.SHIFTED_CHANNELS
     return (x.ndim == 4 and group == 1 and lo <= x.shape[1] <= hi and math.prod(kernel) > 1
             and all(s == 1 for s in strides) and all(d == 1 for d in dilations)
-            and min(begin) >= 0 and min(end) >= 0 and math.prod(outs) >= _SHIFTED_MIN_PIXELS
+            and min(begin) >= 0 and min(end) >= 0
+            and math.prod(outs) >= tuning.SHIFTED_MIN_PIXELS
             and x.dtype in (np.float32, np.float64))
 
 
@@ -1059,12 +1063,12 @@ def _conv_shifted(x, w, kernel, begin, end, outs, bias, cache):
     padded = np.zeros((Hp * Wp + kw - 1, C), x.dtype)
     image = padded[:Hp * Wp].reshape(Hp, Wp, C)
     out = np.empty((N, Ho, Wp, M), x.dtype)
-    partial = np.empty((min(_SHIFTED_CHUNK, rows), M), x.dtype)
+    partial = np.empty((min(tuning.SHIFTED_CHUNK, rows), M), x.dtype)
     for n in range(N):
         image[begin[0]:begin[0] + H, begin[1]:begin[1] + W] = x[n].transpose(1, 2, 0)
         flat_out = out[n].reshape(rows, M)
-        for r0 in range(0, rows, _SHIFTED_CHUNK):
-            r1 = min(rows, r0 + _SHIFTED_CHUNK)
+        for r0 in range(0, rows, tuning.SHIFTED_CHUNK):
+            r1 = min(rows, r0 + tuning.SHIFTED_CHUNK)
             acc, tmp = flat_out[r0:r1], partial[:r1 - r0]
             _blas.matmul(padded[r0:r1], taps[0], out=acc)
             for tap in range(1, len(offsets)):
@@ -1080,15 +1084,14 @@ def _conv_shifted(x, w, kernel, begin, end, outs, bias, cache):
 # A 2-D convolution over channels-last patch rows: each output pixel's row holds its window
 # (kh, kw, C) as C-long contiguous runs copied from a channels-last padded image, and one
 # GEMM (pixels, kh*kw*C) x (kh*kw*C, M) writes the channels-last result. The channels-first
-# patch matrix (kh*kw*C, pixels) is copied one pixel at a time along each row: 10-35% slower
-# on ResNet-50's 3x3 layers (64-512 channels) here, even counting this one's transposing copy
-# of a channels-first input; with few channels the runs are too short, so the patch matrix
-# keeps those (an image's 3 channels).
-_PATCH_ROWS_MIN_CHANNELS = 16
+# patch matrix (kh*kw*C, pixels) is copied one pixel at a time along each row, slower even
+# counting this one's transposing copy of a channels-first input; with few channels
+# (PATCH_ROWS_MIN_CHANNELS) the runs are too short, so the patch matrix keeps those (an
+# image's 3 channels).
 
 
 def _patch_rows_fit(x, group, begin, end):
-    return (x.ndim == 4 and group == 1 and x.shape[1] >= _PATCH_ROWS_MIN_CHANNELS
+    return (x.ndim == 4 and group == 1 and x.shape[1] >= tuning.PATCH_ROWS_MIN_CHANNELS
             and min(begin) >= 0 and min(end) >= 0 and x.dtype in (np.float32, np.float64))
 
 
@@ -1120,7 +1123,7 @@ def _conv_patch_rows(x, w, kernel, strides, dilations, begin, outs, bias, cache)
 
 def _zero_border(padded, begin, size):
     """`padded` (..., Hp, Wp, C) with zeros around the (H, W) interior at `begin`, which the
-    caller fills (zeroing all of it was 1.6 of ResNet-50's 86 ms at batch 1)."""
+    caller fills (zeroing all of it is a measurable share of a CNN's run)."""
     (top, left), (H, W) = begin, size
     padded[..., :top, :, :] = 0
     padded[..., top + H:, :, :] = 0
@@ -1256,6 +1259,7 @@ class Conv(_ConvBase):
         wc, cache = self.weight_and_cache(w, None if late_bias else b, dt)
         xc = x.astype(dt, copy=False)
         route = self.route(xc, wc, None if late_bias else b, clamp, cache)
+        self._chosen = _CONV_ND if route is None else route.lowering
         if route is not None:
             out = route.run(xc)
             if routes is None and clamp is None:
@@ -1268,6 +1272,27 @@ class Conv(_ConvBase):
         if late_bias:
             out = _add_bias(out, b.astype(dt, copy=False))
         return out.astype(x.dtype, copy=False)
+
+    def lower(self, inputs):
+        """The route `_new_route` will take, where the plan knows x's shape and the weights;
+        a 1x1 convolution's route depends on its input's layout, seen at the first run."""
+        x, w = inputs[0], inputs[1]
+        if x is None or w is None or x.dtype not in (np.float32, np.float64) or x.ndim != 4:
+            return _CONV_ND
+        if w.value is None or not x.static():
+            return _BY_GEOMETRY
+        try:
+            kernel, _, _, begin, end = self.geometry(x, w.value)
+        except EmberError:  # the run says what is wrong
+            return _CONV_ND
+        if 0 in x.shape or not _compiled.enabled():
+            return _CONV_ND
+        if _depthwise_fast(x, w.value, self.group, kernel, begin, end):
+            return _DEPTHWISE_VECTOR if _depthwise_vector_fits(x, kernel) else _DEPTHWISE_LOOPS
+        if math.prod(kernel) > 1:
+            return _TiledRoute.lowering if _tiled_fits(x, w.value, self.group, begin, end) \
+                else _CONV_ND
+        return _BY_LAYOUT
 
     def route(self, x, w, b, clamp, cache):
         """The route of this convolution for x's geometry: its kernel's call worked out once
@@ -1469,7 +1494,7 @@ class ConvTranspose(_ConvBase):
         its own kh x kw tile of the output) as one GEMM of the pixels (N*H*W, C), whatever
         x's layout, by the weights (C, kh*kw*M), and one copy of the tiles into place with
         the bias added. Returns the channels-last (N, M, Ho, Wo) view; col2im's scatter plus
-        a pass for the bias took 2.2x as long on UNet's upsampling layers."""
+        a pass for the bias take much longer."""
         N, C, H, W = x.shape
         M, (kh, kw) = w.shape[1], kernel
         wm = _remembered(cache, "tiles", lambda: np.ascontiguousarray(

@@ -23,7 +23,7 @@ from ember.ops._epilogue import (ACTIVATIONS, PointwiseRoute, epilogue, pointwis
 from ember.ops._layout import pixel_rows
 from ember.ops.conv import (Conv, RouteMemo, clamps_in_pass, pointwise_cl_fits,
                             pointwise_weights)
-from ember.ops.linalg import CachedPack, Gemm7, matmul
+from ember.ops.linalg import CachedPack, Gemm7, matmul, product_lowering
 from ember.ops.registry import OpImpl, register
 
 DOMAIN = "ai.ember"
@@ -75,6 +75,7 @@ class FusedConv(Conv, _Activated):
             # the epilogue adds the bias: the convolution then neither copies its input
             # beside a ones row nor makes a pass of its own over the output for it
             route = self._pointwise_route(x, w, b, z)
+            self._chosen = None if route is None else route.lowering
             if route is not None:
                 self._fused_routes.remember(x, w, b, z, route)
                 return route.run(x, z)
@@ -142,3 +143,9 @@ class FusedMatMul(_Activated):
         xp = self.xp
         y = matmul(xp, a, b, self._transposed if 1 in self.constant_inputs else None)
         return self.finish(xp.asarray(y), bias, z)  # vector . vector: a scalar
+
+    def lower(self, inputs):
+        product = product_lowering(inputs[0], inputs[1], inputs[1] is not None
+                                   and inputs[1].value is not None)
+        return product._replace(why=product.why + "; bias, residual and activation in one "
+                                "compiled pass after it")

@@ -8,18 +8,20 @@ wrapped to int32 as the spec allows.
 On the CPU, products of 2-512 rows by a large constant weight (K at most 3072 from 17 rows;
 with AVX2, 2-16 rows) run as register tiles over the weight packed once (`_tiled_product`,
 numba on an AVX-512 or AVX2 CPU); elsewhere, products of 2-4 rows run as one GEMV per row
-where that was measured faster (`_rows_faster`), and products of 4-12 rows by a large
+where that is faster (`_rows_faster`), and products of 4-12 rows by a large
 constant weight as dot products with the rows of its transpose (`_dot_columns`, numba);
 the products BLAS does go through ops/cpu/blas.py, which cuts them into pieces for ember's kernel
 pool during runs (OpenBLAS then on one thread), or leaves them to OpenBLAS's threads.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles
+from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles, tuning
 from ember.ops._dtypes import is_narrow_float, widen
-from ember.ops.registry import OpImpl, register
+from ember.ops.registry import Lowering, OpImpl, Sketch, register
 
 
 def _magnitude(a) -> float:
@@ -36,23 +38,14 @@ def _int_matmul(xp, a, b):
     return xp.matmul(a.astype(np.int64), b.astype(np.int64))
 
 
-# How OpenBLAS (numpy's BLAS) runs small float products fastest on its own threads (without
-# numba, or with EMBER_POOL_PRODUCTS=0: ops/cpu/blas.py), measured on a 2-core AMD EPYC
-# VM with OpenBLAS 0.3.31 (Haswell kernels), M = 1..64 rows, K, N = 256..3072 (report of
-# issue 12; medians of interleaved runs, 100 us of other work between products):
-# * Threads. OpenBLAS runs a GEMM on one thread up to M*N*K = 65536 * GEMM_MULTITHREAD_THRESHOLD
-#   (4) and a GEMV up to K*N = 2304 * 4; above, on up to M*N*K / 262144 threads. Above that
-#   threshold two threads were never clearly slower on an idle machine: 1.2-2x faster from 8
-#   rows, for 3 rows and for GEMVs from K*N = 768*768; within +-10% for 2 and 4 rows and smaller
-#   GEMVs. So the crossover is OpenBLAS's own: no product is sent to one thread. (While other
-#   processes hold the cores, every threaded product is 2-10x slower than on one thread: a
-#   preempted worker holds up BLAS's static split; `threads=1` is the choice there.)
-# * Shape. OpenBLAS's GEMM with 2-4 rows packs all of B for a few rows of work: one GEMV per
-#   row (with BLAS's threads) is faster: 2 rows 1.4-2.3x from K*N = 2**16; 3 rows 1.6x where
-#   K <= N (slower for K > N); 4 rows 1.2-1.4x from K*N = 2**19 where K <= N (slower below or
-#   for K > N). Those products run by row (`_by_row`): a decoder step of batch 2-4.
-_BY_ROW_KN = {2: 1 << 16, 3: 1 << 16, 4: 1 << 19}
-_BY_ROW_MIN_KN = min(_BY_ROW_KN.values())
+# Small float products on OpenBLAS's own threads (without numba, or with
+# EMBER_POOL_PRODUCTS=0: ops/cpu/blas.py). Threads: OpenBLAS's own crossover to threads is
+# kept, as two threads above it were never clearly slower on an idle machine, so no product
+# is sent to one thread (while other processes hold the cores, a preempted worker holds up
+# BLAS's static split: `threads=1` is the choice there). Shape: OpenBLAS's GEMM with 2-4 rows
+# packs all of B for a few rows of work, so from the sizes in BY_ROW_KN (ops/cpu/tuning.py;
+# 3 and 4 rows only where K <= N) one GEMV per row (with BLAS's threads) is faster: those
+# products run by row (`_by_row`), a decoder step of batch 2-4.
 
 
 def _by_row(a, b):
@@ -67,21 +60,18 @@ def _rows_faster(a, b) -> bool:
     """Whether the numpy float product a @ b (2-D operands) runs faster by row (see above)."""
     if a.ndim != 2 or b.ndim != 2 or a.dtype.kind != "f":
         return False
-    m, k = a.shape
-    n = b.shape[1]
-    return m in _BY_ROW_KN and k * n >= _BY_ROW_KN[m] and (m == 2 or k <= n)
+    return _by_row_fits(*a.shape, b.shape[1])
+
+
+def _by_row_fits(m, k, n) -> bool:
+    return m in tuning.BY_ROW_KN and k * n >= tuning.BY_ROW_KN[m] and (m == 2 or k <= n)
 
 
 # A few rows by a large constant weight (a decoder step at batch 4-12): OpenBLAS packs all of
 # B, from memory, for a few rows of work. Dot products of the rows with the rows of the
 # weight's transpose (kept from the first such run) read it once, split by columns among
-# the session's threads. Measured on 2 cores (AMD EPYC, Zen 4; OpenBLAS 0.3.31), weight in
-# cache: 4-12 rows 0.56-0.96x of OpenBLAS's time on GPT-2's shapes (768 x 3072, 3072 x 768,
-# 768 x 50257), 8 x 768 x 2304 1.27x; 1-3 rows and 16 mostly slower; 8 x 256 x 1024 the same
-# (so not below _DOT_MIN_KN). Within GPT-2's decoder step at batch 8, weights from memory:
-# the LM head 18 -> 11 ms, 768 x 3072 1.1 -> 0.8 ms, the step 0.80x (paired runs).
-_DOT_ROWS = range(4, 13)
-_DOT_MIN_KN = 1 << 20
+# the session's threads: faster than OpenBLAS for the rows in DOT_ROWS and weights from
+# DOT_MIN_KN (ops/cpu/tuning.py).
 _DOT_FASTMATH = {"reassoc", "contract"}  # the sums over k reassociated: vectorised
 
 
@@ -146,60 +136,46 @@ def _transpose(b):
     return bt
 
 
+def _dot_fits(m, k, n, a_dtype, b_dtype) -> bool:
+    return (m in tuning.DOT_ROWS and k * n >= tuning.DOT_MIN_KN
+            and a_dtype == b_dtype == np.float32)
+
+
 def _dot_columns(a, b, weight: CachedPack):
     """a @ b by `dot_columns_loops`, or None where it does not apply (or numba is absent);
     b's transpose is kept in `weight`, the first time a product of a few rows needs it (a
     model only ever run on many rows never pays its memory)."""
     m, k = a.shape
     n = b.shape[1]
-    if m not in _DOT_ROWS or k * n < _DOT_MIN_KN or a.dtype != np.float32 \
-            or b.dtype != np.float32:
+    if not _dot_fits(m, k, n, a.dtype, b.dtype):
         return None
     kernel = _compiled.jit(dot_columns_loops, fastmath=_DOT_FASTMATH)
     if kernel is None:
         return None
     bt = weight.get(b, None, lambda: _transpose(b))
     out = np.empty((m, n), np.float32)
-    _compiled.split_rows(kernel, n, np.ascontiguousarray(a), bt, out, ns_per_row=0.05 * m * k)
+    _compiled.split_rows(kernel, n, np.ascontiguousarray(a), bt, out,
+                         ns_per_row=tuning.DOT_NS_PER_MAC * m * k)
     return out
 
 
 # The same few rows by a large constant weight as register tiles (ops/cpu/tiles.py; AVX-512):
 # the weight packed once in blocks of 32 columns, each block's K x 32 values read in order
-# and multiplied with 12 rows at a time (4 for the last few) in vector registers. Measured
-# on 2 cores (Zen 4), weight from memory, against the dot products above: GPT-2's LM head
-# at 8 rows 11.2 -> 5.0 ms, 8 x 768 x 3072 1.2 -> 0.2-0.7 ms, 8 x 3072 x 768 1.5 -> 0.7 ms,
-# 4 and 12 rows 1.5-1.8x faster; warm, against OpenBLAS: 2-4 rows 1.0-3.6x faster (N >= 2304; even
-# where N = 768), 16 rows 0.9-1.7x. One row stays a GEMV (BLAS's is 2-4x faster than a
-# tile that computes 4 rows for 1).
-# A transformer's projections at batch 1 (17-512 rows: tokens) run as tiles too where K is
-# at most 1536 (3072 now: below): warm, 2 cores, against OpenBLAS, 0.69-0.95x (BERT's 128 x
-# 768 x 768 0.75-0.81x, 128 x 768 x 3072 0.80-0.89x, ViT-S's 197 x 1536 x 384 0.69x; one core
-# 0.83-0.95x); with K of 2048 or 3072 (an MLP's second product), in bands of tiles, the
-# weights no longer stayed in cache between tiles and they ran 1.1-1.5x slower on 2 cores;
-# from ~400 rows (a batch) it is about even (1576 x 384 x 1152 1.02-1.04x) and BLAS keeps
-# them. In models at batch 1, paired runs: BERT-small 0.96x, BERT-base 0.95x, DistilBERT
-# 0.97x, GPT-2 0.92x, ViT-S 0.94x. The cost is the packed copy kept beside each such weight:
-# BERT-base's resident memory after its first runs 607 -> 860 MB (onnxruntime: 564; with K
-# up to 3072, on a Xeon: 625 -> 990 MB). Tried: the weights read in place (rows N values
-# apart) 1.1-3.6x slower; K > 1536 cut into 2-4 products of shorter K, summed, 1.2-1.6x
-# slower than BLAS. With AVX2's tiles (6 rows by 16 columns) only the
-# decoder step's rows: 128 x 768 x 768 and x 3072 ran 1.05x slower than OpenBLAS (one core,
-# Zen 3), 8 x 768 x 768 0.77x of the dot products.
-# K up to 3072 since such an input (128 x 3072: 1.5 MB) is one band of tiles where the weights
-# are 4x its size (ops/cpu/tiles.py: ONE_BAND_BYTES), each block of weights then read once: on
-# 2 cores of a Xeon with AVX-512, paired processes, b1: BERT-base 0.87-0.92x, DistilBERT
-# 0.88-0.97x, GPT-2 0.95-0.99x, BERT-small 1.01x, the decoder step 0.98-0.99x (BERT-base b8
-# 0.99x: its products are BLAS's).
-# Where N is over _TILE_WIDE_N (a vocabulary: GPT-2's LM head, 768 x 50257), at most 48
-# rows: the tiles store their rows' 32 columns 200 KB apart, and from 64 rows OpenBLAS was
-# faster (2 cores of a Xeon with AVX-512, weights from memory: 48 rows 14.6 / 19.5 ms, 64
-# rows 22.7 / 22.2, 128 rows 45 / 35; with N = 16384 the tiles were faster up to 96 rows).
-_TILE_ROWS = range(2, 513)
-_TILE_ANY_K_ROWS = range(2, 17)   # a decoder step: any K; more rows, AVX-512 and _TILE_MAX_K
-_TILE_MAX_K = 3072
-_TILE_MIN_KN = 1 << 18
-_TILE_WIDE_N, _TILE_WIDE_N_ROWS = 16384, range(2, 49)
+# and multiplied with 12 rows at a time (4 for the last few) in vector registers. They serve
+# TILE_ROWS by weights from TILE_MIN_KN (ops/cpu/tuning.py): a decoder step's few rows
+# (TILE_ANY_K_ROWS, any K, AVX2's narrower tiles included) and, on AVX-512, a transformer's
+# projections at batch 1 where K is at most TILE_MAX_K, the weights then staying in cache
+# between tiles; a batch's rows BLAS does as fast. One row stays a GEMV, which BLAS does
+# faster than a tile computing 4 rows for 1. The cost is the packed copy kept beside each
+# such weight. A weight wider than TILE_WIDE_N (a vocabulary) is tiled for TILE_WIDE_N_ROWS
+# only: the tiles store their rows' 32 columns far apart, and with more rows OpenBLAS wins.
+
+
+def _tiles_fit(m, k, n, a_dtype, b_dtype) -> bool:
+    return (m in tuning.TILE_ROWS and k * n >= tuning.TILE_MIN_KN
+            and a_dtype == b_dtype == np.float32
+            and (n <= tuning.TILE_WIDE_N or m in tuning.TILE_WIDE_N_ROWS)
+            and (m in tuning.TILE_ANY_K_ROWS or (k <= tuning.TILE_MAX_K and _tiles.WIDE)))
 
 
 def _tiled_product(a, b, weight: CachedPack):
@@ -207,9 +183,7 @@ def _tiled_product(a, b, weight: CachedPack):
     packed b is kept in `weight`."""
     m, k = a.shape
     n = b.shape[1]
-    if m not in _TILE_ROWS or k * n < _TILE_MIN_KN or a.dtype != np.float32 \
-            or b.dtype != np.float32 or (n > _TILE_WIDE_N and m not in _TILE_WIDE_N_ROWS) \
-            or (m not in _TILE_ANY_K_ROWS and (k > _TILE_MAX_K or not _tiles.WIDE)):
+    if not _tiles_fit(m, k, n, a.dtype, b.dtype):
         return None
     kernel = _tiles.kernel()
     if kernel is None:
@@ -230,7 +204,7 @@ def _float_matmul(xp, a, b, weight: CachedPack | None = None):
     shape = None
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous and a.shape[-1]:
         # [..., M, K] @ [K, N] as one [(...*M), K] GEMM: one large BLAS call instead of
-        # one per batch entry (about 15% faster on transformer projections)
+        # one per batch entry
         shape = a.shape[:-1] + b.shape[-1:]
         a = a.reshape(-1, a.shape[-1])
     y = None
@@ -241,12 +215,12 @@ def _float_matmul(xp, a, b, weight: CachedPack | None = None):
             y = _dot_columns(a, b, weight)
     if y is None:
         if (xp is np and a.ndim == 2 and 2 <= a.shape[0] <= 4 and b.ndim == 2
-                and b.shape[0] * b.shape[1] >= _BY_ROW_MIN_KN and _rows_faster(a, b)):
+                and b.shape[0] * b.shape[1] >= tuning.BY_ROW_MIN_KN and _rows_faster(a, b)):
             y = _by_row(a, b)  # CPU: 2-4 rows, where one GEMV per row is faster
         elif xp is np and a.ndim == 2 and b.ndim == 2 and (
                 a.shape[0] * b.shape[1] * a.itemsize >= _tiles.KEEP_FROM_BYTES):
             # a product of 32 MB or more into a kept buffer (_tiles.empty): allocated afresh
-            # it page-faults at every run (ConvNeXt-T's MLP at batch 8: 211 faults each)
+            # it page-faults at every run
             y = _blas.matmul(a, b, out=_tiles.empty((a.shape[0], b.shape[1]),
                                                     np.result_type(a.dtype, b.dtype)))
         elif xp is np:
@@ -254,6 +228,36 @@ def _float_matmul(xp, a, b, weight: CachedPack | None = None):
         else:
             y = xp.matmul(a, b)
     return y if shape is None else y.reshape(shape)
+
+
+_PRODUCT_BY_GEOMETRY = Lowering("by geometry", "chosen per call from the product's rows: "
+                                "register tiles, dot products, a GEMV per row or BLAS GEMM")
+
+
+def product_lowering(a: Sketch | None, b: Sketch | None, constant_b: bool) -> Lowering:
+    """The kernel `matmul` runs a @ b with, from what the plan knows of a and b (the same
+    tests `_float_matmul` makes on each call)."""
+    if a is None or b is None or a.dtype is None or b.dtype is None:
+        return _PRODUCT_BY_GEOMETRY
+    if a.dtype.kind in "iu":
+        return Lowering("numpy", "integer product: exact in float64 where int64 would overflow")
+    if a.dtype.kind != "f" or is_narrow_float(a.dtype):
+        return Lowering("numpy", "narrow float: computed in float32, rounded once")
+    if not (a.static() and b.static()) or a.ndim < 2 or b.ndim != 2:
+        return _PRODUCT_BY_GEOMETRY
+    m, k, n = math.prod(a.shape[:-1]), a.shape[-1], b.shape[1]
+    if constant_b and _tiles_fit(m, k, n, a.dtype, b.dtype) and _tiles.kernel() is not None:
+        return Lowering("cpu.tiles-gemm", f"{m} rows by a constant weight: register tiles over "
+                        "the weight packed once")
+    if constant_b and _dot_fits(m, k, n, a.dtype, b.dtype) and _compiled.enabled():
+        return Lowering("cpu.dot-columns", f"{m} rows by a large constant weight: dot products "
+                        "with its kept transpose, split by columns")
+    if 2 <= m <= 4 and _by_row_fits(m, k, n):
+        return Lowering("numpy", "a GEMV per row: faster than one GEMM for 2-4 rows")
+    if _blas.enabled():
+        return Lowering("cpu.board-gemm", "BLAS GEMM, cut in pieces on the pool's board "
+                        "where it is large enough (OpenBLAS at one thread in runs)")
+    return Lowering("numpy", "numpy.matmul: BLAS with its own threads")
 
 
 def matmul(xp, a, b, weight: CachedPack | None = None):
@@ -301,6 +305,10 @@ class MatMul(OpImpl):
             raise self.fail(f"shapes {a.shape} and {b.shape} are not aligned")
         return matmul(self.xp, a, b, self._transposed if 1 in self.constant_inputs else None)
 
+    def lower(self, inputs):
+        return product_lowering(inputs[0], inputs[1], inputs[1] is not None
+                                and inputs[1].value is not None)
+
 
 class _Gemm(OpImpl):
     def setup(self):
@@ -308,6 +316,14 @@ class _Gemm(OpImpl):
         self.beta = float(self.beta)
         self.transA = bool(self.transA)
         self.transB = bool(self.transB)
+
+    def lower(self, inputs):
+        a, b = inputs[0], inputs[1]
+        if a is not None and a.static() and self.transA:
+            a = a._replace(shape=a.shape[::-1])
+        if b is not None and b.static() and self.transB:
+            b = b._replace(shape=b.shape[::-1])
+        return product_lowering(a, b, False)  # Gemm keeps no packed copy of its weight
 
     def run(self, a, b, c=None):
         xp = self.xp

@@ -6,8 +6,8 @@ float32 by default for the transformer norms), never with Python loops over elem
 
 With numba (ops/cpu/compiled.py), a float LayerNormalization with one output runs compiled
 (`_layernorm_rows`): each row's mean, variance (summed in float64) and normalised, scaled and
-shifted result in three passes over the row while it is in cache, where numpy made seven
-passes over the whole tensor (ConvNeXt-T's 23 LayerNorms: 14 ms a run, onnxruntime's 2.5).
+shifted result in three passes over the row while it is in cache, where numpy makes seven
+passes over the whole tensor.
 """
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ import math
 import numpy as np
 from onnx import helper
 
-from ember.ops.cpu import compiled as _compiled
+from ember.ops.cpu import compiled as _compiled, tuning
 from ember.ops import _xp
 from ember.ops._dtypes import is_narrow_float, widen
-from ember.ops.registry import OpImpl, register
+from ember.ops._lowering import compiled_rows
+from ember.ops.registry import PORTABLE, OpImpl, register
 
 
 def _stash_dtype(impl: OpImpl, x: np.ndarray) -> np.dtype:
@@ -166,6 +167,15 @@ class InstanceNormalization(OpImpl):
 
 @register("LayerNormalization", versions=[17])
 class LayerNormalization17(OpImpl):
+    def lower(self, inputs):
+        """`_layernorm_compiled`'s test, where the plan knows the dtypes: float32 / float64
+        in and one output (the stash dtype the input's own)."""
+        x = inputs[0]
+        if x is not None and x.dtype in (np.float32, np.float64) and self.n_outputs == 1 \
+                and np.dtype(_stash_dtype(self, x)) == x.dtype:
+            return compiled_rows("layer norm by rows: one pass a row, no temporaries")
+        return PORTABLE
+
     def run(self, x, scale, b=None):
         xp = self.xp
         dt = x.dtype
@@ -189,9 +199,6 @@ class LayerNormalization17(OpImpl):
         return y, mean, inv
 
 
-_LAYERNORM_NS = 0.5  # time per value of a row, 0.35-0.5 ns measured here (split_rows)
-
-
 def _layernorm_compiled(x, axis, scale, b, epsilon):
     """The compiled LayerNormalization of float x over axes [axis, ndim), or None where it
     does not apply: no numba, another dtype, or a scale / bias not of the normalised shape.
@@ -209,7 +216,7 @@ def _layernorm_compiled(x, axis, scale, b, epsilon):
     y = np.empty(rows.shape, x.dtype)
     bias = np.zeros(D, x.dtype) if b is None else b.reshape(D)
     _compiled.split_rows(kernel, rows.shape[0], rows, scale.reshape(D), bias,
-                         float(epsilon), y, ns_per_row=_LAYERNORM_NS * D,
+                         float(epsilon), y, ns_per_row=tuning.LAYERNORM_NS * D,
                          piece=_LAYERNORM_PIECES[x.dtype == np.float32])
     return y.reshape(x.shape)
 
@@ -246,7 +253,7 @@ def _fits(param, dtype, norm_shape, D) -> bool:
 def _layernorm_rows(x, scale, bias, epsilon, y, row0, row1):  # pragma: no cover - numba
     """Rows [row0, row1) of y = (x - mean) / sqrt(var + epsilon) * scale + bias, x (R, D):
     mean and variance summed in float64, then the row normalised in x's dtype as numpy's
-    kernel does (2.5x faster than in float64). A row's bits do not depend on how the rows
+    kernel does (faster than in float64). A row's bits do not depend on how the rows
     are split (the reassociated sums are fixed by the compiled code and D)."""
     D = x.shape[1]
     stats = np.empty(2, x.dtype)  # mean and 1 / std, rounded to x's dtype

@@ -11,9 +11,8 @@ stride-1 pass plus one strided pick). MaxPool's Indices output uses a tap loop o
 input that remembers the winning tap. No loop ever runs over output pixels in numpy.
 
 With numba (ops/cpu/compiled.py), a float 2-D MaxPool without Indices runs compiled instead
-(`_maxpool2d`): one pass over the output, each window read where it lies in the input (the
-separable passes wrote and reread a whole intermediate array per axis: 1.7 ms for ResNet-50's
-112x112x64 pool here, where onnxruntime takes 0.2 ms).
+(`_maxpool2d`): one pass over the output, each window read where it lies in the input, where
+the separable passes write and reread a whole intermediate array per axis.
 """
 from __future__ import annotations
 
@@ -22,12 +21,13 @@ import math
 import numpy as np
 
 from ember import limits
-from ember.ops.cpu import compiled as _compiled
+from ember.ops.cpu import compiled as _compiled, tuning
 from ember.ops import _xp
 from ember.ops._layout import channels_last
 from ember.ops.conv import (auto_pads, check_window_attributes, compute_dtype, ints, out_size,
                             pad_array, remembered_geometry, tap_slices, window3x3_offsets)
-from ember.ops.registry import OpImpl, register
+from ember.ops._lowering import numba_serves
+from ember.ops.registry import Lowering, PORTABLE, OpImpl, register
 
 
 class _WindowPool(OpImpl):
@@ -192,8 +192,19 @@ def _lowest(dtype):
     return np.iinfo(dtype).min
 
 
+_MAXPOOL_COMPILED = Lowering("cpu.compiled", "compiled 2-D max pool by rows of output")
+
+
 @register("MaxPool", versions=[1, 8, 10, 11, 12, 22])
 class MaxPool(_WindowPool):
+    def lower(self, inputs):
+        x = inputs[0]
+        if x is not None and x.ndim == 4 and x.dtype in (np.float32, np.float64) \
+                and self.n_outputs == 1 and numba_serves():
+            return Lowering("by layout", "compiled 2-D max pool: rows of a channels-last "
+                            "input, or planes at stride 2 (seen in the run); else numpy")
+        return PORTABLE
+
     def run(self, x):
         xp = self.xp
         kernel, strides, dilations, begin, end, end_eff, outs = self.geometry(x)
@@ -202,8 +213,10 @@ class MaxPool(_WindowPool):
         want_idx = self.n_outputs > 1
         if xp is np and not want_idx and x.ndim == 4 and x.dtype in (np.float32, np.float64):
             out = _maxpool2d(x, kernel, strides, dilations, begin, outs)
+            self._chosen = PORTABLE if out is None else _MAXPOOL_COMPILED
             if out is not None:
                 return out
+        self._chosen = PORTABLE
         work = x if x.dtype.kind in "fiu" else x.astype(np.float32)
         if not want_idx:
             out = self.reduce_separable(xp, work, kernel, strides, dilations, begin, outs,
@@ -251,7 +264,6 @@ class MaxPool(_WindowPool):
 # ---------------------------------------------------------------- compiled 2-D MaxPool (numba)
 # A max that lets NaN through as np.maximum does: a NaN tap replaces the running max, and a
 # NaN running max stays. Windows wholly in the padding give -inf, as the numpy kernel's fill.
-_MAXPOOL_NS = 0.15  # time per window tap, 0.1-0.2 ns measured here (split_rows)
 
 
 def _maxpool2d(x, kernel, strides, dilations, begin, outs):
@@ -267,18 +279,18 @@ def _maxpool2d(x, kernel, strides, dilations, begin, outs):
             return None
         out = np.empty((N, oh, ow, C), x.dtype)
         _compiled.split_rows(rows_kernel, N * oh, x.transpose(0, 2, 3, 1), out, *geometry,
-                             ns_per_row=_MAXPOOL_NS * ow * C * taps,
+                             ns_per_row=tuning.MAXPOOL_NS * ow * C * taps,
                              piece=_CHANNELS_LAST_PIECES.get(x.dtype.type))
         return out.transpose(0, 3, 1, 2)
-    # planes: only stride 2 along the rows (CNNs' downsampling pools), 1.3-1.7x faster here;
-    # at stride 1 numpy's flat passes (_reduce_last_flat) were faster than this
+    # planes: only stride 2 along the rows (CNNs' downsampling pools); at stride 1 numpy's
+    # flat passes (_reduce_last_flat) are faster than this
     rows_kernel = _compiled.jit(_maxpool2d_plane_rows) if strides[1] == 2 else None
     if rows_kernel is None:
         return None
     planes = np.ascontiguousarray(x).reshape(N * C, *x.shape[2:])
     out = np.empty((N * C, oh, ow), x.dtype)
     _compiled.split_rows(rows_kernel, N * C, planes, out, *geometry,
-                         ns_per_row=_MAXPOOL_NS * oh * ow * taps)
+                         ns_per_row=tuning.MAXPOOL_NS * oh * ow * taps)
     return out.reshape(N, C, oh, ow)
 
 
@@ -294,9 +306,9 @@ def _maxpool2d_channels_last_rows(x4, out4, kh, kw, sh, sw, ph, pw, dh, dw, row0
                                   ):  # pragma: no cover - numba
     """Rows [row0, row1) of out (N, Oh, Ow, C), n = row // Oh: the max over each window of
     x (N, H, W, C), the channel loop innermost (contiguous, vectorised). A 3x3 or 2x2 window
-    wholly inside x is one expression over its taps' flat offsets (15x faster than a running
-    max per tap over row views, which LLVM left scalar: ResNet-50's stem pool 1.9 -> 0.13 ms
-    on one core of a Zen 3); the other windows take their valid taps one at a time."""
+    wholly inside x is one expression over its taps' flat offsets (much faster than a running
+    max per tap over row views, which LLVM leaves scalar); the other windows take their valid
+    taps one at a time."""
     N, H, W, C = x4.shape
     Oh, Ow = out4.shape[1], out4.shape[2]
     x, out = x4.reshape(-1), out4.reshape(-1)
@@ -345,9 +357,8 @@ def _maxpool2d_channels_last_rows(x4, out4, kh, kw, sh, sw, ph, pw, dh, dw, row0
 
 
 # The channels-last kernel's piece functions (ops/cpu/compiled.py: the helpers run its pieces
-# without Python, where a Python job waited for the GIL: ResNet-50's stem pool at b1, 2
-# threads, 252 -> 176 us in the model, 74 with its input in cache; onnxruntime's 83), one
-# per dtype, the arguments from the block.
+# without Python, where a Python job would wait for the GIL), one per dtype, the arguments
+# from the block.
 @_compiled.kernel_math
 def _channels_last_piece(block, row0, row1, dtype):  # pragma: no cover - numba
     v = _compiled.array_at(block, (18,), np.int64)
@@ -392,7 +403,7 @@ def _maxpool2d_plane_rows(x, out, kh, kw, sh, sw, ph, pw, dh, dw, row0, row1
                     if hi <= lo:
                         continue
                     # loops from 0 over slices: numba then drops its negative-index checks
-                    # and LLVM vectorises (8x faster here)
+                    # and LLVM vectorises
                     src, dst = xr[lo * sw + off:], o[lo:hi]
                     for k in range(hi - lo):  # stride 2, a constant: LLVM vectorises
                         v, m = src[2 * k], dst[k]

@@ -10,13 +10,16 @@ empty/absent axes list means "all axes" or "identity".
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from ember.ops.cpu import compiled as _compiled
+from ember.ops.cpu import compiled as _compiled, tuning
 from ember.ops import _xp
 from ember.ops.cpu.compiled import exp_float32
 from ember.ops._dtypes import widen
-from ember.ops.registry import OpImpl, register
+from ember.ops._lowering import compiled_rows
+from ember.ops.registry import PORTABLE, Lowering, OpImpl, register
 
 
 def _normalize_axes(axes, rank: int, fail) -> tuple[int, ...]:
@@ -115,13 +118,24 @@ class ReduceSumSquare18(_ReduceSumSquare):
     axes_from_input = True
 
 
+_SPATIAL_MEAN = Lowering("cpu.compiled", "the mean over a channels-last image's pixels: each "
+                         "thread sums the rows its core wrote")
+
+
 class _ReduceMean(_Reduce):
+    def lower(self, inputs):
+        x = inputs[0]
+        if x is not None and x.dtype == np.float32 and x.ndim == 4:
+            return Lowering("by layout", "over the pixels of a channels-last image: compiled "
+                            "sums per thread; else numpy")
+        return PORTABLE
+
     def reduce(self, x, axes, keepdims):
         xp = self.xp
-        if xp is np and axes == (2, 3) and x.ndim == 4:
-            mean = _spatial_mean(x)
-            if mean is not None:
-                return mean if keepdims else mean.reshape(mean.shape[:2])
+        mean = _spatial_mean(x) if xp is np and axes == (2, 3) and x.ndim == 4 else None
+        self._chosen = PORTABLE if mean is None else _SPATIAL_MEAN
+        if mean is not None:
+            return mean if keepdims else mean.reshape(mean.shape[:2])
         x = widen(x)
         count = int(np.prod([x.shape[a] for a in axes])) if axes else 1
         if x.dtype.kind in "iu":
@@ -141,27 +155,24 @@ class _ReduceMean(_Reduce):
 # The mean over the pixels of a channels-last image (N, C, H, W) (a network's global average
 # pool, after a 1x1 convolution whose rows both cores wrote): each thread sums the rows its
 # core wrote (the caller the first, a helper the last: ops/cpu/blas.py's board), then the caller
-# adds the pieces' sums in order. numpy's sum over the view read half of its input from the
-# other core's cache, a value at a time: MobileNetV2's (1280 channels at 7x7) 78 us in the
-# model (14 us with its input in the caller's cache), 55 us in pieces; the model 0.99x
-# (in-process alternation).
-_MEAN_NS_PER_VALUE = 1.0   # its time a value in the model (78 us for 62,720), for the split
-# At most this many pixels: more rows summed one by one in float32 lose what numpy's pairwise
-# sums keep
-_MEAN_MAX_PIXELS = 4096
+# adds the pieces' sums in order, where numpy's sum over the view reads half of its input
+# from the other core's cache, a value at a time. At most SPATIAL_MEAN_MAX_PIXELS pixels
+# (ops/cpu/tuning.py): more rows summed one by one in float32 lose what numpy's pairwise sums
+# keep.
 
 
 def _spatial_mean(x):
     """The mean over axes 2, 3 of float32 x (keepdims) by `_pixel_sums`, where x is a
     channels-last view (not also C-ordered: numpy reads those in order) of at most
-    _MEAN_MAX_PIXELS pixels and the compiled kernel serves; else None."""
+    SPATIAL_MEAN_MAX_PIXELS pixels and the compiled kernel serves; else None."""
     N, C, H, W = x.shape
     xt = x.transpose(0, 2, 3, 1)
     sums = _compiled.jit(_pixel_sums)
     if sums is None or x.dtype != np.float32 or x.flags.c_contiguous or x.size == 0 \
-            or H * W > _MEAN_MAX_PIXELS or not xt.flags.c_contiguous:
+            or H * W > tuning.SPATIAL_MEAN_MAX_PIXELS or not xt.flags.c_contiguous:
         return None
-    cuts = np.array(_compiled.row_bounds(H * W, N * C * _MEAN_NS_PER_VALUE), np.int64)
+    cuts = np.array(_compiled.row_bounds(H * W, N * C * tuning.SPATIAL_MEAN_NS_PER_VALUE),
+                    np.int64)
     partial = np.empty((cuts.size - 1, N, C), np.float32)
     _compiled.run_rows(sums, list(range(cuts.size)), xt.reshape(N, H * W, C), cuts, partial,
                        piece=_pixel_sums_piece)
@@ -429,15 +440,15 @@ def softmax(xp, x, axis: int, empty_rows_zero: bool = False):
         return e
 
 
-# Below this many elements a compiled softmax is not worth its call.
-_COMPILED_MIN = 1 << 12
+_SOFTMAX_BY_GEOMETRY = Lowering("by geometry", "compiled rows for float32 over the last axis "
+                                "where large enough, else numpy: the shape is known in the run")
 
 
 def _softmax_compiled(xp, x, axis, empty_rows_zero):
     """softmax by `_softmax_rows_loops` (numba) where it serves: float32 on the CPU, over the
     last axis, rows split among the run's threads. Else None."""
     if xp is not np or x.dtype != np.float32 or axis % x.ndim != x.ndim - 1 \
-            or x.size < _COMPILED_MIN:
+            or x.size < tuning.SOFTMAX_COMPILED_MIN:
         return None
     kernel = _compiled.jit(_softmax_rows_loops, fastmath={"contract"})
     if kernel is None:
@@ -445,7 +456,7 @@ def _softmax_compiled(xp, x, axis, empty_rows_zero):
     rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
     out = np.empty_like(rows)
     _compiled.split_rows(kernel, rows.shape[0], rows, out, empty_rows_zero,
-                         ns_per_row=1.3 * rows.shape[1],  # 1.3 ns an element, measured here
+                         ns_per_row=tuning.SOFTMAX_NS_PER_VALUE * rows.shape[1],
                          piece=_softmax_rows_piece)
     return out.reshape(x.shape)
 
@@ -463,9 +474,8 @@ def _softmax_rows_loops(x, out, empty_rows_zero, r0, r1):  # pragma: no cover - 
     """The numpy softmax's steps row by row over [r0, r1): the row's max (0 where it is not
     finite), e = exp(x - max), e times the reciprocal of sum(e). The max and the sum run in 8
     interleaved scalar accumulators, which LLVM keeps in registers and vectorises (the same
-    order whatever the split; 1.5x faster than 8 lanes in an array, on attention's rows of
-    197). A NaN is not carried by the max: its exp is NaN, and so the sum and the whole row,
-    as with numpy's."""
+    order whatever the split; faster than 8 lanes in an array). A NaN is not carried by the
+    max: its exp is NaN, and so the sum and the whole row, as with numpy's."""
     n = x.shape[1]
     n8 = n - n % 8
     inf = np.float32(np.inf)
@@ -564,6 +574,17 @@ class Softmax1(_SoftmaxBase):
 
     def fn(self, x, axis):
         return softmax(self.xp, x, axis)
+
+    def lower(self, inputs):
+        """`_softmax_compiled`'s test: float32 over the last axis, and large enough."""
+        x = inputs[0]
+        if x is None or x.dtype != np.float32 or not x.static() or not x.shape:
+            return PORTABLE if x is not None and x.dtype is not None else _SOFTMAX_BY_GEOMETRY
+        # coerced to 2-D, the softmax is over the last axis of the (rows, -1) matrix
+        last = self.coerce_2d or int(self.axis) % len(x.shape) == len(x.shape) - 1
+        if last and math.prod(x.shape) >= tuning.SOFTMAX_COMPILED_MIN:
+            return compiled_rows("softmax by rows")
+        return PORTABLE
 
 
 @register("Softmax", versions=[13])

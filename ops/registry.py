@@ -24,7 +24,7 @@ registered with `backend=`; they inherit its semantics and override `run`.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -37,6 +37,32 @@ BACKENDS = ("cpu", "opencl", "cuda")
 
 # (backend, domain, op_type) -> {since_version: impl class}
 _TABLE: dict[tuple[str, str, str], dict[int, type["OpImpl"]]] = {}
+
+
+class Lowering(NamedTuple):
+    """The kernel a node runs, and why: what `ember info --nodes`, `Session.kernels` and the
+    profiler show. `kernel` is a short name ("numpy", "cpu.tiles", "opencl"...)."""
+    kernel: str
+    why: str
+
+
+class Sketch(NamedTuple):
+    """What the plan knows of an input before any run: its shape (None where unknown, a dim
+    None or a name where symbolic), its dtype (or None), and its value if a constant."""
+    shape: tuple | None
+    dtype: np.dtype | None
+    value: Any = None
+
+    @property
+    def ndim(self) -> int | None:
+        return None if self.shape is None else len(self.shape)
+
+    def static(self) -> bool:
+        """Whether every dim is a known integer."""
+        return self.shape is not None and all(isinstance(d, int) for d in self.shape)
+
+
+PORTABLE = Lowering("numpy", "the op's portable array kernel")
 
 
 class OpImpl:
@@ -109,6 +135,19 @@ class OpImpl:
 
     def setup(self) -> None:
         """Check attributes and precompute what `run` needs. Runs once per node."""
+
+    def lower(self, inputs: Sequence[Sketch | None]) -> Lowering:
+        """Plan time, CPU kernels: the kernel this node runs for inputs like `inputs` (None for
+        an omitted input), and why. Ops with fast paths in the CPU engine (ops/cpu) override
+        it with the same tests their `run` makes; where the choice needs what only a run
+        shows (a shape the graph leaves open, an input's memory layout), they say so, and
+        `lowered` names what the run chose."""
+        return PORTABLE
+
+    def lowered(self) -> Lowering | None:
+        """The kernel the latest run of this node chose, for ops that choose per input
+        geometry at run time: they keep it in `_chosen` (None: `lower`'s answer stands)."""
+        return self.__dict__.get("_chosen")
 
     def run(self, *inputs):  # pragma: no cover - every op overrides it
         raise NotImplementedError(self.op_type)

@@ -22,10 +22,8 @@ With numba (ops/cpu/compiled.py), a float32 LSTM, or GRU with linear_before_rese
 exports), on the CPU without sequence_lens, peepholes or coupled gates runs each direction as
 one compiled call (`_lstm_steps_loops`, `_gru_lbr_steps_loops`) on a team of threads that
 split the hidden units and wait for one another after each step: no Python and no hand-off to
-a pool between steps, and each thread's share of R stays in its core's cache. With hidden 256
-on 2 cores (Zen 4), a step took 22 us at batch 1 and 116 us at batch 8 as BLAS's matmul plus
-a compiled cell per step, and takes 10 and 42 us so (onnxruntime's LSTM: 12-14 and 47 us a
-step, its input projection included; ours is one GEMM before the loop). A GRU without
+a pool between steps, and each thread's share of R stays in its core's cache: a step is much
+cheaper than BLAS's matmul plus a compiled cell. A GRU without
 linear_before_reset computes each step's gates in compiled passes (`_gru_*_loops`) between
 BLAS's two products, with _compiled's vectorised exp and tanh.
 """
@@ -33,12 +31,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles
+from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles, tuning
 from ember.ops import _xp
 from ember.ops.cpu.compiled import chunk_done, exp_float32, tanh_float32, take_chunk, wait_step
 from ember.ops.cpu.tiles import columns_from_blocks
 from ember.ops.linalg import dot_columns_loops
-from ember.ops.registry import OpImpl, register
+from ember.ops._lowering import numba_serves
+from ember.ops.registry import Lowering, PORTABLE, OpImpl, register
 
 
 # ---------------------------------------------------------------- activations
@@ -210,11 +209,6 @@ def _gru_lbr_steps_piece(block, rank, _):  # pragma: no cover
                          _compiled.array_at(v[26], (v[27],), np.int64))
 
 
-# A step is split among threads only where each gets at least this many multiply-adds of
-# h R: below it, waiting for one another costs more than the split saves (~1 us a step).
-_TEAM_MIN_MACS = 1 << 16
-
-
 # ---------------------------------------------------------------- compiled cells (numba)
 # Without linear_before_reset, a GRU step is two products with the reset gate between them:
 # each step is BLAS's matmul plus these compiled passes. `h` (the previous state) is read
@@ -242,6 +236,13 @@ def _gru_out_loops(n, XWt, Gzr, h, y):  # pragma: no cover - numba
 
 
 # ---------------------------------------------------------------- shared driver
+_RECURRENCE_BY_DTYPE = Lowering("by geometry", "float32: compiled recurrences; other dtypes: "
+                                "numpy steps (the input's dtype is known in the run)")
+_RECURRENCE_TEAM = Lowering("cpu.recurrence", "each direction in one compiled call: threads in "
+                            "lockstep, each a chunk of the hidden units, the step's product in "
+                            "register tiles where they serve")
+
+
 class _RecurrentBase(OpImpl):
     n_gates = 1                       # rows of W per hidden unit
     default_activations: tuple[str, ...] = ()
@@ -514,7 +515,7 @@ class _RecurrentBase(OpImpl):
                                          Rts[d])
             else:
                 # on BLAS's own threading: one thread was never faster for these products
-                # on an idle machine (batch 1-16, hidden 128-1024; 3x slower at batch 16)
+                # on an idle machine
                 final = self._recur(d, XWd, Yd, ts, init, Rts[d], Rbs[d], masks, H, cdt,
                                     extra)
             if order is not None:
@@ -536,6 +537,22 @@ class _RecurrentBase(OpImpl):
 
     def _team_applies(self, extra) -> bool:
         return True
+
+    def _team_lowers(self, inputs) -> bool:
+        """`_team_applies`, from the node's inputs and attributes at plan time."""
+        return True
+
+    def lower(self, inputs):
+        x = inputs[0]
+        if x is None or x.dtype is None:
+            return _RECURRENCE_BY_DTYPE
+        if x.dtype != np.float32:
+            return PORTABLE
+        no_lens = len(inputs) < 5 or inputs[4] is None
+        if self.team_loops is not None and no_lens and self._team_lowers(inputs) \
+                and numba_serves():
+            return _RECURRENCE_TEAM
+        return Lowering("numpy", "a BLAS product a step, its gates in numpy or compiled passes")
 
     @staticmethod
     def _team_start(XW, init, H):
@@ -562,7 +579,7 @@ class _RecurrentBase(OpImpl):
     def _team_run(self, kernel, XW, H, *args):
         seq, batch, G = XW.shape
         _compiled.run_in_lockstep(kernel, H, seq, XW, *args,
-                                  min_units=-(-_TEAM_MIN_MACS // (batch * G)),
+                                  min_units=-(-tuning.RNN_TEAM_MIN_MACS // (batch * G)),
                                   piece=self.team_piece)
 
     @staticmethod
@@ -685,6 +702,9 @@ class _GRU(_RecurrentBase):
 
     def _team_applies(self, extra) -> bool:
         return self._lbr()  # without it, two products a step: `_recur_compiled`
+
+    def _team_lowers(self, inputs) -> bool:
+        return self._lbr()
 
     def _recur_team(self, kernel, XW, Y, reverse, init, R, Rb, Rt):
         H = R.shape[1]
@@ -845,6 +865,9 @@ class _LSTM(_RecurrentBase):
     def _team_applies(self, extra) -> bool:
         negP, couple = extra
         return negP is None and not couple
+
+    def _team_lowers(self, inputs) -> bool:
+        return (len(inputs) < 8 or inputs[7] is None) and not self.input_forget
 
     def _recur_team(self, kernel, XW, Y, reverse, init, R, Rb, Rt):
         H = R.shape[1]

@@ -13,9 +13,9 @@ import math
 import numpy as np
 
 from ember import limits
-from ember.ops.cpu import compiled as _compiled
+from ember.ops.cpu import compiled as _compiled, tuning
 from ember.ops._layout import channels_last
-from ember.ops.registry import OpImpl, register
+from ember.ops.registry import Lowering, PORTABLE, OpImpl, register
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -190,22 +190,20 @@ class Transpose(OpImpl):
         return y.copy()  # copy() keeps 0-d arrays 0-d
 
 
-_TRANSPOSE_BLOCK = 64  # rows per block: the block and its transposed image stay in L1/L2
-
-
 def swap_last_axes(xp, x):
     """x with its last two axes swapped, as a new C-contiguous array. numpy's copy of a
     transposed view reads one element per cache line on large matrices; copying a band of
-    rows at a time is about 8x faster on a 3072x768 weight (an unsimplified model
+    rows (TRANSPOSE_BLOCK) at a time is much faster on a large weight (an unsimplified model
     transposes its weights on every run). The banded copy is a CPU cache optimisation: other
     namespaces copy the whole view at once."""
     rows, cols = x.shape[-2:] if x.ndim >= 2 else (0, 0)
-    if xp is not np or rows < 2 * _TRANSPOSE_BLOCK or cols < 2 * _TRANSPOSE_BLOCK:
+    block = tuning.TRANSPOSE_BLOCK
+    if xp is not np or rows < 2 * block or cols < 2 * block:
         return xp.swapaxes(x, -1, -2).copy()
     out = np.empty(x.shape[:-2] + (cols, rows), x.dtype)
-    for lo in range(0, rows, _TRANSPOSE_BLOCK):
-        band = x[..., lo:lo + _TRANSPOSE_BLOCK, :]
-        out[..., lo:lo + _TRANSPOSE_BLOCK] = np.swapaxes(band, -1, -2)
+    for lo in range(0, rows, block):
+        band = x[..., lo:lo + block, :]
+        out[..., lo:lo + block] = np.swapaxes(band, -1, -2)
     return out
 
 
@@ -269,15 +267,28 @@ def _tile(op: OpImpl, x, reps: list[int]):
 
 # ----------------------------------------------------------------------------- Concat
 
+_CONCAT_CHANNELS_LAST = Lowering("cpu.compiled", "written channels-last, two float32 inputs "
+                                 "pixel by pixel on the threads")
+
+
 @register("Concat", versions=[1, 4, 11, 13])
 class Concat(OpImpl):
+    def lower(self, inputs):
+        if inputs and all(x is not None and x.ndim == 4 for x in inputs) \
+                and int(self.axis) in (1, -3):
+            return Lowering("by layout", "channels-last inputs concatenated channels-last "
+                            "(two float32 ones pixel by pixel on the threads); else numpy")
+        return PORTABLE
+
     def run(self, *xs):
         xs = [x for x in xs if x is not None]
         if not xs:
             raise self.fail("no inputs")
         axis = 1 if self.axis is None else self.axis
         axis = _norm_axis(self, axis, xs[0].ndim)
-        if self.xp is np and axis == 1 and _mostly_channels_last(xs):
+        pixels = self.xp is np and axis == 1 and _mostly_channels_last(xs)
+        self._chosen = _CONCAT_CHANNELS_LAST if pixels else PORTABLE
+        if pixels:
             return _concat_channels_last(xs)
         try:
             return self.xp.concatenate(xs, axis=axis)
@@ -311,7 +322,7 @@ def _concat_channels_last(xs):
             a, b = (x.transpose(0, 2, 3, 1).reshape(N * H * W, x.shape[1]) for x in xs)
             rows = out.reshape(N * H * W, -1)
             _compiled.split_rows(kernel, rows.shape[0], a, b, rows,
-                                 ns_per_row=_CONCAT_NS_PER_VALUE * rows.shape[1],
+                                 ns_per_row=tuning.CONCAT_NS_PER_VALUE * rows.shape[1],
                                  piece=_concat_pixels_piece)
             return out.transpose(0, 3, 1, 2)
     c0 = 0
@@ -322,15 +333,14 @@ def _concat_channels_last(xs):
 
 
 # numpy's copy into the channels of a channels-last result runs one short inner loop per
-# pixel: UNet's 32 + 32 channels at 128x128 took 690 us (onnxruntime's concatenation 170)
-_CONCAT_NS_PER_VALUE = 0.3   # time per value copied (split_rows)
+# pixel: this kernel copies a pixel's channels in one go.
 
 
 @_compiled.kernel_math
 def _concat_pixels(a, b, out, row0, row1):  # pragma: no cover - numba
     """Pixels [row0, row1) of out (pixels, A + B): a's channels, then b's."""
     width, rest = a.shape[1], b.shape[1]
-    for r in range(row0, row1):   # plain loops: numba's slice copies cost ~15 ns each a row
+    for r in range(row0, row1):   # plain loops: numba's slice copies have a cost each a row
         for c in range(width):
             out[r, c] = a[r, c]
         for c in range(rest):

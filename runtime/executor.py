@@ -17,7 +17,7 @@ from ember import limits
 from ember.errors import (EmberError, ExecutionError, InvalidModelError, ResourceLimitError,
                           UnsupportedOpError)
 from ember.ir import Graph, Node, topological_order
-from ember.ops.registry import OpImpl, bind, lookup, since_version
+from ember.ops.registry import Lowering, OpImpl, Sketch, bind, lookup, since_version
 from ember.runtime.backends import Backend, get_backend
 
 _OMITTED = 0  # slot that always holds None: an omitted optional input
@@ -99,101 +99,140 @@ class Plan:
             else [v.name for v in graph.outputs]
         self.outer_names = list(outer_names)
 
-        slots: dict[str, int] = {}
-
-        def slot(name: str) -> int:
-            if name not in slots:
-                slots[name] = _RESERVED_SLOTS + len(slots)
-            return slots[name]
-
+        self.slots: dict[str, int] = {}
         available = set(self.input_names) | set(graph.initializers) | set(self.outer_names)
         nodes = needed_nodes(graph, self.output_names, available)
-        constants = {slot(name): value for name, value in graph.initializers.items()}
-        for value in constants.values():
+        self._constants = {self._slot(name): value for name, value in graph.initializers.items()}
+        for value in self._constants.values():
             if isinstance(value, np.ndarray) and value.flags.writeable:
                 value.setflags(write=False)  # kernels must never write into weights
-        self.input_slots = [slot(n) for n in self.input_names]
-        self.outer_slots = [(n, slot(n)) for n in self.outer_names]
+        self.input_slots = [self._slot(n) for n in self.input_names]
+        self.outer_slots = [(n, self._slot(n)) for n in self.outer_names]
 
         # values resident on the backend's device
-        on_device: set[str] = set(device_inputs) & set(self.input_names) \
+        self._on_device: set[str] = set(device_inputs) & set(self.input_names) \
             if self.backend.name != "cpu" else set()
-        uploads = {} if uploads is None else uploads
-        shape_like = shape_constants(graph)
-        moved: dict[tuple[str, bool], str] = {}  # (value, to_device) -> name of the moved copy
-        steps: list[Step] = []
+        self._uploads = {} if uploads is None else uploads
+        self._moved: dict[tuple[str, bool], str] = {}  # (value, to_device) -> the moved copy
+        self._steps: list[Step] = []
         self.placement: list[tuple[Node, str]] = []
         self.placement_reasons: list[str] = []  # why each host node is on the host
-
-        def resident(name: str, want_device: bool) -> str:
-            """The name under which `name` is available where wanted, moving it if needed."""
-            if not name or (name in on_device) == want_device:
-                return name
-            key = (name, want_device)
-            if key not in moved:
-                target = f"{name}@{'device' if want_device else 'host'}"
-                move = self.backend.to_device if want_device else self.backend.to_host
-                if name in graph.initializers and want_device:
-                    if name not in uploads:  # uploaded once
-                        uploads[name] = move(graph.initializers[name])
-                    if name in self.input_names:  # an input the caller may override
-                        steps.append(Step(Node("ToDevice", "", 0, [name], [target]),
-                                          Transfer(_upload_unless(graph.initializers[name],
-                                                                  uploads[name], move)),
-                                          (slot(name),), (slot(target),), (), ()))
-                    else:
-                        constants[slot(target)] = uploads[name]
-                else:
-                    steps.append(Step(Node("ToDevice" if want_device else "ToHost", "", 0,
-                                           [name], [target]), Transfer(move),
-                                      (slot(name),), (slot(target),), (), ()))
-                moved[key] = target
-            return moved[key]
-
         dtypes = known_dtypes(graph)
+        shape_like = shape_constants(graph)
         for node in nodes:
-            where, reason = self._place(node, shape_like, dtypes)
-            self.placement.append((node, where))
-            self.placement_reasons.append(reason)
-            device = where == "device"
-            impl = lookup(node.domain, node.op_type, node.version,
-                          self.backend.name if device else "cpu")
-            host_inputs = set(getattr(impl, "host_inputs", ())) if device else set()
-            if where == "metadata":
-                inputs = list(node.inputs)
-            else:
-                inputs = [resident(n, device and i not in host_inputs)
-                          for i, n in enumerate(node.inputs)]
-            scope = tuple((n, slot(resident(n, False))) for n in node.implicit_inputs)
-            kernel = self._bind(node, impl)
-            # by resident name: a device kernel's input is an uploaded copy (another name),
-            # and its CPU fallback gets a fresh host copy each run, nothing worth keeping
-            kernel.constant_inputs = frozenset(
-                i for i, n in enumerate(inputs)
-                if n in graph.initializers and n not in self.input_names)
-            steps.append(Step(
-                node=node,
-                kernel=kernel,
-                inputs=tuple(slot(n) if n else _OMITTED for n in inputs),
-                outputs=tuple(slot(n) if n else _DISCARD for n in node.outputs),
-                frees=(),
-                scope=scope,
-            ))
-            if device:
-                on_device.update(o for o in node.outputs if o)
+            self._add_step(node, shape_like, dtypes)
         for name in self.output_names:
-            if name not in slots and name not in available:
+            if name not in self.slots and name not in available:
                 raise InvalidModelError(f"graph output '{name}' is never computed")
-        self.output_slots = [slot(n if device_outputs else resident(n, False))
+        self.output_slots = [self._slot(n if device_outputs else self._resident(n, False))
                              for n in self.output_names]
-        self.steps = self._with_frees(steps, set(self.output_slots))
+        self.steps = self._with_frees(self._steps, set(self.output_slots))
         # what `run` reads per step, bound once: the kernel's run method and the slots
         self._program = tuple((step.kernel.run, step.inputs, step.outputs, step.frees,
                                step.scope) for step in self.steps)
-        self.initial_env: list[Any] = [None] * (_RESERVED_SLOTS + len(slots))
-        for s, value in constants.items():
+        self.initial_env: list[Any] = [None] * (_RESERVED_SLOTS + len(self.slots))
+        for s, value in self._constants.items():
             self.initial_env[s] = value
-        self.slots = slots
+        self.lowerings = self._lower(graph, dtypes)
+        del self._constants, self._on_device, self._moved, self._steps  # building only
+
+    def _slot(self, name: str) -> int:
+        if name not in self.slots:
+            self.slots[name] = _RESERVED_SLOTS + len(self.slots)
+        return self.slots[name]
+
+    def _resident(self, name: str, want_device: bool) -> str:
+        """The name under which `name` is available where wanted, moving it if needed."""
+        if not name or (name in self._on_device) == want_device:
+            return name
+        key = (name, want_device)
+        if key not in self._moved:
+            self._moved[key] = self._move(name, want_device)
+        return self._moved[key]
+
+    def _move(self, name: str, want_device: bool) -> str:
+        """A transfer of `name` to the device or the host: a step, or for a weight that no
+        caller overrides, its upload made now."""
+        graph, uploads, slot = self.graph, self._uploads, self._slot
+        target = f"{name}@{'device' if want_device else 'host'}"
+        move = self.backend.to_device if want_device else self.backend.to_host
+        if name in graph.initializers and want_device:
+            if name not in uploads:  # uploaded once
+                uploads[name] = move(graph.initializers[name])
+            if name in self.input_names:  # an input the caller may override
+                self._steps.append(Step(Node("ToDevice", "", 0, [name], [target]),
+                                        Transfer(_upload_unless(graph.initializers[name],
+                                                                uploads[name], move)),
+                                        (slot(name),), (slot(target),), (), ()))
+            else:
+                self._constants[slot(target)] = uploads[name]
+        else:
+            self._steps.append(Step(Node("ToDevice" if want_device else "ToHost", "", 0,
+                                         [name], [target]), Transfer(move),
+                                    (slot(name),), (slot(target),), (), ()))
+        return target
+
+    def _add_step(self, node: Node, shape_like: set[str], dtypes: dict[str, np.dtype]) -> None:
+        """Place and bind `node`, with the transfers its inputs need before it."""
+        where, reason = self._place(node, shape_like, dtypes)
+        self.placement.append((node, where))
+        self.placement_reasons.append(reason)
+        device = where == "device"
+        impl = lookup(node.domain, node.op_type, node.version,
+                      self.backend.name if device else "cpu")
+        host_inputs = set(getattr(impl, "host_inputs", ())) if device else set()
+        if where == "metadata":
+            inputs = list(node.inputs)
+        else:
+            inputs = [self._resident(n, device and i not in host_inputs)
+                      for i, n in enumerate(node.inputs)]
+        scope = tuple((n, self._slot(self._resident(n, False))) for n in node.implicit_inputs)
+        kernel = self._bind(node, impl)
+        # by resident name: a device kernel's input is an uploaded copy (another name),
+        # and its CPU fallback gets a fresh host copy each run, nothing worth keeping
+        kernel.constant_inputs = frozenset(
+            i for i, n in enumerate(inputs)
+            if n in self.graph.initializers and n not in self.input_names)
+        self._steps.append(Step(
+            node=node,
+            kernel=kernel,
+            inputs=tuple(self._slot(n) if n else _OMITTED for n in inputs),
+            outputs=tuple(self._slot(n) if n else _DISCARD for n in node.outputs),
+            frees=(),
+            scope=scope,
+        ))
+        if device:
+            self._on_device.update(o for o in node.outputs if o)
+
+    def _lower(self, graph: Graph, dtypes: dict[str, np.dtype]) -> list[Lowering]:
+        """The lowering phase: each node's kernel, chosen once for what the plan knows of its
+        inputs (shapes, dtypes, constants); ops whose choice waits for a run say so."""
+        shapes = known_shapes(graph)
+        lowerings = []
+        for step in self.steps:
+            if isinstance(step.kernel, Transfer):
+                continue
+            if step.kernel.backend != "cpu":
+                lowerings.append(Lowering(step.kernel.backend, f"{self.backend.name} kernel"))
+                continue
+            sketches = [None if not n else Sketch(shapes.get(n), dtypes.get(n),
+                                                  graph.initializers.get(n))
+                        for n in step.node.inputs]
+            lowerings.append(step.kernel.lower(sketches))
+        return lowerings
+
+    def kernels(self) -> list[Lowering]:
+        """Each node's kernel, in `placement`'s order: the plan's choice, or for a node that
+        chooses per input geometry, what its latest run chose."""
+        return [kernel.lowered() or planned for kernel, planned in self._lowered_steps()]
+
+    def kernel_of(self) -> dict[int, tuple[OpImpl, Lowering]]:
+        """id(node) -> (its bound kernel, the plan's lowering), for tools that follow a run."""
+        return {id(kernel.node): (kernel, planned) for kernel, planned in self._lowered_steps()}
+
+    def _lowered_steps(self) -> list[tuple[OpImpl, Lowering]]:
+        nodes = [step.kernel for step in self.steps if not isinstance(step.kernel, Transfer)]
+        return list(zip(nodes, self.lowerings))
 
     def _place(self, node: Node, shape_like: set[str], dtypes: dict[str, np.dtype]
                ) -> tuple[str, str]:
@@ -353,6 +392,19 @@ def known_dtypes(graph: Graph) -> dict[str, np.dtype]:
         if isinstance(value, np.ndarray):
             dtypes[name] = value.dtype
     return dtypes
+
+
+def known_shapes(graph: Graph) -> dict[str, tuple]:
+    """The shape of every value whose shape the graph declares or whose value it holds."""
+    shapes: dict[str, tuple] = {}
+    for info in [*graph.inputs, *graph.value_info.values(), *graph.outputs]:
+        shape = getattr(info.type, "shape", None)
+        if shape is not None:
+            shapes[info.name] = tuple(shape)
+    for name, value in graph.initializers.items():
+        if isinstance(value, np.ndarray):
+            shapes[name] = value.shape
+    return shapes
 
 
 def _upload_unless(default: Any, uploaded: Any, move):

@@ -56,6 +56,7 @@ class Profiler:
         """Run `plan` on `feeds` (aligned to its input names) step by step, recording one
         event per node; returns the plan's outputs, as `plan.run` does."""
         placement = {id(node): where for node, where in plan.placement}
+        kernels = plan.kernel_of()
         shapes = _known_shapes(plan, feeds)
         t_run = time.perf_counter_ns()
         steps = plan.iterate(feeds)
@@ -74,6 +75,7 @@ class Profiler:
                 if name:
                     shapes[name] = entry
             where = placement.get(id(node), "host")
+            kernel, planned = kernels[id(node)]
             device = where in ("device", "host")
             self._add({
                 "cat": "Node", "name": f"{node.name or node.outputs[0]}_kernel_time",
@@ -84,6 +86,7 @@ class Profiler:
                     "provider": _PROVIDERS.get(self.backend if device else "cpu",
                                                "CPUExecutionProvider"),
                     "placement": where,
+                    "kernel": (kernel.lowered() or planned).kernel,
                     "node_index": str(index),
                     "input_type_shape": [shapes.get(n, {}) for n in node.inputs if n],
                     "output_type_shape": [e for e in out_shapes if e],
@@ -139,12 +142,13 @@ def summary(events: Sequence[dict[str, Any]], runs: int, top: int = 10) -> str:
             continue
         name = ev["name"].removesuffix("_kernel_time")
         entry = per_node.setdefault(name, [ev["args"]["op_name"], 0, ev["args"]["placement"],
-                                           ev["args"]["input_type_shape"]])
+                                           ev["args"]["input_type_shape"],
+                                           ev["args"].get("kernel", "")])
         entry[1] += ev["dur"]
     runs = max(1, runs)
     total = sum(e[1] for e in per_node.values()) / runs or 1
     by_op: dict[str, list[float]] = {}
-    for op, dur, _, _ in per_node.values():
+    for op, dur, *_ in per_node.values():
         row = by_op.setdefault(op, [0, 0.0])
         row[0] += 1
         row[1] += dur / runs
@@ -154,10 +158,10 @@ def summary(events: Sequence[dict[str, Any]], runs: int, top: int = 10) -> str:
                      f"{us / count:>9.1f}")
     lines.append(f"{'total':<28} {len(per_node):>5} {total / 1000:>9.3f} {100.0:>5.1f}%")
     lines += ["", f"{min(top, len(per_node))} slowest nodes",
-              f"{'node':<32} {'op type':<24} {'ms':>8} {'where':<9} input shapes"]
+              f"{'node':<32} {'op type':<24} {'ms':>8} {'where':<9} {'kernel':<20} input shapes"]
     slowest = sorted(per_node.items(), key=lambda kv: -kv[1][1])[:top]
-    for name, (op, dur, where, shapes) in slowest:
+    for name, (op, dur, where, shapes, kernel) in slowest:
         shown = " ".join("x".join(map(str, s)) for entry in shapes for s in entry.values())
         lines.append(f"{name[:32]:<32} {op[:24]:<24} {dur / runs / 1000:>8.3f} {where:<9} "
-                     f"{shown}")
+                     f"{kernel[:20]:<20} {shown}")
     return "\n".join(lines)

@@ -18,7 +18,6 @@ from ember.importer import ModelSource, import_model
 from ember.log import logger
 from ember.ir import Dim, MapType, Model, OptionalType, SequenceType, TensorType, ValueInfo
 from ember.runtime.backends import Backend, get_backend
-from ember.ops.cpu import memory as _memory
 from ember.ops.cpu import threads as _threads
 from ember.runtime.executor import Plan
 from ember.runtime.profiler import Profiler
@@ -80,8 +79,10 @@ class Session:
         self.threads = _threads.check_threads(threads) or _threads.default_threads()
         # the largest tensor a node may produce (ember.limits); default: half the memory
         self.max_tensor_bytes = limits.resolve(max_tensor_bytes)
-        _threads.refresh()  # the BLAS libraries loaded by now
-        _memory.keep_freed_memory()  # the next run's arrays reuse this one's pages
+        # the process's CPU engine (made, and the process set up, by the first session): runs
+        # set its BLAS threads and kernel pool whatever the backend (host kernels run on it)
+        self._engine = get_backend("cpu").engine
+        self._engine.adopt_new_libraries()  # one loaded since the last session (torch's)
         self._backend = get_backend(backend)  # a Backend instance is used as it is
         self.backend = self._backend.name
         graph = model.graph
@@ -122,10 +123,20 @@ class Session:
 
     @property
     def placement_reasons(self) -> list[tuple[str, str, str, str]]:
-        """`placement` with, for each node on the host, why: no kernel for this backend, a
-        dtype its kernel does not run, shape work, or control flow ('' for device nodes)."""
-        return [(name, op, where, reason) for (name, op, where), reason
-                in zip(self.placement, self._plan.placement_reasons)]
+        """`placement` with why: for a node on the host of a device backend, no kernel for
+        this backend, a dtype its kernel does not run, shape work, or control flow; then, for
+        every node, the kernel that runs it and why (as `kernels`)."""
+        return [(name, op, where, "; ".join(filter(None, (reason, f"kernel {kernel}: {why}"))))
+                for (name, op, where), reason, (kernel, why)
+                in zip(self.placement, self._plan.placement_reasons, self._plan.kernels())]
+
+    @property
+    def kernels(self) -> list[tuple[str, str, str, str]]:
+        """(node name, op type, kernel, why) per node, in `placement`'s order: the kernel the
+        plan chose for it ("numpy", "cpu.tiles", "cpu.depthwise", "opencl"...), or for a node
+        whose choice waits for its input's geometry, what its latest run chose."""
+        return [(name, op, kernel, why) for (name, op, _), (kernel, why)
+                in zip(self.placement, self._plan.kernels())]
 
     def placement_summary(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -146,7 +157,7 @@ class Session:
             if name in feeds and self.backend != "cpu" and self._backend.is_device_array(value))
         plan = self._plan_for(None if outputs is None else tuple(outputs), device_outputs,
                               device_inputs)
-        _threads.enter(self.threads)
+        self._engine.enter(self.threads)
         cap = limits.enter(self.max_tensor_bytes)
         try:
             if self.profiler is None:
@@ -155,7 +166,7 @@ class Session:
                 values = self.profiler.run(plan, ordered, self._backend.synchronize)
         finally:
             limits.leave(cap)
-            _threads.leave()
+            self._engine.leave()
         on_device = self._backend.is_device_array if self.backend != "cpu" else None
         values = owned_outputs(values, ordered, on_device)
         if device_outputs:

@@ -12,8 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from ember.ops.cpu import blas as _blas, compiled as _compiled
-from ember.ops.cpu import threads as ember_threads
+from ember.ops.cpu import blas as _blas, compiled as _compiled, engine
 
 pytestmark = pytest.mark.skipif(not _blas.enabled(),
                                 reason="products stay with np.matmul (no numba or OpenBLAS)")
@@ -38,9 +37,9 @@ SHAPES = [((128, 512), (512, 2048)),   # rows < columns: cut by columns
 @pytest.fixture
 def in_a_run():
     """The products split as in a run of two threads (BLAS on one thread meanwhile)."""
-    ember_threads.enter(2)
+    engine.current().enter(2)
     yield
-    ember_threads.leave()
+    engine.current().leave()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -181,10 +180,12 @@ def test_a_forked_child_has_a_board_of_its_own():
     rng = np.random.default_rng(5)
     a = rng.standard_normal((256, 512), dtype=np.float32)
     b = rng.standard_normal((512, 512), dtype=np.float32)
-    ember_threads.enter(2)
+    cpu = engine.current()
+    cpu.enter(2)
     try:
         want = _blas.matmul(a, b)
-        _blas._board[_blas._USERS] += 1
+        board = cpu.pool.board
+        board[_blas._USERS] += 1
         pid = os.fork()
         if pid == 0:  # the child: exit 0 with the parent's bits, 1 otherwise
             ok = False
@@ -192,7 +193,7 @@ def test_a_forked_child_has_a_board_of_its_own():
                 ok = bool(np.array_equal(_blas.matmul(a, b), want))
             finally:
                 os._exit(0 if ok else 1)
-        _blas._board[_blas._USERS] -= 1
+        board[_blas._USERS] -= 1
         deadline = time.monotonic() + 60
         while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -201,7 +202,7 @@ def test_a_forked_child_has_a_board_of_its_own():
             os.waitpid(pid, 0)
         assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
     finally:
-        ember_threads.leave()
+        cpu.leave()
 
 
 def _record_piece(block, row0, row1):  # pragma: no cover - compiled: a piece function
@@ -230,7 +231,7 @@ def test_the_caller_takes_pieces_from_the_front_and_helpers_from_the_back(claime
         if want is None:
             continue
         log = np.zeros(16, np.int64)
-        board = np.zeros_like(_blas._board)
+        board = _blas.new_board()
         board[_blas._KIND] = _blas._KERNEL
         board[_blas._PA] = address
         board[_blas._PB] = log.__array_interface__["data"][0]
@@ -252,12 +253,12 @@ def test_helpers_sleep_soon_after_the_last_run_returns():
     a = rng.standard_normal((256, 512), dtype=np.float32)
     b = rng.standard_normal((512, 512), dtype=np.float32)
     pool = _compiled._thread_pool()
-    ember_threads.enter(2)
+    engine.current().enter(2)
     try:
         for _ in range(5):
             _blas.matmul(a, b)
     finally:
-        ember_threads.leave()
+        engine.current().leave()
     deadline = time.monotonic() + 2
     while time.monotonic() < deadline and pool.sleeping < len(pool.threads):
         time.sleep(0.001)

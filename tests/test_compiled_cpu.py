@@ -40,8 +40,8 @@ from onnx import TensorProto, helper, numpy_helper
 import ember
 from ember.ops import (_epilogue, _layout, activations, conv, fused, linalg, normalization, pool,
                        reduction, rnn)
-from ember.ops.cpu import compiled as _compiled, tiles as _tiles
-from ember.ops.cpu import threads
+from ember.ops.cpu import compiled as _compiled, tiles as _tiles, tuning
+from ember.ops.cpu import engine
 
 ort = pytest.importorskip("onnxruntime")
 F = TensorProto.FLOAT
@@ -114,9 +114,10 @@ def test_depthwise_matches_onnxruntime(kernel, case, batch, pointwise_first):
 def test_split_rows_leaves_a_helper_that_does_not_start_out(monkeypatch):
     """A pool thread that cannot start (its core busy: here, the pool's only thread blocked)
     holds nothing up: the caller takes every piece and the helper's job is cancelled."""
-    monkeypatch.setattr(threads, "run_threads", lambda: 2)
+    monkeypatch.setattr(engine.current(), "run_threads", lambda: 2)
     blocker = threading.Event()
-    monkeypatch.setattr(_compiled, "_pool", None)
+    pool = engine.current().pool
+    monkeypatch.setattr(pool, "_helpers", None)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)  # a pool of one thread
     busy = _compiled._thread_pool().submit(blocker.wait)
     pieces = []
@@ -126,7 +127,7 @@ def test_split_rows_leaves_a_helper_that_does_not_start_out(monkeypatch):
     finally:
         blocker.set()
         busy.result()
-        _compiled._pool.shutdown()
+        pool._helpers.shutdown()
     assert sorted(p[:2] for p in pieces) == [(0, 25), (25, 50), (50, 75), (75, 100)]
     assert {p[2] for p in pieces} == {threading.get_ident()}
 
@@ -134,7 +135,7 @@ def test_split_rows_leaves_a_helper_that_does_not_start_out(monkeypatch):
 def test_split_rows_hands_out_pieces_only_where_each_has_enough_work(monkeypatch):
     """Pieces go to the pool only with MIN_PIECE_NS of work each (a piece handed over right
     after a GEMM waits for OpenBLAS's spinning workers): small jobs stay on the caller."""
-    monkeypatch.setattr(threads, "run_threads", lambda: 2)
+    monkeypatch.setattr(engine.current(), "run_threads", lambda: 2)
     pieces = []
 
     def record(row0, row1):
@@ -151,7 +152,7 @@ def test_split_rows_hands_out_pieces_only_where_each_has_enough_work(monkeypatch
 def test_helpers_run_jobs_hand_errors_back_and_let_pending_ones_be_cancelled():
     """The kernel pool: result() waits for a started job and re-raises what it raised; a
     job still waiting is cancelled and never runs; shutdown ends the threads."""
-    helpers = _compiled._Helpers(1)
+    helpers = _compiled._Helpers(1, engine.current())
     try:
         started, release, ran = threading.Event(), threading.Event(), []
 
@@ -230,7 +231,7 @@ def test_rows_split_among_threads_give_the_same_bits(kernel, window, stride, dil
     the bits of one thread doing all rows (BLAS's thread count may change a GEMM's rounding;
     this kernel's must not)."""
     monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)  # split even this small image
-    monkeypatch.setattr(threads, "run_threads", lambda: 3)
+    monkeypatch.setattr(engine.current(), "run_threads", lambda: 3)
     if kernel != "numba":
         pytest.skip("the row split is the numba kernel's")
     kh, kw = window
@@ -444,7 +445,7 @@ def test_steps_in_lockstep_take_each_chunk_once_and_see_the_last_step(monkeypatc
     """Two threads in lockstep: every chunk of every step taken once, the helper taking
     some, and each step reading all of the last (any stale read changes the sums)."""
     pytest.importorskip("numba")
-    monkeypatch.setattr(threads, "run_threads", lambda: 2)
+    monkeypatch.setattr(engine.current(), "run_threads", lambda: 2)
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: no helper thread")
     kernel = _compiled.jit(_prefix_steps_loops)
@@ -649,7 +650,7 @@ def test_compiled_epilogue_gives_the_numpy_epilogues_bits(activation, params, la
     channels = None
     if bias_over == "channels":
         bias, channels = None, rng.standard_normal(24).astype(dtype)
-    assert y.size >= _epilogue._EPILOGUE_MIN
+    assert y.size >= tuning.EPILOGUE_MIN
     compiled, numpy_ = y.copy(order="K"), y.copy(order="K")
     runs = activation != "Gelu" or dtype == np.float32
     assert _epilogue._epilogue_compiled(compiled, bias, z, activation, params, channels) is runs
@@ -1029,14 +1030,14 @@ def test_compiled_maxpool_gives_the_numpy_kernels_bits(channels_last, pieces, in
     monkeypatch.delenv("EMBER_NUMBA", raising=False)
     monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
     if in_run:
-        threads.enter(pieces)
+        engine.current().enter(pieces)
     else:
-        monkeypatch.setattr(threads, "run_threads", lambda: pieces)
+        monkeypatch.setattr(engine.current(), "run_threads", lambda: pieces)
     try:
         _maxpool_bits(channels_last, dtype)
     finally:
         if in_run:
-            threads.leave()
+            engine.current().leave()
     if in_run and channels_last:   # its pieces went on the board
         assert _compiled._pieces.get(pool._CHANNELS_LAST_PIECES[dtype])
 
@@ -1116,7 +1117,7 @@ def test_layernorm_rows_give_the_same_bits_however_split(monkeypatch):
     scale, bias = rng.standard_normal(300).astype(np.float32), np.zeros(300, np.float32)
     whole = normalization._layernorm_compiled(x, 1, scale, bias, 1e-5)
     monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
-    monkeypatch.setattr(threads, "run_threads", lambda: 3)
+    monkeypatch.setattr(engine.current(), "run_threads", lambda: 3)
     split = normalization._layernorm_compiled(x, 1, scale, bias, 1e-5)
     np.testing.assert_array_equal(whole, split)
     # and the numpy kernel agrees to float32 rounding
@@ -1167,7 +1168,7 @@ def few_rows(request, monkeypatch) -> tuple[range, list]:
         return y
 
     monkeypatch.setattr(linalg, name, spy)
-    return (linalg._TILE_ROWS if request.param == "tiles" else linalg._DOT_ROWS), taken
+    return (tuning.TILE_ROWS if request.param == "tiles" else tuning.DOT_ROWS), taken
 
 
 @pytest.mark.parametrize("rows, k, n", [(2, 768, 1367), (4, 768, 1367), (5, 2048, 513),
@@ -1180,7 +1181,7 @@ def test_few_rows_by_a_constant_weight_match_onnxruntime(rows, k, n, few_rows, m
     GELU; within 1e-6 of sum_k |x_k| |w_kn| of the float64 product, and close to
     onnxruntime. The tiles are this CPU's (AVX2's too, whose rule keeps BLAS from 17 rows)."""
     kernel_rows, taken = few_rows
-    tiles = kernel_rows is linalg._TILE_ROWS
+    tiles = kernel_rows is tuning.TILE_ROWS
     if not (2 <= rows <= 512 if tiles else rows in kernel_rows):
         pytest.skip("not a row count this kernel takes")
     monkeypatch.setattr(_tiles, "WIDE", True)  # the AVX-512 rule: tiles for these rows
@@ -1208,7 +1209,7 @@ def test_tiles_leave_long_products_and_batches_to_blas(rows, k, n, wide, few_row
     products stay with BLAS; with AVX2's tiles (`wide` False) all from 17 rows; the results
     still match onnxruntime."""
     kernel_rows, taken = few_rows
-    if kernel_rows is not linalg._TILE_ROWS:
+    if kernel_rows is not tuning.TILE_ROWS:
         pytest.skip("the tiles' rule")
     monkeypatch.setattr(_tiles, "WIDE", wide)
     proto, _ = _decoder_mlp(rows, k, n)
@@ -1429,7 +1430,7 @@ def test_tiles_give_the_same_bits_however_split(monkeypatch):
         compiled(*args, other, n, band, 0, 0, units)
         np.testing.assert_array_equal(other, whole)
     monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
-    monkeypatch.setattr(threads, "run_threads", lambda: 3)
+    monkeypatch.setattr(engine.current(), "run_threads", lambda: 3)
     pooled = np.empty_like(whole)
     _tiles.run(compiled, image.reshape(-1), hp * hp * c, pixels, taps, c, packed, bias,
                (0.0, np.inf), pooled, n,
@@ -1587,7 +1588,7 @@ def test_depthwise_vector_rows_give_the_same_bits_however_split(monkeypatch):
         compiled(x, vectors, taps, wt, b, c, *geometry, i, min(23, i + 5))
     np.testing.assert_array_equal(a, c)
     monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
-    monkeypatch.setattr(threads, "run_threads", lambda: 3)
+    monkeypatch.setattr(engine.current(), "run_threads", lambda: 3)
     pooled = np.empty_like(a)
     _compiled.split_rows(compiled, 23, x, vectors, taps, wt, b, pooled, *geometry,
                          ns_per_row=1.0)
@@ -1678,7 +1679,7 @@ def test_split_kernels_run_their_pieces_on_the_board(case, monkeypatch):
     run_pieces = _blas.run_pieces
     monkeypatch.setattr(_blas, "run_pieces", lambda piece, block, bounds: (
         taken.append((n := run_pieces(piece, block, bounds), len(bounds) - 1)), n)[1])
-    threads.enter(2)
+    engine.current().enter(2)
     try:
         monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 10 ** 12)   # one thread
         want = compute()
@@ -1688,7 +1689,7 @@ def test_split_kernels_run_their_pieces_on_the_board(case, monkeypatch):
         while time.monotonic() < deadline and not any(n < of for n, of in taken):
             np.testing.assert_array_equal(compute(), want)
     finally:
-        threads.leave()
+        engine.current().leave()
     assert taken and any(n < of for n, of in taken)
 
 
@@ -1703,12 +1704,12 @@ def test_channels_last_concat_of_two_images_copies_them_pixel_by_pixel(in_run):
     a, b = (np.ascontiguousarray(rng.standard_normal((2, 37, 29, c)).astype(np.float32))
             .transpose(0, 3, 1, 2) for c in (24, 40))
     if in_run:
-        threads.enter(2)
+        engine.current().enter(2)
     try:
         got = shape._concat_channels_last([a, b])
     finally:
         if in_run:
-            threads.leave()
+            engine.current().leave()
     assert _layout.channels_last(got)
     np.testing.assert_array_equal(got, np.concatenate([a, b], axis=1))
 

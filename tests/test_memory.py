@@ -55,11 +55,12 @@ def test_the_users_own_malloc_settings_and_the_opt_out_are_left_alone():
 
 
 def test_a_large_buffer_is_handed_out_again_only_once_nothing_refers_to_it(monkeypatch):
-    """ops/_tiles.empty from 32 MB: a freed buffer is reused, one still referred to (by the
-    array or any view of it) is not, and at most _KEEP_BUFFERS are kept."""
-    from ember.ops.cpu import tiles as _tiles
+    """ops/cpu/tiles.empty from 32 MB: a freed buffer is reused, one still referred to (by the
+    array or any view of it) is not, and at most _KEEP_BUFFERS are kept (in the process's CPU
+    engine's list)."""
+    from ember.ops.cpu import engine, tiles as _tiles
     monkeypatch.setenv("EMBER_KEEP_MEMORY", "1")
-    monkeypatch.setattr(_tiles, "_kept", [])
+    monkeypatch.setattr(engine.current(), "kept", [])
     n = _tiles.KEEP_FROM_BYTES // 4 + 1024
 
     def address(a):
@@ -78,7 +79,7 @@ def test_a_large_buffer_is_handed_out_again_only_once_nothing_refers_to_it(monke
     del view
     assert address(_tiles.empty((n // 4,))) != held  # far smaller: not this buffer
     alive = [_tiles.empty((n,)) for _ in range(_tiles._KEEP_BUFFERS + 2)]
-    assert len(_tiles._kept) == _tiles._KEEP_BUFFERS
+    assert len(engine.current().kept) == _tiles._KEEP_BUFFERS
     assert all(a.flags.c_contiguous and address(a) % 64 == 0 for a in alive)
 
 

@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 import ember
 from ember.importer import import_model
 from ember.importer.onnx_export import export_model
+from ember.ir import Graph, Model, Node, TensorType, ValueInfo
 from ember.simplifier import PASSES, UnknownPassError, simplify
 from ember.simplify_cli import add_simplify_parser
 from ember.simplifier.context import Context
@@ -28,6 +29,13 @@ RNG = np.random.default_rng(0)
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def strict_simplifier(monkeypatch):
+    """Every simplify run here checks the graph again after each round (simplifier.STRICT), so
+    a pass that leaves an invalid graph fails the test whose graph it broke."""
+    monkeypatch.setattr("ember.simplifier.STRICT", True)
+
 
 def make_model(nodes, inputs, outputs, inits=(), opset=18, extra_opsets=()):
     graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(inits))
@@ -1022,3 +1030,93 @@ def test_onnxruntimes_fused_conv_becomes_embers(act, params):
     assert ops(model) == ["FusedConv"] * 3
     assert all(n.domain == "ai.ember" for n in model.graph.nodes)
     assert [len(n.inputs) for n in model.graph.nodes] == [3, 4, 4]
+
+
+# -- checks: the graph given is checked once, STRICT checks every round -----------------------
+
+def _ir_model(nodes):
+    """An IR model of float [3] values x -> y, built directly: the importer refuses the broken
+    graphs these tests give the simplifier."""
+    t = TensorType(np.dtype(np.float32), (3,))
+    return Model(Graph("g", [ValueInfo("x", t)], [ValueInfo("y", t)], nodes), {"": 18})
+
+
+def _ir_node(op_type, inputs, outputs, name):
+    return Node(op_type, "", 18, list(inputs), list(outputs), name=name)
+
+
+def _ir_if(condition, output, then_reads, else_reads):
+    """An If whose branches negate what they read from the enclosing graph."""
+    t = TensorType(np.dtype(np.float32), (3,))
+    branches = {f"{key}_branch": Graph(key, [], [ValueInfo(f"{key}_out", t)], [
+        _ir_node("Neg", [read], [f"{key}_out"], "inner" if key == "then" else "")])
+        for key, read in (("then", then_reads), ("else", else_reads))}
+    return Node("If", "", 18, [condition], [output], branches, name="if",
+                implicit_inputs=[else_reads])
+
+
+@pytest.mark.parametrize("nodes, message", [
+    ([_ir_node("Relu", ["b"], ["a"], "first"), _ir_node("Relu", ["a"], ["b"], "second"),
+      _ir_node("Add", ["a", "x"], ["y"], "out")], "the graph has a cycle through node 'first'"),
+    ([_ir_node("Add", ["x", "nowhere"], ["y"], "add")],
+     "node 'add' \\(Add\\) reads 'nowhere', which no node, input or initializer"),
+    ([_ir_node("Relu", ["x"], ["a"], "relu")],
+     "graph 'g': its output 'y' is never computed"),
+    ([_ir_node("IsNaN", ["x"], ["c"], "nan"), _ir_if("c", "y", "nowhere", "x")],
+     "node 'inner' \\(Neg\\) reads 'nowhere', which no node"),
+], ids=["cycle", "undefined", "output", "undefined-in-branch"])
+def test_a_broken_graph_is_refused_before_any_pass_runs(monkeypatch, nodes, message):
+    ran = []
+    monkeypatch.setitem(PASSES, "infer_shapes", lambda graph, ctx: ran.append(graph) or False)
+    with pytest.raises(ember.InvalidModelError, match=message):
+        simplify(_ir_model(nodes))
+    assert ran == []
+
+
+def test_strict_mode_names_the_round_that_broke_the_graph(monkeypatch):
+    def break_graph(graph, ctx):
+        graph.nodes[0].inputs = ["nowhere"]
+        return True
+
+    monkeypatch.setitem(PASSES, "break_graph", break_graph)
+    model = import_model(make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")],
+                                    [tensor("x", [3])], [tensor("y", [3])]))
+    with pytest.raises(ember.InvalidModelError, match="simplifier round 1 \\(passes that changed "
+                       "the graph: break_graph\\) left an invalid graph: node 'relu' \\(Relu\\) "
+                       "reads 'nowhere'"):
+        simplify(model)
+
+
+def test_the_importers_check_runs_once_per_run(monkeypatch):
+    """Outside STRICT, the check that guards onnx's inference runs on the first round's graph
+    only: later rounds export the passes' rewrites of it."""
+    from ember.simplifier.passes import shape_inference
+
+    monkeypatch.setattr("ember.simplifier.STRICT", False)
+    checked = []
+    check = shape_inference.check_model
+    monkeypatch.setattr(shape_inference, "check_model",
+                        lambda proto: checked.append(proto) or check(proto))
+    stats = {}
+    model = simplify(import_model(packed_attention_model(1, 5, 2, 4)), stats=stats)
+    assert sorted(ops(model)) == ["Attention", "Split"]
+    assert stats["rounds"] >= 2 and len(checked) == 1
+
+
+def test_inference_sees_the_fresh_export_every_round(monkeypatch):
+    """The value infos and small initialisers kept from earlier rounds make the proto a fresh
+    export makes, while rewrites replace values and inference adds types."""
+    from ember.simplifier.passes import shape_inference
+
+    same = []
+    make = shape_inference._inference_proto
+
+    def compared(model, cache=None):
+        proto = make(model, cache)
+        same.append(proto.SerializeToString() == make(model).SerializeToString())
+        return proto
+
+    monkeypatch.setattr(shape_inference, "_inference_proto", compared)
+    stats = {}
+    simplify(import_model(packed_attention_model(2, 7, 3, 5)), stats=stats)
+    assert len(same) >= stats["rounds"] >= 2 and all(same)

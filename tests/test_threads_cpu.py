@@ -30,13 +30,13 @@ from onnx import TensorProto, helper, numpy_helper
 import ember
 from ember.ops.cpu import blas as _blas, compiled as _compiled
 from ember.ops import fused, linalg
-from ember.ops.cpu import threads as ember_threads
+from ember.ops.cpu import engine, threads as ember_threads
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRANSFORMER = os.path.join(REPO, "models", "transformer.onnx")
 
 pytestmark = pytest.mark.skipif(
-    not ember_threads.blas_libraries(), reason="threadpoolctl finds no BLAS library")
+    not ember_threads.find_libraries(), reason="threadpoolctl finds no BLAS library")
 
 
 def _bert_like(seq: int = 128, dim: int = 256, ff: int = 1024, heads: int = 4,
@@ -223,12 +223,12 @@ def test_products_close_across_thread_counts(shape):
     scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
     via_linalg, direct = [], []
     for threads in (1, 2, 3):
-        ember_threads.enter(threads)
+        engine.current().enter(threads)
         try:
             via_linalg.append(linalg.matmul(np, a, b))
             direct.append(np.matmul(a, b))
         finally:
-            ember_threads.leave()
+            engine.current().leave()
     for r in via_linalg[1:] + direct:
         assert np.all(np.abs(r.astype(np.float64) - via_linalg[0]) <= 1e-6 * scale)
 
@@ -263,7 +263,7 @@ def test_small_products_by_row():
 
 def test_openblas_spin_shortened():
     """ember applied OPENBLAS_THREAD_TIMEOUT to the OpenBLAS numpy had already loaded."""
-    libs = [lib for lib in ember_threads.blas_libraries() if lib.raw]
+    libs = [lib for lib in engine.current().libraries() if lib.raw]
     if not libs:
         pytest.skip("no OpenBLAS on its pthreads server")
     if "GOTO_THREAD_TIMEOUT" in os.environ and "OPENBLAS_THREAD_TIMEOUT" not in os.environ:

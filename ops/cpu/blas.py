@@ -7,8 +7,8 @@ of its own: OpenBLAS's workers, then ember's helpers (ops/cpu/compiled.py). Each
 after its own work, so each product and each split kernel first waited for a sleeping thread
 to wake (on a 2-vCPU KVM guest, 120-180 us: a small product's whole time), and a pool that
 spun longer took the core the other pool needed. With the products on ember's pool there is
-one pool, awake for the whole run: OpenBLAS runs on one thread during runs
-(ember.ops.cpu.threads.enter), and a product of at least PIECE_MACS multiply-adds a piece is
+one pool, awake for the whole run: OpenBLAS runs on one thread during runs (the engine's
+`enter`, ember.ops.cpu.engine), and a product of at least PIECE_MACS multiply-adds a piece is
 cut into one piece per thread of the run (its batch items, rows, or columns in blocks of 16),
 each one sgemm / dgemm call (sgemv / dgemv for one row or column). Smaller products, stacks
 of matrices of fewer than PIECE_MACS multiply-adds each, and GEMVs of fewer than
@@ -53,14 +53,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import os
-import threading
 from typing import Any
 
 import numpy as np
 
 from ember import config
-from ember.ops.cpu import compiled as _compiled
+from ember.ops.cpu import compiled as _compiled, threads as _threads
+from ember.ops.cpu.process import current
 
 _address = _compiled.address  # an array's data pointer
 
@@ -90,18 +89,17 @@ _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
 class _Blas:
     """One loaded OpenBLAS with 64-bit integers (numpy's): its GEMMs and GEMVs (ctypes
-    function objects, whose addresses compiled code calls: _register_cblas), and the count
-    of runs in flight (products are cut only during runs: outside them OpenBLAS has its own
-    threads)."""
+    function objects, whose addresses compiled code calls: _register_cblas)."""
 
-    def __init__(self, dynlib: Any, prefix: str, suffix: str, in_flight: np.ndarray):
+    def __init__(self, dynlib: Any, prefix: str, suffix: str):
         self.gemm = {np.dtype(t): getattr(dynlib, f"{prefix}cblas_{letter}gemm{suffix}")
                      for t, letter in ((np.float32, "s"), (np.float64, "d"))}
         self.gemv = {np.dtype(t): getattr(dynlib, f"{prefix}cblas_{letter}gemv{suffix}")
                      for t, letter in ((np.float32, "s"), (np.float64, "d"))}
-        self.in_flight = in_flight
 
 
+# Cached for the process, not kept by the engine: the library is the process's, and its
+# functions are registered with LLVM under fixed names once per process (_register_cblas).
 @functools.lru_cache(maxsize=1)
 def _blas() -> _Blas | None:
     """numpy's OpenBLAS's GEMMs and GEMVs, or None where products stay with np.matmul (see
@@ -110,15 +108,14 @@ def _blas() -> _Blas | None:
         return None
     if _compiled.jit(_compiled.wait_for_job) is None:  # no numba: helpers sleep between jobs
         return None
-    from ember.ops.cpu import threads
-    libs = [lib for lib in threads.blas_libraries() if lib.raw]
+    libs = [lib for lib in current().libraries() if lib.raw]
     libs.sort(key=lambda lib: "numpy" not in str(getattr(lib.controller, "filepath", "")))
     for lib in libs:
-        for prefix, suffix in threads.AFFIXES:
+        for prefix, suffix in _threads.AFFIXES:
             if "64" in suffix and getattr(lib.dynlib, f"{prefix}cblas_sgemm{suffix}", None) \
                     is not None:
                 try:
-                    blas = _Blas(lib.dynlib, prefix, suffix, threads.in_flight)
+                    blas = _Blas(lib.dynlib, prefix, suffix)
                 except AttributeError:  # an sgemm without the rest
                     break
                 _register_cblas(blas)
@@ -132,9 +129,9 @@ def enabled() -> bool:
 
 
 def in_run() -> bool:
-    """Whether products go on the board now: enabled, and a run is in flight."""
-    blas = _blas()
-    return blas is not None and bool(blas.in_flight[0])
+    """Whether products go on the board now: enabled, and a run is in flight (products are
+    cut only during runs: outside them OpenBLAS has its own threads)."""
+    return _blas() is not None and bool(current().in_flight[0])
 
 
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -159,13 +156,13 @@ def product_fields(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray 
 
 def _plan_of(a, b, out):
     """`_plan` for these operands during a run, or None (also where out overlaps them)."""
-    blas = _blas()
-    if blas is None or not blas.in_flight[0] or not isinstance(a, np.ndarray) \
-            or not isinstance(b, np.ndarray) or not (out is None or isinstance(out, np.ndarray)):
+    if _blas() is None or not (engine := current()).in_flight[0] \
+            or not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray) \
+            or not (out is None or isinstance(out, np.ndarray)):
         return None
     plan = _plan(a.shape, a.strides, b.shape, b.strides, a.dtype, b.dtype,
                  None if out is None else (out.shape, out.strides, out.dtype),
-                 _compiled.run_threads())
+                 engine.run_threads())
     if plan is not None and out is not None and (
             not out.flags.writeable or np.may_share_memory(out, a)
             or np.may_share_memory(out, b)):
@@ -260,19 +257,20 @@ def _batch_stride(shape, strides) -> int | None:
 
 
 def _on_board(product: np.ndarray) -> int:
-    """Run `product` (the board's fields from _KIND on) on the shared board, whose pieces the
-    helpers take too; if another thread's product is on it, the same pieces on this thread
-    alone (its own board: the same bits). Returns the pieces this thread ran."""
+    """Run `product` (the board's fields from _KIND on) on the engine's shared board, whose
+    pieces the helpers take too; if another thread's product is on it, the same pieces on
+    this thread alone (its own board: the same bits). Returns the pieces this thread ran."""
     post_and_run = _compiled.jit(_post_and_run)
-    if _board_lock.acquire(blocking=False):
+    pool = current().pool
+    if pool.board_lock.acquire(blocking=False):
         try:
-            _compiled.rouse_helpers()
-            return post_and_run(_board, product)
+            _compiled.rouse_helpers(pool.helpers())
+            return post_and_run(pool.board, product)
         finally:
-            _board_lock.release()
-    board = getattr(_private, "board", None)
+            pool.board_lock.release()
+    board = getattr(pool.private, "board", None)
     if board is None:
-        board = _private.board = np.zeros_like(_board)
+        board = pool.private.board = new_board()
     return post_and_run(board, product)
 
 
@@ -327,25 +325,15 @@ _BATCH, _ROWS, _COLUMNS = range(3)
  _LDC, _SC, _SIZE, _AXIS, _PIECES, _BOUNDS) = range(23)
 _MAX_PIECES = 256
 _BACK_CLAIM, _FRONT_MASK = 1 << 32, (1 << 32) - 1
-_board = np.zeros(_BOUNDS + _MAX_PIECES + 1, np.int64)
-_board_lock = threading.Lock()  # one product on the board at a time; others run alone
-_private = threading.local()    # a caller's own board when the shared one is taken
 # where a product's fields (product_fields) hold its shape, addresses and cuts
 M_FIELD, N_FIELD, A_FIELD, C_FIELD, BOUNDS_FIELD = (i - _KIND for i in (_M, _N, _PA, _PC,
                                                                       _BOUNDS))
 
 
-def _new_board() -> None:
-    """In a forked child: a board and lock of its own (a parent's helper may have been
-    counted among the board's users, or a parent's thread held the lock, at the fork)."""
-    global _board, _board_lock, _private
-    _board = np.zeros_like(_board)
-    _board_lock = threading.Lock()
-    _private = threading.local()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_board)
+def new_board() -> np.ndarray:
+    """An empty board: the engine's shared one (ember.ops.cpu.engine.Pool, with the lock
+    that keeps one product on it at a time), or a caller's own when that one is taken."""
+    return np.zeros(_BOUNDS + _MAX_PIECES + 1, np.int64)
 
 
 # CBLAS's functions as compiled code calls them (numba's ExternalFunction): set by _register_cblas
@@ -525,11 +513,12 @@ def wait_for_job_or_pieces(finished, posted, seen, runs, pauses, settle, linger,
         _compiled.cpu_pause()
 
 
-def helper_wait():
-    """The pool's helpers' wait between jobs where products run on the board, else None."""
+def helper_wait(board: np.ndarray):
+    """The pool's helpers' wait between jobs where products run on the board (the pool's
+    `board`), else None."""
     if _blas() is None:
         return None
     wait = _compiled.jit(wait_for_job_or_pieces)
     return lambda finished, posted, seen, runs, pauses, settle: wait(
-        finished, posted, seen, runs, pauses, settle, LINGER_PAUSES, _board)
+        finished, posted, seen, runs, pauses, settle, LINGER_PAUSES, board)
 

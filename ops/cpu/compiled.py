@@ -19,9 +19,11 @@ Threads: `split_rows` cuts the rows into two pieces per thread of the run in fli
 turn; a kernel with a piece function (see "pieces without Python" below) has them taken
 from the board the helpers watch, without the GIL. numba's own `parallel=True` loops were
 slower here: numba's workers and OpenBLAS's competed for the cores from one node to the
-next. The pool's threads spin a few tens of
-microseconds for a next job during a run (~0.6 ms where the pool runs the products too:
-cpu/blas.py), then sleep: they use no CPU between runs.
+next. The pool's threads spin a few tens of microseconds for a next job during a run (~0.6
+ms where the pool runs the products too: cpu/blas.py), then sleep: they use no CPU between
+runs. The pool, its board and the run-thread count are the process's CPU engine's
+(ember.ops.cpu.engine, found through `current()`): this module imports neither blas nor
+threads, and asks the engine what they decide.
 
 Steps in lockstep: `run_in_lockstep` runs a loop of dependent steps (a recurrence's time
 steps) on several threads with no Python between the steps: each step's units (hidden units)
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import itertools
 import os
 import threading
@@ -56,12 +59,30 @@ from typing import Any, Callable
 import numpy as np
 
 from ember import config
+from ember.ops.cpu.process import current
 
 _OPTIONS = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+# loops -> its compiled kernel (or None): a memo of what numba compiled, the same for every
+# engine and thread, so a module table rather than engine state
 _compiled: dict[Callable, Any] = {}
-_lock = threading.Lock()
-_pool: _Helpers | None = None
-_job_lock = threading.Lock()  # a job's state: taken by a helper, or cancelled by its caller
+_lock = threading.Lock()  # registering functions with numba (kernel_math, _register_math)
+
+
+class Once:
+    """fn(*args) run once per process, by its first caller, under a lock (numba must not learn
+    an intrinsic twice); later calls return that first result without taking the lock."""
+
+    def __init__(self, fn: Callable):
+        self._fn, self._lock, self._done, self._result = fn, threading.Lock(), False, None
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any) -> Any:
+        if not self._done:
+            with self._lock:
+                if not self._done:
+                    self._result = self._fn(*args)
+                    self._done = True
+        return self._result
 
 
 def enabled() -> bool:
@@ -107,31 +128,28 @@ def jit(loops: Callable, **options: Any) -> Any:
     return _compiled[loops]
 
 
-_numba_module: Any = None  # numba once imported, False where it is not installed
-
-
+@functools.lru_cache(maxsize=1)
 def _numba() -> Any:
     """numba, imported on the first call, or None. With it, the BLAS its CPU target loads on
     its first compilation (scipy's OpenBLAS, where scipy is installed: numba.np.arraymath
     calls ensure_blas on import) is loaded now, and the runs in flight set its thread count
-    (ember.ops.cpu.threads): otherwise it would appear in the middle of a run, unmanaged
-    until the next one. Both once per process (looking the libraries up costs ~2 ms)."""
-    global _numba_module
-    if _numba_module is None:
-        try:
-            import numba
-        except ImportError:
-            _numba_module = False
-            return None
-        try:
-            from numba.np.linalg import ensure_blas
-            ensure_blas()
-        except ImportError:  # no scipy: numba loads no BLAS of its own
-            pass
-        else:
-            _blas_threads().adopt_new_libraries()
-        _numba_module = numba
-    return _numba_module or None
+    (the engine's, ember.ops.cpu.threads.RunThreads): otherwise it would appear in the middle
+    of a run, unmanaged until the next one. Both once per process (looking the libraries up
+    costs ~2 ms); the engine is made first, so that a copy loaded now reads the OpenBLAS spin
+    the engine sets."""
+    try:
+        import numba
+    except ImportError:
+        return None
+    engine = current()
+    try:
+        from numba.np.linalg import ensure_blas
+        ensure_blas()
+    except ImportError:  # no scipy: numba loads no BLAS of its own
+        pass
+    else:
+        engine.adopt_new_libraries()
+    return numba
 
 
 # A kernel is split among threads only where each piece has at least this much work. Below
@@ -192,7 +210,8 @@ def run_rows(kernel: Callable, bounds: list[int], *args: Any,
 
     cpu = _caller_cpu()
     helpers = -(-pieces // 2) - 1   # two pieces a thread (row_bounds)
-    jobs = [_thread_pool().submit(_away_from, cpu, work) for _ in range(helpers)]
+    pool = _thread_pool() if helpers else None  # resolved once a call, started on first use
+    jobs = [pool.submit(_away_from, cpu, work) for _ in range(helpers)]
     work()
     for job in jobs:
         if not job.cancel():
@@ -218,7 +237,8 @@ def run_in_lockstep(kernel: Callable, units: int, steps: int, *args: Any, min_un
                                                               list(range(threads + 1))):
         return threads
     cpu = _caller_cpu()
-    helpers = [_thread_pool().submit(_away_from, cpu, kernel, *args, cuts, rank, sync)
+    pool = _thread_pool() if threads > 1 else None
+    helpers = [pool.submit(_away_from, cpu, kernel, *args, cuts, rank, sync)
                for rank in range(1, threads)]
     kernel(*args, cuts, 0, sync)
     for helper in helpers:  # not waited for: a running one finds nothing left to take
@@ -271,64 +291,40 @@ def _away_from(cpu: int, work: Callable, *args: Any) -> None:
         os.sched_setaffinity(0, allowed)
 
 
-_threads: Any = None  # ember.ops.cpu.threads
-
-
-def _blas_threads() -> Any:
-    global _threads
-    if _threads is None:  # imported on first use: ember.runtime imports the ops
-        from ember.ops.cpu import threads
-        _threads = threads
-    return _threads
-
-
 def run_threads() -> int:
-    return _blas_threads().run_threads()
+    """The thread count of the runs in flight (the physical cores outside a run): the
+    engine's (ember.ops.cpu.threads.RunThreads)."""
+    return current().run_threads()
 
 
-def rouse_helpers() -> None:
+def rouse_helpers(pool: _Helpers) -> None:
     """Products on the board (ops/cpu/blas.py) are taken by the helpers that are awake: one
     asleep is woken by a job that does nothing, for the products that follow, moved off the
     caller's CPU if it woke there (`_away_from`): pieces taken on the board never pass
     through a Python job that would move it, and a helper sharing the caller's core (beside
     a nice-19 spinner, where Linux wakes it there) stayed there for the whole process."""
-    pool = _thread_pool()
     if pool.sleeping and not pool.jobs:
         pool.submit(_away_from, _caller_cpu(), _nothing)
 
 
 def _thread_pool() -> _Helpers:
-    global _pool
-    if _pool is None:
-        with _lock:
-            if _pool is None:
-                _pool = _Helpers(max(1, (os.cpu_count() or 1) - 1))
-    return _pool
-
-
-def _forget_pool() -> None:
-    """In a forked child: the parent's helper threads are not there; start new ones (and a
-    lock one of them may have held at the fork is new too)."""
-    global _pool, _job_lock
-    _pool = None
-    _job_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
+    """The engine's helpers (ember.ops.cpu.engine.Pool), started on first use."""
+    return current().pool.helpers()
 
 
 class _Job:
-    """A call handed to the helpers: `cancel()` before a helper takes it, or `result()`."""
-    __slots__ = ("fn", "args", "state", "error", "done")
+    """A call handed to the helpers: `cancel()` before a helper takes it, or `result()`.
+    `lock` is its pool's: a job's state is taken by a helper, or cancelled by its caller."""
+    __slots__ = ("fn", "args", "state", "error", "done", "lock")
     PENDING, RUNNING, CANCELLED = range(3)
 
-    def __init__(self, fn: Callable, args: tuple):
+    def __init__(self, fn: Callable, args: tuple, lock: threading.Lock):
         self.fn, self.args, self.state, self.error = fn, args, _Job.PENDING, None
         self.done = np.zeros(1, np.int64)  # 1 once it has run (or raised)
+        self.lock = lock
 
     def cancel(self) -> bool:
-        with _job_lock:
+        with self.lock:
             if self.state == _Job.PENDING:
                 self.state = _Job.CANCELLED
                 return True
@@ -348,11 +344,12 @@ class _Job:
 
 
 class _Helpers:
-    """The kernel pool: `threads` daemon threads running the jobs handed to `submit`.
+    """The kernel pool: `threads` daemon threads running the jobs handed to `submit`, for
+    `engine` (ember.ops.cpu.engine.CpuEngine: the runs in flight, and the wait between jobs).
 
     Handing work to a sleeping thread costs ~50 us on the machines measured (the wake-up of
     an idle core: a small kernel's whole time), and so does a caller that sleeps until a
-    helper is done. So, while a run is in flight (ember.ops.cpu.threads.in_flight), a helper
+    helper is done. So, while a run is in flight (the engine's `in_flight`), a helper
     that has just run a job waits HELPER_PAUSES pauses for the next one, GIL released
     (`wait_for_job`), before it sleeps on a condition; and a caller waits for a started job
     spinning (`_Job.result`). The spin is short and never yields the core: a helper that
@@ -368,7 +365,9 @@ class _Helpers:
     OpenBLAS's spin (OPENBLAS_THREAD_TIMEOUT 4, 18, 25): the kernels split right after a BLAS
     product there (BERT's GELU epilogue, Softmax) took as long on two threads as on one."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, engine: Any):
+        self.engine = engine
+        self.job_lock = threading.Lock()  # the jobs' states (_Job.lock)
         self.jobs: collections.deque[_Job] = collections.deque()
         self.posted = np.zeros(1, np.int64)   # jobs handed over so far: what spinners watch
         self.wakeup = threading.Condition(threading.Lock())
@@ -380,7 +379,7 @@ class _Helpers:
             thread.start()
 
     def submit(self, fn: Callable, *args: Any) -> _Job:
-        job = _Job(fn, args)
+        job = _Job(fn, args, self.job_lock)
         self.jobs.append(job)
         self.posted[0] += 1
         if self.sleeping:
@@ -396,6 +395,7 @@ class _Helpers:
 
     def _serve(self) -> None:
         wait = jit(wait_for_job)
+        engine = self.engine
         finished = None  # the done flag of the job just run: set once the GIL is released
         while True:
             try:
@@ -403,8 +403,9 @@ class _Helpers:
             except IndexError:
                 job = None
             if job is None and finished is not None and wait is not None:
-                _helper_wait(wait)(finished, self.posted, self.posted[0],
-                                   _blas_threads().in_flight, _helper_pauses(), SETTLE_PAUSES)
+                engine.helper_wait(wait)(finished, self.posted, self.posted[0],
+                                         engine.in_flight, engine.helper_pauses(),
+                                         SETTLE_PAUSES)
                 finished = None
                 continue
             if finished is not None:
@@ -419,7 +420,7 @@ class _Helpers:
                     if self.closed and not self.jobs:
                         return
                 continue
-            with _job_lock:
+            with self.job_lock:
                 if job.state != _Job.PENDING:
                     continue
                 job.state = _Job.RUNNING
@@ -443,18 +444,6 @@ POOL_PRODUCTS_HELPER_PAUSES = 20_000
 
 def _nothing() -> None:
     pass
-
-
-def _helper_wait(wait: Callable) -> Callable:
-    """`wait` (wait_for_job), or where the pool runs the products, the wait that also takes
-    the pieces of the products posted meanwhile (ops/cpu/blas.py)."""
-    from ember.ops.cpu import blas as _blas  # here: _blas imports this module
-    return _blas.helper_wait() or wait
-
-
-def _helper_pauses() -> int:
-    from ember.ops.cpu import blas as _blas  # here: _blas imports this module
-    return POOL_PRODUCTS_HELPER_PAUSES if _blas.enabled() else HELPER_PAUSES
 
 
 def wait_while_equal(a, i, value, runs, pauses, yields):
@@ -502,15 +491,16 @@ def wait_for_job(finished, posted, seen, runs, pauses, settle):
 
 def _pieces_on_board(piece: Callable, args: tuple, bounds: list[int]) -> bool:
     """Run the pieces [bounds[i], bounds[i + 1]) of `piece` on `args` on the board, if it
-    can take them (a board, numba, C-ordered arrays, not too many pieces): whether it ran."""
-    from ember.ops.cpu import blas as _blas  # here: _blas imports this module
-    if len(bounds) - 1 > _MAX_BOARD_PIECES or not _blas.enabled():
+    can take them (a board, numba, C-ordered arrays, not too many pieces): whether it ran.
+    The board is the engine's, run by ops/cpu/blas.py (which imports this module)."""
+    engine = current()
+    if len(bounds) - 1 > _MAX_BOARD_PIECES or not engine.products():
         return False
     address = piece_address(piece)
     block = piece_block(args) if address is not None else None
     if block is None:
         return False
-    _blas.run_pieces(address, block, bounds)
+    engine.run_pieces(address, block, bounds)
     return True
 
 
@@ -570,6 +560,7 @@ def piece_address(fn: Callable) -> int | None:
 
 
 _MAX_BOARD_PIECES = 256  # ops/cpu/blas.py's _MAX_PIECES
+# piece function -> its C address: like _compiled, a memo of what numba compiled, the process's
 _pieces: dict[Callable, int | None] = {}
 _pieces_kept: list[Any] = []  # the compiled piece functions (their addresses stay valid)
 
@@ -683,8 +674,8 @@ def wait_step(sync, step, chunks):
             os_yield()
 
 
-_math_registered = False
-# callable from kernels, each with the numba options it is compiled with
+# callable from kernels, each with the numba options it is compiled with; a module table, as
+# the functions numba learns are the process's (kernel_math adds to it as modules load)
 _kernel_math: list[tuple[Callable, dict]] = [
     (exp_float32, {}), (tanh_float32, {}), (take_chunk, {}), (chunk_done, {}), (wait_step, {}),
     (wait_while_equal, {})]
@@ -706,26 +697,9 @@ def kernel_math(fn: Callable | None = None, **options: Any) -> Any:
 def _register_math(numba: Any) -> None:
     """Make the math above, and each `kernel_math` function, callable from compiled kernels;
     each once per process."""
-    global _math_registered
     from numba.extending import register_jitable
     with _lock:
-        if not _math_registered:
-            from llvmlite import ir
-            from numba.extending import intrinsic, overload
-
-            @intrinsic
-            def bitcast_int32_float32(typingctx, bits):
-                def codegen(context, builder, signature, args):
-                    return builder.bitcast(args[0], ir.FloatType())
-                return numba.types.float32(numba.types.int32), codegen
-
-            @overload(float32_from_bits)
-            def _float32_from_bits(bits):
-                return lambda bits: bitcast_int32_float32(np.int32(bits))
-
-            _register_barrier(numba, ir, intrinsic, overload)
-            _register_pieces(numba, ir, intrinsic, overload)
-            _math_registered = True
+        _register_intrinsics(numba)
         for fn, options in _kernel_math:
             if fn not in _kernel_math_registered:
                 if options:
@@ -733,6 +707,26 @@ def _register_math(numba: Any) -> None:
                 else:
                     register_jitable(fn)
                 _kernel_math_registered.add(fn)
+
+
+@Once
+def _register_intrinsics(numba: Any) -> None:
+    """float32_from_bits, the barrier's and the pieces' compiled forms: once per process."""
+    from llvmlite import ir
+    from numba.extending import intrinsic, overload
+
+    @intrinsic
+    def bitcast_int32_float32(typingctx, bits):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+        return numba.types.float32(numba.types.int32), codegen
+
+    @overload(float32_from_bits)
+    def _float32_from_bits(bits):
+        return lambda bits: bitcast_int32_float32(np.int32(bits))
+
+    _register_barrier(numba, ir, intrinsic, overload)
+    _register_pieces(numba, ir, intrinsic, overload)
 
 
 def _register_barrier(numba: Any, ir: Any, intrinsic: Any, overload: Any) -> None:
@@ -856,8 +850,9 @@ def _register_pieces(numba: Any, ir: Any, intrinsic: Any, overload: Any) -> None
         return None
 
     overload(put_field)(typed_put)
-    global literal_unroll  # numba's own: its compiler unrolls the loops over it
-    literal_unroll = numba.literal_unroll
+    # numba's own literal_unroll, bound in this module's namespace where _pack_block's compiled
+    # loop finds it (its compiler unrolls loops over that very function, not an overload)
+    globals()["literal_unroll"] = numba.literal_unroll
     carray = numba.carray
     overload(array_at)(lambda address, shape, dtype: lambda address, shape, dtype: carray(
         pointer_to(address, dtype), shape))

@@ -9,18 +9,19 @@ channels took 2.2 ms a call that way here, 0.7 ms with the memory kept (its patc
 output are 1.7 and 2 MB); UNet 128² ran 12% faster. onnxruntime keeps its memory in an arena
 for the same reason.
 
-So, when the first session is created, ember raises glibc's mmap threshold to its maximum
-(32 MiB; larger blocks are still mmap-ed: the kernels' large outputs, from ops/_tiles.empty,
-reuse up to 4 such buffers once freed) and keeps up to TRIM_THRESHOLD of free memory at the
-top of the heap. The cost is memory: up to that much freed memory stays with the process. It
-is left alone where the user set glibc's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ /
+So, when the process's CPU engine is made (ember.ops.cpu.engine: by the first session, run or
+compiled kernel), ember raises glibc's mmap threshold to its maximum (32 MiB; larger blocks
+are still mmap-ed: the kernels' large outputs, from ops/cpu/tiles.empty, reuse up to 4 such
+buffers once freed) and keeps up to TRIM_THRESHOLD of free memory at the top of the heap.
+The cost is memory: up to that much freed memory stays with the process. It is left alone
+where the user set glibc's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ /
 GLIBC_TUNABLES, with EMBER_KEEP_MEMORY=0, and off glibc.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
-import threading
 
 from ember import config
 
@@ -29,22 +30,19 @@ MMAP_THRESHOLD = 32 << 20                     # glibc's largest allowed on 64-bi
 TRIM_THRESHOLD = 256 << 20
 
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
-_lock = threading.Lock()
-_applied: bool | None = None
 
 
+@functools.lru_cache(maxsize=1)
 def keep_freed_memory() -> bool:
-    """Set glibc's thresholds as above, once per process; returns whether they are set."""
-    global _applied
-    with _lock:
-        if _applied is None:
-            _applied = _apply()
-        return _applied
+    """Set glibc's thresholds as above, once per process (the CPU engine does when it is made,
+    ember.ops.cpu.engine); returns whether they are set. Cached, not locked: two first calls at
+    once would both set the same thresholds, which is harmless."""
+    return _apply()
 
 
 def opted_out() -> bool:
     """EMBER_KEEP_MEMORY=0 (or false, no, empty): keep no freed memory, here or in the kernels'
-    kept buffers (ops/_tiles.empty)."""
+    kept buffers (ops/cpu/tiles.empty)."""
     return not config.switch("EMBER_KEEP_MEMORY", True)
 
 

@@ -10,7 +10,8 @@ Three things, all on the host (they matter to the CPU kernels and to host fallba
   when the last run in flight returns (with runs of different counts in flight at once, the
   latest asked wins). Where ember's kernel pool runs the products (ember.ops.cpu.blas: numba
   installed, numpy's BLAS an OpenBLAS) the pool takes that count and BLAS is set to one
-  thread for the run instead (`_blas_count`). The libraries are found with threadpoolctl;
+  thread for the run instead (the `blas_count` the CPU engine gives `RunThreads`: this module
+  knows nothing of the pool). The libraries are found with threadpoolctl;
   OpenBLAS on its own pthreads server is set through its C entry points directly (1 us a
   call: threadpoolctl's `set_num_threads` costs 5 us and, in threadpoolctl 3.8, does nothing
   when called from a thread other than the first one that used it, and runs come from any
@@ -26,8 +27,9 @@ Three things, all on the host (they matter to the CPU kernels and to host fallba
   after it) for OpenBLAS copies loaded later, and for those already loaded re-reads the
   environment (`openblas_read_env`) and restarts the idle worker threads
   (`blas_thread_shutdown_`, the call OpenBLAS itself makes before every fork; the workers come
-  back on the next parallel call and read the new timeout then). This happens once, when ember
-  is imported, and is the process's setting from then on. Setting the thread count to 1 after
+  back on the next parallel call and read the new timeout then). This happens once, when the
+  process's CPU engine is made (ember.ops.cpu.engine: by the first session, run or compiled
+  kernel), and is the process's setting from then on. Setting the thread count to 1 after
   a run does not help: the workers spin on whatever the count is. A longer spin is a trade,
   measured on 2 cores (Zen 4, paired runs): 2**20-2**21 made MobileNetV2 at batch 1 1.1-1.2x
   faster (a worker asleep after a depthwise convolution takes tens of microseconds to wake
@@ -44,7 +46,7 @@ import ctypes
 import functools
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import threadpoolctl
@@ -120,105 +122,105 @@ class _Lib:
             self.get, self.set = controller.get_num_threads, controller.set_num_threads
 
 
-_libs_lock = threading.Lock()
-_libs: tuple[_Lib, ...] | None = None
-
-
-def refresh() -> tuple[_Lib, ...]:
-    """Look the loaded BLAS libraries up again (a session does at its creation: ~2 ms)."""
-    global _libs
-    found = tuple(_Lib(c) for c in threadpoolctl.ThreadpoolController()
-                  .select(user_api="blas").lib_controllers)
-    with _libs_lock:
-        _libs = found
-    return found
-
-
-def blas_libraries() -> tuple[_Lib, ...]:
-    libs = _libs
-    return libs if libs is not None else refresh()
+def find_libraries() -> tuple[_Lib, ...]:
+    """The BLAS libraries loaded in the process now (threadpoolctl: ~2 ms)."""
+    return tuple(_Lib(c) for c in threadpoolctl.ThreadpoolController()
+                 .select(user_api="blas").lib_controllers)
 
 
 # --------------------------------------------------------------------------------------------
 # the thread count during runs
 
-_lock = threading.Lock()
-_active = 0                    # runs in flight
-# runs in flight, read by compiled code: the kernel pool's helpers spin for the next job only
-# while it is above 0 (ember.ops.cpu.compiled)
-in_flight = np.zeros(1, np.int64)
-_saved: list[tuple[_Lib, Any]] = []  # each library's count before the first of them
-_target: int | None = None     # the count the runs in flight asked for
+class RunThreads:
+    """The BLAS libraries' thread count during runs, and the runs in flight. BLAS's threads are
+    the process's, so the process has one of these: the CPU engine's (ember.ops.cpu.engine).
 
+    `blas_count(threads)` says BLAS's own count during runs of `threads` threads (one where
+    ember's kernel pool runs the products instead): asked by its owner, which knows the pool,
+    so that this module knows nothing of it."""
 
-def enter(threads: int) -> None:
-    """A run starts: BLAS uses `threads` threads (one where ember's pool runs the products)
-    until the last run in flight calls `leave`."""
-    global _active, _saved, _target
-    blas = _blas_count(threads)  # first: the first call may load numba, and a BLAS with it
-    libs = blas_libraries()
-    with _lock:
-        if _active == 0:
-            _saved = [(lib, lib.get()) for lib in libs]
-            for lib, count in _saved:
-                if count != blas:
+    def __init__(self, blas_count: Callable[[int], int]):
+        self._blas_count = blas_count
+        self._cores = default_threads()
+        self._lock = threading.Lock()
+        self._libs_lock = threading.Lock()
+        self._libs = find_libraries()
+        self._active = 0               # runs in flight
+        # runs in flight, read by compiled code: the kernel pool's helpers spin for the next
+        # job only while it is above 0 (ember.ops.cpu.compiled)
+        self.in_flight = np.zeros(1, np.int64)
+        self._saved: list[tuple[_Lib, Any]] = []  # each library's count before the first run
+        self._target: int | None = None  # the count the runs in flight asked for
+
+    def refresh(self) -> tuple[_Lib, ...]:
+        """Look the loaded BLAS libraries up again (~2 ms)."""
+        found = find_libraries()
+        with self._libs_lock:
+            self._libs = found
+        return found
+
+    def libraries(self) -> tuple[_Lib, ...]:
+        """The BLAS libraries found (when this was made, or by the last refresh)."""
+        return self._libs
+
+    def enter(self, threads: int) -> None:
+        """A run starts: BLAS uses `threads` threads (one where ember's pool runs the products)
+        until the last run in flight calls `leave`."""
+        # first: its first call may load numba, and a BLAS with it (adopt_new_libraries)
+        blas = self._blas_count(threads)
+        libs = self._libs
+        with self._lock:
+            if self._active == 0:
+                self._saved = [(lib, lib.get()) for lib in libs]
+                for lib, count in self._saved:
+                    if count != blas:
+                        lib.set(blas)
+            elif threads != self._target:
+                for lib, _ in self._saved:
                     lib.set(blas)
-        elif threads != _target:
-            for lib, _ in _saved:
-                lib.set(blas)
-        _target = threads
-        _active += 1
-        in_flight[0] = _active
+            self._target = threads
+            self._active += 1
+            self.in_flight[0] = self._active
 
+    def leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+            self.in_flight[0] = self._active
+            if self._active == 0:
+                blas = self._blas_count(self._target)
+                for lib, count in self._saved:
+                    if count is not None and count != blas:
+                        lib.set(count)
+                self._saved.clear()
+                self._target = None
 
-def leave() -> None:
-    global _active, _target
-    with _lock:
-        _active -= 1
-        in_flight[0] = _active
-        if _active == 0:
-            blas = _blas_count(_target)
-            for lib, count in _saved:
-                if count is not None and count != blas:
-                    lib.set(count)
-            _saved.clear()
-            _target = None
+    def adopt_new_libraries(self) -> None:
+        """Look the BLAS libraries up again after something loaded one (numba's CPU target
+        loads scipy's OpenBLAS, and numba comes with the first compiled kernel, inside a run):
+        one loaded during runs in flight gets their thread count now, and its own back when
+        they end."""
+        found = self.refresh()
+        with self._lock:
+            if self._active == 0:
+                return
+            known = {lib.controller.filepath for lib, _ in self._saved}
+            for lib in found:
+                if lib.controller.filepath not in known:
+                    count = lib.get()
+                    self._saved.append((lib, count))
+                    blas = self._blas_count(self._target)
+                    if count != blas:
+                        lib.set(blas)
 
+    def run_threads(self) -> int:
+        """The thread count of the runs in flight (the physical cores outside a run): what
+        the kernel pool splits for, and kernels with threads of their own use."""
+        target = self._target
+        return target if target is not None else self._cores
 
-def adopt_new_libraries() -> None:
-    """Look the BLAS libraries up again after something loaded one (numba's CPU target loads
-    scipy's OpenBLAS, and numba comes with the first compiled kernel, inside a run): one loaded
-    during runs in flight gets their thread count now, and its own back when they end."""
-    found = refresh()
-    with _lock:
-        if _active == 0:
-            return
-        known = {lib.controller.filepath for lib, _ in _saved}
-        for lib in found:
-            if lib.controller.filepath not in known:
-                count = lib.get()
-                _saved.append((lib, count))
-                if count != _blas_count(_target):
-                    lib.set(_blas_count(_target))
-
-
-def _blas_count(threads: int) -> int:
-    """BLAS's own thread count during runs of `threads` threads: one where the products run
-    on ember's kernel pool (ember.ops.cpu.blas), which then has the cores to itself."""
-    from ember.ops.cpu import blas as _blas  # here: the ops import this module
-    return 1 if _blas.enabled() else threads
-
-
-def run_threads() -> int:
-    """The thread count of the runs in flight (the physical cores outside a run): for kernels
-    with threads of their own (numba's depthwise convolution)."""
-    target = _target
-    return target if target is not None else default_threads()
-
-
-def current_threads() -> list[int]:
-    """The thread count of each loaded BLAS library, as the libraries report it."""
-    return [lib.get() for lib in blas_libraries()]
+    def current_threads(self) -> list[int]:
+        """The thread count of each loaded BLAS library, as the libraries report it."""
+        return [lib.get() for lib in self._libs]
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,7 +234,7 @@ def _symbol(dynlib: Any, name: str) -> Any:
     return None
 
 
-def shorten_openblas_spin(libs: Sequence[_Lib] | None = None) -> list[str]:
+def shorten_openblas_spin(libs: Sequence[_Lib]) -> list[str]:
     """Make OpenBLAS's idle workers sleep after 2**THREAD_TIMEOUT cycles instead of 2**28
     (see the module docstring); a user's OPENBLAS_THREAD_TIMEOUT is applied instead, also to the
     copies loaded before it was set (GOTO_THREAD_TIMEOUT alone: left as it is). Returns the
@@ -247,7 +249,7 @@ def shorten_openblas_spin(libs: Sequence[_Lib] | None = None) -> list[str]:
     except ValueError:
         return []
     done = []
-    for lib in blas_libraries() if libs is None else libs:
+    for lib in libs:
         if not lib.raw:
             continue
         read_env = _symbol(lib.dynlib, "openblas_read_env")
@@ -263,5 +265,3 @@ def shorten_openblas_spin(libs: Sequence[_Lib] | None = None) -> list[str]:
             shutdown()  # the idle workers exit; the next parallel call starts them again
             done.append(getattr(lib.controller, "filepath", "?"))
     return done
-
-shorten_openblas_spin()

@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import sys
-import threading
 
 import numpy as np
 
-from ember.ops.cpu import compiled as _compiled
+from ember.ops.cpu import compiled as _compiled, memory as _memory
+from ember.ops.cpu.process import current
 
 
 def _host_lanes() -> int:
@@ -287,7 +286,6 @@ def depthwise_kernel(loops):
     return _with_vectors(loops)
 
 
-_registered = False
 _vectors = HOST_LANES > 0  # whether the vector kernels serve (tests turn them off)
 
 
@@ -306,291 +304,340 @@ def _with_vectors(loops):
     return _compiled.jit(loops)
 
 
+# ------------------------------------------------------------------ the vector code
+# Built with llvmlite as numba intrinsics, once numba is imported (it is optional: these
+# classes and functions import nothing of it at module load).
+
+class _Kit:
+    """llvmlite's and numba's builders, and the types and constants of LANES float32 vectors,
+    for the intrinsics below."""
+
+    def __init__(self):
+        from llvmlite import ir
+        from numba.core import cgutils
+        self.ir, self.cgutils = ir, cgutils
+        self.f32, self.i32, self.i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+        self.vec = ir.VectorType(self.f32, LANES)
+        self.splat_mask = ir.Constant(ir.VectorType(self.i32, LANES), [0] * LANES)
+        self.undef = ir.Constant(self.vec, ir.Undefined)
+
+    def const(self, v):
+        return self.ir.Constant(self.i64, v)
+
+    def splat(self, builder, scalar):
+        one = builder.insert_element(self.undef, scalar, self.ir.Constant(self.i32, 0))
+        return builder.shuffle_vector(one, self.undef, self.splat_mask)
+
+
+class _Vectors:
+    """Vector IR for one intrinsic: `data(i)` the data pointer of array argument i, loads
+    and stores of LANES floats at an element index, fused multiply-add, clip to [lo, hi] (a
+    NaN stays NaN)."""
+
+    def __init__(self, kit, context, builder, sig, args):
+        ir, vec, i32 = kit.ir, kit.vec, kit.i32
+        self.kit = kit
+        self.builder, self._context, self._sig, self._args = builder, context, sig, args
+        self._fma = kit.cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{LANES}f32")
+        self._prefetch = kit.cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(),
+                                                            i32, i32, i32]),
+            "llvm.prefetch.p0i8")
+
+    def array(self, i):
+        return self._context.make_array(self._sig.args[i])(
+            self._context, self.builder, self._args[i])
+
+    def data(self, i):
+        return self.array(i).data
+
+    def _at(self, ptr, index):
+        return self.builder.bitcast(self.builder.gep(ptr, [index]), self.kit.vec.as_pointer())
+
+    def load(self, ptr, index):
+        return self.builder.load(self._at(ptr, index), align=4)
+
+    def store(self, value, ptr, index):
+        self.builder.store(value, self._at(ptr, index), align=4)
+
+    def prefetch(self, ptr, index):
+        ir, i32 = self.kit.ir, self.kit.i32
+        address = self.builder.bitcast(self.builder.gep(ptr, [index]),
+                                       ir.IntType(8).as_pointer())
+        self.builder.call(self._prefetch, [address, ir.Constant(i32, 0),
+                                           ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+    def fma(self, a, b, c):
+        return self.builder.call(self._fma, [a, b, c])
+
+    def stream(self, value, ptr, index):
+        """A non-temporal store (the address aligned to a whole vector)."""
+        store = self.builder.store(value, self._at(ptr, index), align=4 * LANES)
+        store.set_metadata("nontemporal", self.builder.module.add_metadata(
+            [self.kit.ir.Constant(self.kit.i32, 1)]))
+
+    def lanes_below(self, count):
+        """The mask of the lanes whose index is below `count` (an int64)."""
+        ir, i32, i64 = self.kit.ir, self.kit.i32, self.kit.i64
+        lanes = ir.Constant(ir.VectorType(i64, LANES), list(range(LANES)))
+        one = self.builder.insert_element(ir.Constant(ir.VectorType(i64, LANES),
+                                                      ir.Undefined), count,
+                                          ir.Constant(i32, 0))
+        counts = self.builder.shuffle_vector(one, one, self.kit.splat_mask)
+        return self.builder.icmp_signed("<", lanes, counts)
+
+    def masked_store(self, value, ptr, index, mask):
+        ir, vec, i32 = self.kit.ir, self.kit.vec, self.kit.i32
+        store = self.kit.cgutils.get_or_insert_function(
+            self.builder.module, ir.FunctionType(ir.VoidType(), [
+                vec, vec.as_pointer(), i32, ir.VectorType(ir.IntType(1), LANES)]),
+            f"llvm.masked.store.v{LANES}f32.p0v{LANES}f32")
+        self.builder.call(store, [value, self._at(ptr, index), ir.Constant(i32, 4), mask])
+
+    def clip(self, y, lo_v, hi_v):
+        y = self.builder.select(self.builder.fcmp_ordered("<", y, lo_v), lo_v, y)
+        return self.builder.select(self.builder.fcmp_ordered(">", y, hi_v), hi_v, y)
+
+
+def _emit_tile(kit, R, context, builder, sig, args):
+    """`tile`'s IR for R rows: 2R accumulators over the taps and channels, then bias, clip
+    and R rows stored (streamed, through the caches, or masked for a block's last columns)."""
+    ir, cgutils, const, splat = kit.ir, kit.cgutils, kit.const, kit.splat
+    _, _, _, _, channels, _, _, lo, hi, _, at, ldc, width, stream = args
+    v = _Vectors(kit, context, builder, sig, args)
+    image_p, base_p, taps_p = v.data(1), v.data(2), v.data(3)
+    packed_p, bias_p, out_p = v.data(5), v.data(6), v.data(9)
+    zero = ir.Constant(kit.vec, [0.0] * LANES)
+    accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2 * R)]
+    origins = [builder.load(builder.gep(base_p, [const(r)])) for r in range(R)]
+    with cgutils.for_range(builder, v.array(3).nitems) as tap:
+        offset = builder.load(builder.gep(taps_p, [tap.index]))
+        starts = [builder.add(o, offset) for o in origins]
+        row0 = builder.mul(tap.index, builder.mul(channels, const(BLOCK)))
+        with cgutils.for_range(builder, channels) as ch:
+            row = builder.add(row0, builder.mul(ch.index, const(BLOCK)))
+            for line in range(0, BLOCK, 16):  # 16 floats: a cache line
+                v.prefetch(packed_p, builder.add(row, const(PREFETCH_AHEAD + line)))
+            w = [v.load(packed_p, row), v.load(packed_p, builder.add(row, const(LANES)))]
+            for r in range(R):
+                x = splat(builder, builder.load(
+                    builder.gep(image_p, [builder.add(starts[r], ch.index)])))
+                for half in range(2):
+                    acc = accs[2 * r + half]
+                    builder.store(v.fma(x, w[half], builder.load(acc)), acc)
+    lo_v, hi_v = splat(builder, lo), splat(builder, hi)
+    results = []
+    for half in range(2):
+        b = v.load(bias_p, const(half * LANES))
+        for r in range(R):
+            y = v.clip(builder.fadd(builder.load(accs[2 * r + half]), b), lo_v, hi_v)
+            at_r = builder.add(at, builder.add(builder.mul(const(r), ldc),
+                                               const(half * LANES)))
+            results.append((half, y, at_r))
+    _store_tile(kit, v, builder, results, out_p, width, stream)
+    return context.get_dummy_value()
+
+
+def _store_tile(kit, v, builder, results, out_p, width, stream):
+    """A tile's rows stored: whole (streamed or not), or a block's last columns (width <
+    BLOCK) with masked stores, where a copy through a scratch tile cost ~30% of a unit (M =
+    24, K = 96)."""
+    const = kit.const
+    whole = builder.icmp_signed(">=", width, const(BLOCK))
+    with builder.if_else(whole) as (full, part):
+        with full:
+            with builder.if_else(builder.icmp_signed("!=", stream, const(0))) as (
+                    around, through):
+                with around:
+                    for _, y, at_r in results:
+                        v.stream(y, out_p, at_r)
+                with through:
+                    for _, y, at_r in results:
+                        v.store(y, out_p, at_r)
+        with part:
+            masks = [v.lanes_below(builder.sub(width, const(half * LANES)))
+                     for half in range(2)]
+            for half, y, at_r in results:
+                v.masked_store(y, out_p, at_r, masks[half])
+
+
+def _register_tiles(numba, kit, intrinsic, overload):
+    """`tile` for ROWS and SMALL_ROWS rows, and `store_fence`."""
+    types = numba.types
+
+    def tile_intrinsic(R):
+        @intrinsic
+        def fma_tile(typingctx, rows, image, base, taps, channels, packed, bias, lo, hi,
+                     out, at, ldc, width, stream):
+            sig = types.void(rows, image, base, taps, types.int64, packed, bias,
+                             types.float32, types.float32, out, types.int64, types.int64,
+                             types.int64, types.int64)
+            return sig, lambda context, builder, s, args: _emit_tile(kit, R, context, builder,
+                                                                     s, args)
+        return fma_tile
+
+    tiles = {ROWS: tile_intrinsic(ROWS), SMALL_ROWS: tile_intrinsic(SMALL_ROWS)}
+
+    @overload(tile)
+    def _tile(rows, image, base, taps, channels, packed, bias, lo, hi, out, at, ldc,
+              width, stream):
+        R = getattr(rows, "literal_value", None)
+        if R not in tiles:
+            return None
+        fma_tile = tiles[R]
+        return (lambda rows, image, base, taps, channels, packed, bias, lo, hi, out, at,
+                ldc, width, stream: fma_tile(
+                    rows, image, base, taps, np.int64(channels), packed, bias,
+                    np.float32(lo), np.float32(hi), out, np.int64(at), np.int64(ldc),
+                    np.int64(width), np.int64(stream)))
+
+    @intrinsic
+    def sfence(typingctx):
+        def codegen(context, builder, signature, args):
+            fence = kit.cgutils.get_or_insert_function(
+                builder.module, kit.ir.FunctionType(kit.ir.VoidType(), []),
+                "llvm.x86.sse.sfence")
+            builder.call(fence, [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    overload(store_fence)(lambda: lambda: sfence())
+
+
+def _emit_depthwise(kit, Q, T, context, builder, sig, args):
+    """`depthwise_pixels`' IR for Q pixels by T taps: the T weight vectors in registers,
+    each group of Q pixels a row summed tap by tap, then clipped and stored."""
+    cgutils, const, splat = kit.cgutils, kit.const, kit.splat
+    (_, _, _, start, step, _, _, _, lo, hi, _, at, out_step, groups, rows, row_step,
+     out_row_step) = args
+    v = _Vectors(kit, context, builder, sig, args)
+    image_p, taps_p, w_p, bias_p, out_p = (v.data(i) for i in (2, 5, 6, 7, 10))
+    w = [v.load(w_p, const(t * LANES)) for t in range(T)]
+    offsets = [builder.load(builder.gep(taps_p, [const(t)])) for t in range(T)]
+    b = v.load(bias_p, const(0))
+    lo_v, hi_v = splat(builder, lo), splat(builder, hi)
+    with cgutils.for_range(builder, rows) as r:
+        row_in = builder.add(start, builder.mul(r.index, row_step))
+        row_out = builder.add(at, builder.mul(r.index, out_row_step))
+        with cgutils.for_range(builder, groups) as g:
+            first = builder.mul(g.index, const(Q))
+            src = builder.add(row_in, builder.mul(first, step))
+            dst = builder.add(row_out, builder.mul(first, out_step))
+            acc = [b] * Q
+            for t in range(T):
+                tap = builder.add(src, offsets[t])
+                for q in range(Q):
+                    x = v.load(image_p, builder.add(tap, builder.mul(const(q), step)))
+                    acc[q] = v.fma(x, w[t], acc[q])
+            for q in range(Q):
+                v.store(v.clip(acc[q], lo_v, hi_v), out_p,
+                        builder.add(dst, builder.mul(const(q), out_step)))
+    return context.get_dummy_value()
+
+
+def _register_depthwise(numba, kit, intrinsic, overload):
+    """`depthwise_pixels` for DEPTHWISE_PIXELS and 1 pixels by each of DEPTHWISE_TAPS."""
+    types = numba.types
+
+    def depthwise_intrinsic(Q, T):
+        @intrinsic
+        def fma_depthwise(typingctx, pixels, taps_count, image, start, step, taps,
+                          weights, bias, lo, hi, out, at, out_step, groups, rows,
+                          row_step, out_row_step):
+            sig = types.void(pixels, taps_count, image, types.int64, types.int64, taps,
+                             weights, bias, types.float32, types.float32, out,
+                             types.int64, types.int64, types.int64, types.int64,
+                             types.int64, types.int64)
+            return sig, (lambda context, builder, s, args:
+                         _emit_depthwise(kit, Q, T, context, builder, s, args))
+        return fma_depthwise
+
+    depthwise = {(Q, T): depthwise_intrinsic(Q, T)
+                 for Q in (DEPTHWISE_PIXELS, 1) for T in DEPTHWISE_TAPS}
+
+    @overload(depthwise_pixels)
+    def _depthwise_pixels(pixels, taps_count, image, start, step, taps, weights, bias, lo,
+                          hi, out, at, out_step, groups, rows, row_step, out_row_step):
+        key = (getattr(pixels, "literal_value", None),
+               getattr(taps_count, "literal_value", None))
+        if key not in depthwise:
+            return None
+        fma_depthwise = depthwise[key]
+        return (lambda pixels, taps_count, image, start, step, taps, weights, bias, lo, hi,
+                out, at, out_step, groups, rows, row_step, out_row_step: fma_depthwise(
+                    pixels, taps_count, image, np.int64(start), np.int64(step), taps,
+                    weights, bias, np.float32(lo), np.float32(hi), out, np.int64(at),
+                    np.int64(out_step), np.int64(groups), np.int64(rows),
+                    np.int64(row_step), np.int64(out_row_step)))
+
+
+def _emit_row_columns(kit, R, Q, context, builder, sig, args):
+    """`row_columns`' IR for R rows by Q column blocks: R x Q accumulators over K, stored
+    whole."""
+    ir, cgutils, const, splat = kit.ir, kit.cgutils, kit.const, kit.splat
+    j = args[4]
+    v = _Vectors(kit, context, builder, sig, args)
+    h_p, p_p, g_p = v.data(2), v.data(3), v.data(5)
+    K = cgutils.unpack_tuple(builder, v.array(3).shape, 3)[1]  # C-ordered arrays
+    h_stride = cgutils.unpack_tuple(builder, v.array(2).shape, 2)[1]
+    g_stride = cgutils.unpack_tuple(builder, v.array(5).shape, 2)[1]
+    block = builder.mul(K, const(LANES))                        # one block's values
+    zero = ir.Constant(kit.vec, [0.0] * LANES)
+    accs = [cgutils.alloca_once_value(builder, zero) for _ in range(R * Q)]
+    first = builder.mul(j, block)
+    with cgutils.for_range(builder, K) as k:
+        row = builder.add(first, builder.mul(k.index, const(LANES)))
+        w = [v.load(p_p, builder.add(row, builder.mul(const(q), block)))
+             for q in range(Q)]
+        for b in range(R):
+            x = splat(builder, builder.load(builder.gep(
+                h_p, [builder.add(builder.mul(const(b), h_stride), k.index)])))
+            for q in range(Q):
+                acc = accs[b * Q + q]
+                builder.store(v.fma(x, w[q], builder.load(acc)), acc)
+    for b in range(R):
+        for q in range(Q):
+            v.store(builder.load(accs[b * Q + q]), g_p, builder.add(
+                builder.mul(const(b), g_stride),
+                builder.mul(builder.add(j, const(q)), const(LANES))))
+    return context.get_dummy_value()
+
+
+def _register_row_columns(numba, kit, intrinsic, overload):
+    """`row_columns` for 4 or 1 rows by COLUMN_BLOCKS or 1 blocks."""
+    types = numba.types
+
+    def row_columns_intrinsic(R, Q):
+        @intrinsic
+        def fma_row_columns(typingctx, rows, blocks, h, P, j, G):
+            sig = types.void(rows, blocks, h, P, types.int64, G)
+            return sig, (lambda context, builder, s, args:
+                         _emit_row_columns(kit, R, Q, context, builder, s, args))
+        return fma_row_columns
+
+    by_rows = {(R, Q): row_columns_intrinsic(R, Q) for R in (4, 1) for Q in (COLUMN_BLOCKS, 1)}
+
+    @overload(row_columns)
+    def _row_columns(rows, blocks, h, P, j, G):
+        key = (getattr(rows, "literal_value", None), getattr(blocks, "literal_value", None))
+        if key not in by_rows:
+            return None
+        fma_row_columns = by_rows[key]
+        return lambda rows, blocks, h, P, j, G: fma_row_columns(rows, blocks, h, P,
+                                                                np.int64(j), G)
+
+
+@_compiled.Once
 def _register(numba) -> None:
     """The vector code as numba intrinsics behind `tile` (ROWS and SMALL_ROWS rows),
     `depthwise_pixels` (DEPTHWISE_PIXELS and 1 pixels by each of DEPTHWISE_TAPS) and
     `row_columns` (4 or 1 rows by COLUMN_BLOCKS or 1 blocks); once per process."""
-    global _registered
-    if _registered:
-        return
-    with _compiled._lock:
-        if _registered:
-            return
-        from llvmlite import ir
-        from numba.core import cgutils
-        from numba.extending import intrinsic, overload
-        types = numba.types
-        f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-        vec = ir.VectorType(f32, LANES)
-        splat_mask = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
-        undef = ir.Constant(vec, ir.Undefined)
-
-        def const(v):
-            return ir.Constant(i64, v)
-
-        def splat(builder, scalar):
-            one = builder.insert_element(undef, scalar, ir.Constant(i32, 0))
-            return builder.shuffle_vector(one, undef, splat_mask)
-
-        class Vectors:
-            """Vector IR for one intrinsic: `data(i)` the data pointer of array argument i,
-            loads and stores of LANES floats at an element index, fused multiply-add,
-            clip to [lo, hi] (a NaN stays NaN)."""
-
-            def __init__(self, context, builder, sig, args):
-                self.builder, self._context, self._sig, self._args = builder, context, sig, args
-                self._fma = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{LANES}f32")
-                self._prefetch = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(),
-                                                                    i32, i32, i32]),
-                    "llvm.prefetch.p0i8")
-
-            def array(self, i):
-                return self._context.make_array(self._sig.args[i])(
-                    self._context, self.builder, self._args[i])
-
-            def data(self, i):
-                return self.array(i).data
-
-            def _at(self, ptr, index):
-                return self.builder.bitcast(self.builder.gep(ptr, [index]), vec.as_pointer())
-
-            def load(self, ptr, index):
-                return self.builder.load(self._at(ptr, index), align=4)
-
-            def store(self, value, ptr, index):
-                self.builder.store(value, self._at(ptr, index), align=4)
-
-            def prefetch(self, ptr, index):
-                address = self.builder.bitcast(self.builder.gep(ptr, [index]),
-                                               ir.IntType(8).as_pointer())
-                self.builder.call(self._prefetch, [address, ir.Constant(i32, 0),
-                                                   ir.Constant(i32, 3), ir.Constant(i32, 1)])
-
-            def fma(self, a, b, c):
-                return self.builder.call(self._fma, [a, b, c])
-
-            def stream(self, value, ptr, index):
-                """A non-temporal store (the address aligned to a whole vector)."""
-                store = self.builder.store(value, self._at(ptr, index), align=4 * LANES)
-                store.set_metadata("nontemporal", self.builder.module.add_metadata(
-                    [ir.Constant(i32, 1)]))
-
-            def lanes_below(self, count):
-                """The mask of the lanes whose index is below `count` (an int64)."""
-                lanes = ir.Constant(ir.VectorType(i64, LANES), list(range(LANES)))
-                one = self.builder.insert_element(ir.Constant(ir.VectorType(i64, LANES),
-                                                              ir.Undefined), count,
-                                                  ir.Constant(i32, 0))
-                counts = self.builder.shuffle_vector(one, one, splat_mask)
-                return self.builder.icmp_signed("<", lanes, counts)
-
-            def masked_store(self, value, ptr, index, mask):
-                store = cgutils.get_or_insert_function(
-                    self.builder.module, ir.FunctionType(ir.VoidType(), [
-                        vec, vec.as_pointer(), i32, ir.VectorType(ir.IntType(1), LANES)]),
-                    f"llvm.masked.store.v{LANES}f32.p0v{LANES}f32")
-                self.builder.call(store, [value, self._at(ptr, index), ir.Constant(i32, 4),
-                                          mask])
-
-            def clip(self, y, lo_v, hi_v):
-                y = self.builder.select(self.builder.fcmp_ordered("<", y, lo_v), lo_v, y)
-                return self.builder.select(self.builder.fcmp_ordered(">", y, hi_v), hi_v, y)
-
-        def emit(R, context, builder, sig, args):
-            _, _, _, _, channels, _, _, lo, hi, _, at, ldc, width, stream = args
-            v = Vectors(context, builder, sig, args)
-            image_p, base_p, taps_p = v.data(1), v.data(2), v.data(3)
-            packed_p, bias_p, out_p = v.data(5), v.data(6), v.data(9)
-            zero = ir.Constant(vec, [0.0] * LANES)
-            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2 * R)]
-            origins = [builder.load(builder.gep(base_p, [const(r)])) for r in range(R)]
-            with cgutils.for_range(builder, v.array(3).nitems) as tap:
-                offset = builder.load(builder.gep(taps_p, [tap.index]))
-                starts = [builder.add(o, offset) for o in origins]
-                row0 = builder.mul(tap.index, builder.mul(channels, const(BLOCK)))
-                with cgutils.for_range(builder, channels) as ch:
-                    row = builder.add(row0, builder.mul(ch.index, const(BLOCK)))
-                    for line in range(0, BLOCK, 16):  # 16 floats: a cache line
-                        v.prefetch(packed_p, builder.add(row, const(PREFETCH_AHEAD + line)))
-                    w = [v.load(packed_p, row), v.load(packed_p, builder.add(row, const(LANES)))]
-                    for r in range(R):
-                        x = splat(builder, builder.load(
-                            builder.gep(image_p, [builder.add(starts[r], ch.index)])))
-                        for half in range(2):
-                            acc = accs[2 * r + half]
-                            builder.store(v.fma(x, w[half], builder.load(acc)), acc)
-            lo_v, hi_v = splat(builder, lo), splat(builder, hi)
-            results = []
-            for half in range(2):
-                b = v.load(bias_p, const(half * LANES))
-                for r in range(R):
-                    y = v.clip(builder.fadd(builder.load(accs[2 * r + half]), b), lo_v, hi_v)
-                    at_r = builder.add(at, builder.add(builder.mul(const(r), ldc),
-                                                       const(half * LANES)))
-                    results.append((half, y, at_r))
-            # a block's last columns (width < BLOCK): masked stores, where a copy through
-            # a scratch tile cost ~30% of a unit (M = 24, K = 96)
-            whole = builder.icmp_signed(">=", width, const(BLOCK))
-            with builder.if_else(whole) as (full, part):
-                with full:
-                    with builder.if_else(builder.icmp_signed("!=", stream, const(0))) as (
-                            around, through):
-                        with around:
-                            for _, y, at_r in results:
-                                v.stream(y, out_p, at_r)
-                        with through:
-                            for _, y, at_r in results:
-                                v.store(y, out_p, at_r)
-                with part:
-                    masks = [v.lanes_below(builder.sub(width, const(half * LANES)))
-                             for half in range(2)]
-                    for half, y, at_r in results:
-                        v.masked_store(y, out_p, at_r, masks[half])
-            return context.get_dummy_value()
-
-        def tile_intrinsic(R):
-            @intrinsic
-            def fma_tile(typingctx, rows, image, base, taps, channels, packed, bias, lo, hi,
-                         out, at, ldc, width, stream):
-                sig = types.void(rows, image, base, taps, types.int64, packed, bias,
-                                 types.float32, types.float32, out, types.int64, types.int64,
-                                 types.int64, types.int64)
-                return sig, lambda context, builder, s, args: emit(R, context, builder, s, args)
-            return fma_tile
-
-        tiles = {ROWS: tile_intrinsic(ROWS), SMALL_ROWS: tile_intrinsic(SMALL_ROWS)}
-
-        @overload(tile)
-        def _tile(rows, image, base, taps, channels, packed, bias, lo, hi, out, at, ldc,
-                  width, stream):
-            R = getattr(rows, "literal_value", None)
-            if R not in tiles:
-                return None
-            fma_tile = tiles[R]
-            return (lambda rows, image, base, taps, channels, packed, bias, lo, hi, out, at,
-                    ldc, width, stream: fma_tile(
-                        rows, image, base, taps, np.int64(channels), packed, bias,
-                        np.float32(lo), np.float32(hi), out, np.int64(at), np.int64(ldc),
-                        np.int64(width), np.int64(stream)))
-
-        @intrinsic
-        def sfence(typingctx):
-            def codegen(context, builder, signature, args):
-                fence = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse.sfence")
-                builder.call(fence, [])
-                return context.get_dummy_value()
-            return types.void(), codegen
-
-        overload(store_fence)(lambda: lambda: sfence())
-
-        def emit_depthwise(Q, T, context, builder, sig, args):
-            (_, _, _, start, step, _, _, _, lo, hi, _, at, out_step, groups, rows, row_step,
-             out_row_step) = args
-            v = Vectors(context, builder, sig, args)
-            image_p, taps_p, w_p, bias_p, out_p = (v.data(i) for i in (2, 5, 6, 7, 10))
-            w = [v.load(w_p, const(t * LANES)) for t in range(T)]
-            offsets = [builder.load(builder.gep(taps_p, [const(t)])) for t in range(T)]
-            b = v.load(bias_p, const(0))
-            lo_v, hi_v = splat(builder, lo), splat(builder, hi)
-            with cgutils.for_range(builder, rows) as r:
-                row_in = builder.add(start, builder.mul(r.index, row_step))
-                row_out = builder.add(at, builder.mul(r.index, out_row_step))
-                with cgutils.for_range(builder, groups) as g:
-                    first = builder.mul(g.index, const(Q))
-                    src = builder.add(row_in, builder.mul(first, step))
-                    dst = builder.add(row_out, builder.mul(first, out_step))
-                    acc = [b] * Q
-                    for t in range(T):
-                        tap = builder.add(src, offsets[t])
-                        for q in range(Q):
-                            x = v.load(image_p, builder.add(tap, builder.mul(const(q), step)))
-                            acc[q] = v.fma(x, w[t], acc[q])
-                    for q in range(Q):
-                        v.store(v.clip(acc[q], lo_v, hi_v), out_p,
-                                builder.add(dst, builder.mul(const(q), out_step)))
-            return context.get_dummy_value()
-
-        def depthwise_intrinsic(Q, T):
-            @intrinsic
-            def fma_depthwise(typingctx, pixels, taps_count, image, start, step, taps,
-                              weights, bias, lo, hi, out, at, out_step, groups, rows,
-                              row_step, out_row_step):
-                sig = types.void(pixels, taps_count, image, types.int64, types.int64, taps,
-                                 weights, bias, types.float32, types.float32, out,
-                                 types.int64, types.int64, types.int64, types.int64,
-                                 types.int64, types.int64)
-                return sig, (lambda context, builder, s, args:
-                             emit_depthwise(Q, T, context, builder, s, args))
-            return fma_depthwise
-
-        depthwise = {(Q, T): depthwise_intrinsic(Q, T)
-                     for Q in (DEPTHWISE_PIXELS, 1) for T in DEPTHWISE_TAPS}
-
-        @overload(depthwise_pixels)
-        def _depthwise_pixels(pixels, taps_count, image, start, step, taps, weights, bias, lo,
-                              hi, out, at, out_step, groups, rows, row_step, out_row_step):
-            key = (getattr(pixels, "literal_value", None),
-                   getattr(taps_count, "literal_value", None))
-            if key not in depthwise:
-                return None
-            fma_depthwise = depthwise[key]
-            return (lambda pixels, taps_count, image, start, step, taps, weights, bias, lo, hi,
-                    out, at, out_step, groups, rows, row_step, out_row_step: fma_depthwise(
-                        pixels, taps_count, image, np.int64(start), np.int64(step), taps,
-                        weights, bias, np.float32(lo), np.float32(hi), out, np.int64(at),
-                        np.int64(out_step), np.int64(groups), np.int64(rows),
-                        np.int64(row_step), np.int64(out_row_step)))
-
-        def emit_row_columns(R, Q, context, builder, sig, args):
-            j = args[4]
-            v = Vectors(context, builder, sig, args)
-            h_p, p_p, g_p = v.data(2), v.data(3), v.data(5)
-            K = cgutils.unpack_tuple(builder, v.array(3).shape, 3)[1]  # C-ordered arrays
-            h_stride = cgutils.unpack_tuple(builder, v.array(2).shape, 2)[1]
-            g_stride = cgutils.unpack_tuple(builder, v.array(5).shape, 2)[1]
-            block = builder.mul(K, const(LANES))                        # one block's values
-            zero = ir.Constant(vec, [0.0] * LANES)
-            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(R * Q)]
-            first = builder.mul(j, block)
-            with cgutils.for_range(builder, K) as k:
-                row = builder.add(first, builder.mul(k.index, const(LANES)))
-                w = [v.load(p_p, builder.add(row, builder.mul(const(q), block)))
-                     for q in range(Q)]
-                for b in range(R):
-                    x = splat(builder, builder.load(builder.gep(
-                        h_p, [builder.add(builder.mul(const(b), h_stride), k.index)])))
-                    for q in range(Q):
-                        acc = accs[b * Q + q]
-                        builder.store(v.fma(x, w[q], builder.load(acc)), acc)
-            for b in range(R):
-                for q in range(Q):
-                    v.store(builder.load(accs[b * Q + q]), g_p, builder.add(
-                        builder.mul(const(b), g_stride),
-                        builder.mul(builder.add(j, const(q)), const(LANES))))
-            return context.get_dummy_value()
-
-        def row_columns_intrinsic(R, Q):
-            @intrinsic
-            def fma_row_columns(typingctx, rows, blocks, h, P, j, G):
-                sig = types.void(rows, blocks, h, P, types.int64, G)
-                return sig, (lambda context, builder, s, args:
-                             emit_row_columns(R, Q, context, builder, s, args))
-            return fma_row_columns
-
-        by_rows = {(R, Q): row_columns_intrinsic(R, Q) for R in (4, 1) for Q in (COLUMN_BLOCKS, 1)}
-
-        @overload(row_columns)
-        def _row_columns(rows, blocks, h, P, j, G):
-            key = (getattr(rows, "literal_value", None), getattr(blocks, "literal_value", None))
-            if key not in by_rows:
-                return None
-            fma_row_columns = by_rows[key]
-            return lambda rows, blocks, h, P, j, G: fma_row_columns(rows, blocks, h, P,
-                                                                    np.int64(j), G)
-        _registered = True
+    from numba.extending import intrinsic, overload
+    kit = _Kit()
+    _register_tiles(numba, kit, intrinsic, overload)
+    _register_depthwise(numba, kit, intrinsic, overload)
+    _register_row_columns(numba, kit, intrinsic, overload)
 
 
 def empty(shape, dtype=np.float32) -> np.ndarray:
@@ -613,27 +660,16 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
 # channel layer at batch 8 (a 38 MB output) took 211 page faults a run, and 6-44 ms where
 # it took 5-6 without them; onnxruntime's arena keeps its memory. So such buffers are kept,
 # up to _KEEP_BUFFERS of them, and handed out again once nothing refers to them (numpy views
-# hold their base: a buffer is free when only this list does).
+# hold their base: a buffer is free when only this list does). The list is the process's
+# CPU engine's (`kept`, with `kept_lock`: ember.ops.cpu.engine), as glibc's heap is the
+# process's.
 KEEP_FROM_BYTES = 32 << 20
 _KEEP_BUFFERS = 4
-_kept: list[np.ndarray] = []
-_kept_lock = threading.Lock()
-
-
-def _new_lock_in_child() -> None:
-    global _kept_lock
-    _kept_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _keeping() -> bool:
-    """Off with EMBER_KEEP_MEMORY=0, as glibc's thresholds (ember.ops.cpu.memory, imported
-    here: ember.runtime imports the ops)."""
-    from ember.ops.cpu import memory
-    return not memory.opted_out()
+    """Off with EMBER_KEEP_MEMORY=0, as glibc's thresholds (ember.ops.cpu.memory)."""
+    return not _memory.opted_out()
 
 
 def _buffer(nbytes: int) -> np.ndarray:
@@ -641,17 +677,19 @@ def _buffer(nbytes: int) -> np.ndarray:
     one (kept if large)."""
     if nbytes < KEEP_FROM_BYTES or not _keeping():
         return np.empty(nbytes, np.uint8)
-    with _kept_lock:
-        free = [i for i in range(len(_kept)) if sys.getrefcount(_kept[i]) == 2]  # list + arg
+    engine = current()
+    with engine.kept_lock:
+        kept = engine.kept
+        free = [i for i in range(len(kept)) if sys.getrefcount(kept[i]) == 2]  # list + arg
         for i in free:
-            if nbytes <= _kept[i].size <= 2 * nbytes:
-                return _kept[i]
+            if nbytes <= kept[i].size <= 2 * nbytes:
+                return kept[i]
         buffer = np.empty(nbytes, np.uint8)
-        if len(_kept) >= _KEEP_BUFFERS:
+        if len(kept) >= _KEEP_BUFFERS:
             if not free:
                 return buffer  # all in use: this one is not kept
-            del _kept[free[0]]  # the oldest free one makes room
-        _kept.append(buffer)
+            del kept[free[0]]  # the oldest free one makes room
+        kept.append(buffer)
         return buffer
 
 

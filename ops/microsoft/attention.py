@@ -524,11 +524,52 @@ class GroupQueryAttention(OpImpl):
         xp = self.xp
         self.refuse_unsupported(k_scale, v_scale, q_norm_weight, k_norm_weight, query_seqlens)
         self.check_required(seqlens_k, total_sequence_length, past_key, past_value)
-        n, nkv = self.num_heads, self.kv_num_heads
+        n = self.num_heads
         out_dtype = query.dtype
         work = work_dtype(out_dtype)
         if query.ndim != 3:
             raise self.fail(f"query must be 3-D, got shape {tuple(query.shape)}")
+        batch, q_len, _ = query.shape
+        q, k, v = self._split_qkv(query, key, value, work)
+        head = q.shape[-1]
+
+        total, kv_total, first_prompt, past_lens, past_buf, present_len = self.step_lengths(
+            _xp.to_host(xp, seqlens_k), total_sequence_length, past_key, past_value, batch,
+            q_len, head)
+        past_d = xp.asarray(past_lens)  # (B,) on the device
+        if self.do_rotary:
+            q, k = self._rotate_qk(q, k, cos_cache, sin_cache, position_ids, past_d,
+                                   first_prompt, work)
+        k_all, v_all = self._presents(k, v, past_key, past_value, past_d, past_buf,
+                                      present_len, work)
+
+        # attention over the first `total` positions
+        scores, qk_out = self._masked_scores(q, k_all[:, :, :total], attention_bias, past_d,
+                                             kv_total, work)
+        zero = work.type(0)
+        extra = None
+        if head_sink is not None:
+            if tuple(head_sink.shape) != (n,):
+                raise self.fail(f"head_sink must have shape ({n},), got {tuple(head_sink.shape)}")
+            extra = head_sink.astype(work, copy=False).reshape(1, n, 1, 1)
+        elif self.smooth:
+            extra = zero
+        probs = _softmax(xp, scores, extra)
+        if self.qk_mode == 2:
+            qk_out = probs
+        y = _weighted(xp, probs, v_all[:, :, :total])
+        results = (_merge_heads(y).astype(out_dtype, copy=False),
+                   k_all.astype(out_dtype, copy=False), v_all.astype(out_dtype, copy=False))
+        if self.n_outputs > 3:
+            if qk_out is None:
+                raise self.fail("the output_qk output needs qk_output=1 or 2")
+            results += (qk_out.astype(out_dtype, copy=False),)
+        return results[:max(self.n_outputs, 1)]
+
+    def _split_qkv(self, query, key, value, work):
+        """Q (B, N, S, H), K and V (B, Nkv, S, H) in `work` from the 3-D query (packed QKV
+        without key and value) or key and value, checked to share one head size."""
+        n, nkv = self.num_heads, self.kv_num_heads
         batch, q_len, width = query.shape
         qw = query.astype(work, copy=False)
         if key is None and value is None:  # packed QKV
@@ -552,31 +593,35 @@ class GroupQueryAttention(OpImpl):
         head = q.shape[-1]
         if k.shape[-1] != head or v.shape[-1] != head:
             raise self.fail("query, key and value head sizes differ")
+        return q, k, v
 
-        total, kv_total, first_prompt, past_lens, past_buf, present_len = self.step_lengths(
-            _xp.to_host(xp, seqlens_k), total_sequence_length, past_key, past_value, batch,
-            q_len, head)
-        past_d = xp.asarray(past_lens)  # (B,) on the device
+    def _rotate_qk(self, q, k, cos_cache, sin_cache, position_ids, past_d, first_prompt, work):
+        """q and k rotated at their absolute positions: past_d (B,) + step, or position_ids
+        ((B, S), or only its first entry as the offset of a first prompt)."""
+        xp = self.xp
+        batch, _, q_len, head = q.shape
+        self.check_rotary_caches(cos_cache, sin_cache, head)
+        steps = xp.arange(q_len, dtype=np.int64).reshape(1, q_len)
+        if position_ids is None:
+            pos = past_d.reshape(batch, 1) + steps
+        elif first_prompt:
+            pos = position_ids.reshape(-1)[:1].astype(np.int64).reshape(1, 1) + steps
+        else:
+            if tuple(position_ids.shape) != (batch, q_len):
+                raise self.fail(f"position_ids must have shape ({batch}, {q_len}), got "
+                                f"{tuple(position_ids.shape)}")
+            pos = position_ids.astype(np.int64)
+        self._check_positions(pos, cos_cache.shape[0])
+        cos = xp.take(cos_cache.astype(work, copy=False), pos, axis=0)[:, None]
+        sin = xp.take(sin_cache.astype(work, copy=False), pos, axis=0)[:, None]
+        return _rotate(xp, q, cos, sin, self.interleaved), _rotate(xp, k, cos, sin,
+                                                                   self.interleaved)
 
-        if self.do_rotary:
-            self.check_rotary_caches(cos_cache, sin_cache, head)
-            steps = xp.arange(q_len, dtype=np.int64).reshape(1, q_len)
-            if position_ids is None:
-                pos = past_d.reshape(batch, 1) + steps
-            elif first_prompt:
-                pos = position_ids.reshape(-1)[:1].astype(np.int64).reshape(1, 1) + steps
-            else:
-                if tuple(position_ids.shape) != (batch, q_len):
-                    raise self.fail(f"position_ids must have shape ({batch}, {q_len}), got "
-                                    f"{tuple(position_ids.shape)}")
-                pos = position_ids.astype(np.int64)
-            self._check_positions(pos, cos_cache.shape[0])
-            cos = xp.take(cos_cache.astype(work, copy=False), pos, axis=0)[:, None]
-            sin = xp.take(sin_cache.astype(work, copy=False), pos, axis=0)[:, None]
-            q = _rotate(xp, q, cos, sin, self.interleaved)
-            k = _rotate(xp, k, cos, sin, self.interleaved)
-
-        # present: past rows [0, past_b), this step's rows at [past_b, past_b + S), zeros after
+    def _presents(self, k, v, past_key, past_value, past_d, past_buf, present_len, work):
+        """The present K and V (B, Nkv, present_len, H): per batch entry its past rows
+        [0, past_b), this step's rows at [past_b, past_b + S), zeros after."""
+        xp = self.xp
+        batch, _, q_len, _ = k.shape
         slots = xp.arange(present_len, dtype=np.int64).reshape(1, present_len)
         rel = slots - past_d.reshape(batch, 1)  # (B, T_present): row index into the new K/V
         new_rows = ((rel >= 0) & (rel < q_len)).reshape(batch, 1, present_len, 1)
@@ -594,12 +639,17 @@ class GroupQueryAttention(OpImpl):
                 out = xp.where(old_rows, old, out)
             return out
 
-        k_all = cache(k, past_key)
-        v_all = cache(v, past_value)
+        return cache(k, past_key), cache(v, past_value)
 
-        # attention over the first `total` positions
+    def _masked_scores(self, q, keys, attention_bias, past_d, kv_total, work):
+        """(scores, qk_out) of q against keys (B, Nkv, total, H): scaled, softcapped, plus the
+        attention bias, -inf outside each entry's keys and the causal / local window limits;
+        qk_out is the scores with those masked as 0 when qk_output == 1, else None."""
+        xp = self.xp
+        batch, n, q_len, head = q.shape
+        total = keys.shape[2]
         scale = self.scale or 1.0 / math.sqrt(head)
-        scores = _scores(xp, q, k_all[:, :, :total], scale)
+        scores = _scores(xp, q, keys, scale)
         if self.softcap > 0:
             cap = work.type(self.softcap)
             scores = xp.tanh(scores / cap) * cap
@@ -618,26 +668,9 @@ class GroupQueryAttention(OpImpl):
         if self.window > 0:
             allowed &= cols > rows - self.window
         allowed = allowed[:, None]  # (B, 1, S or 1, T)
-        qk_out = xp.where(allowed, scores, zero) if self.qk_mode == 1 else None
-        scores = xp.where(allowed, scores, work.type(-np.inf))
-        extra = None
-        if head_sink is not None:
-            if tuple(head_sink.shape) != (n,):
-                raise self.fail(f"head_sink must have shape ({n},), got {tuple(head_sink.shape)}")
-            extra = head_sink.astype(work, copy=False).reshape(1, n, 1, 1)
-        elif self.smooth:
-            extra = zero
-        probs = _softmax(xp, scores, extra)
-        if self.qk_mode == 2:
-            qk_out = probs
-        y = _weighted(xp, probs, v_all[:, :, :total])
-        results = (_merge_heads(y).astype(out_dtype, copy=False),
-                   k_all.astype(out_dtype, copy=False), v_all.astype(out_dtype, copy=False))
-        if self.n_outputs > 3:
-            if qk_out is None:
-                raise self.fail("the output_qk output needs qk_output=1 or 2")
-            results += (qk_out.astype(out_dtype, copy=False),)
-        return results[:max(self.n_outputs, 1)]
+        qk_out = xp.where(allowed, scores, work.type(0)) if self.qk_mode == 1 else None
+        return xp.where(allowed, scores, work.type(-np.inf)), qk_out
+
 
     def _check_positions(self, pos, limit):
         host = _xp.to_host(self.xp, pos)

@@ -115,35 +115,26 @@ def _bias_pass(vw: int, mask: int, qk_mode: int) -> str:
     }}"""
 
 
-@lru_cache(maxsize=None)
-def _softmax_source(ctype: str, acc: str, mask: int, qk_mode: int, ls: int,
-                    vector_bits: int) -> str:
-    """Kernel `attn_softmax` over the score rows (b, h, i) of length n.
+def _softmax_converters(ctype: str, acc: str):
+    """(to_acc, to_t): C expressions converting `x` (w lanes wide) to ACC and back to T; the
+    identity when the row accumulates in T itself."""
+    if acc == ctype:
+        return (lambda x, w: x), (lambda x, w: x)
+    return ((lambda x, w: f"convert_{acc}{w}({x})" if w > 1 else f"(ACC)({x})"),
+            (lambda x, w: f"convert_{ctype}{w}({x})" if w > 1 else f"(T)({x})"))
 
-    ls == 1 (CPU devices): one work-item per row, in vectors of VW elements (`vector_bits`
-    wide: the backend's `vector_bits`; vload/vstore and
-    a vector exp: PoCL calls a builtin per use, so one call per vector instead of per element
-    makes the row ~3x faster), with a scalar tail. ls > 1: one work-group of ls work-items
-    per row striding it, combining max and sum by trees in local memory (GPUs)."""
-    wide = "double" in (ctype, acc)
-    vw = vector_bits // (64 if wide else 32)
-    int_t = "long" if ctype == "double" else "int"  # same width as T: vector compares give it
-    mtype = "uchar" if mask == _MASK_BOOL else "T"
-    to_acc = (lambda x, w: x) if acc == ctype else \
-        (lambda x, w: f"convert_{acc}{w}({x})" if w > 1 else f"(ACC)({x})")
-    to_t = (lambda x, w: x) if acc == ctype else \
-        (lambda x, w: f"convert_{ctype}{w}({x})" if w > 1 else f"(T)({x})")
-    qk3 = "qr[j] = p;" if qk_mode == 3 else ""
-    scalar_pass1 = _bias_pass(1, mask, qk_mode)
-    scalar_pass2 = "{ const ACC e = exp((ACC)sr[j] - m); sr[j] = (T)e; sum += e; }"
-    scalar_pass3 = f"{{ const T p = (T)((ACC)sr[j] / sum); sr[j] = p; {qk3} }}"
-    if ls == 1:
-        head = "const long row = get_global_id(0); if (row >= rows) return;"
-        hmax = " ".join(f"{{ const T x = mv4{c}; m1 = (x > m1 || x != x) ? x : m1; }}"
-                        for c in _lanes(vw))
-        hsum = " + ".join(f"sv{c}" for c in _lanes(vw))
-        vload = f"vload{vw}(0, sr + j)"
-        pass1 = f"""
+
+def _softmax_vector_passes(vw: int, mask: int, qk_mode: int, to_acc, to_t,
+                           scalar: tuple[str, str, str]) -> tuple[str, str, str, str]:
+    """(head, pass1, pass2, pass3) of the ls == 1 kernel: one work-item walks its row in
+    vectors of VW, then the scalar statements `scalar` finish the tail."""
+    scalar_pass1, scalar_pass2, scalar_pass3 = scalar
+    head = "const long row = get_global_id(0); if (row >= rows) return;"
+    hmax = " ".join(f"{{ const T x = mv4{c}; m1 = (x > m1 || x != x) ? x : m1; }}"
+                    for c in _lanes(vw))
+    hsum = " + ".join(f"sv{c}" for c in _lanes(vw))
+    vload = f"vload{vw}(0, sr + j)"
+    pass1 = f"""
     /* vectors while inside the mask's length (where its last stride is 1), then scalars */
     const long vend = {"min(n, mlen)" if mask else "n"};
     long j = 0;
@@ -158,8 +149,8 @@ def _softmax_source(ctype: str, acc: str, mask: int, qk_mode: int, ls: int,
            m1 = mv; }}
         m = (ACC)m1;
     }}"""
-        qk3v = f"vstore{vw}(p, 0, qr + j);" if qk_mode == 3 else ""
-        pass2 = f"""
+    qk3v = f"vstore{vw}(p, 0, qr + j);" if qk_mode == 3 else ""
+    pass2 = f"""
     {{
         ACCV sv = (ACCV)(0);
         for (j = 0; j + VW <= n; j += VW) {{
@@ -170,28 +161,38 @@ def _softmax_source(ctype: str, acc: str, mask: int, qk_mode: int, ls: int,
         sum = {hsum};
         for (; j < n; ++j) {scalar_pass2}
     }}"""
-        pass3 = f"""
+    pass3 = f"""
     for (j = 0; j + VW <= n; j += VW) {{
         const TV p = {to_t(f"{to_acc(vload, vw)} / sum", vw)};
         vstore{vw}(p, 0, sr + j);
         {qk3v}
     }}
     for (; j < n; ++j) {scalar_pass3}"""
-        tree_max = tree_sum = ""
-    else:
-        head = "const long row = get_group_id(0); const int lid = get_local_id(0);\n" \
-               "    __local ACC buf[LS];"
-        loop = "for (long j = lid; j < n; j += LS)"
-        pass1 = f"""
+    return head, pass1, pass2, pass3
+
+
+def _softmax_group_passes(scalar: tuple[str, str, str]) -> tuple[str, str, str, str, str, str]:
+    """(head, pass1, pass2, pass3, tree_max, tree_sum) of the ls > 1 kernel: the work-group's
+    items stride the row with the scalar statements, and trees in local memory combine them."""
+    scalar_pass1, scalar_pass2, scalar_pass3 = scalar
+    head = "const long row = get_group_id(0); const int lid = get_local_id(0);\n" \
+           "    __local ACC buf[LS];"
+    loop = "for (long j = lid; j < n; j += LS)"
+    pass1 = f"""
     {{
         T mv = -INFINITY;
         {loop} {scalar_pass1}
         m = (ACC)mv;
     }}"""
-        pass2 = f"{loop} {scalar_pass2}"
-        pass3 = f"{loop} {scalar_pass3}"
-        tree_max = tree_code("m", "ACC", "((a > b || a != a) ? a : b)")
-        tree_sum = tree_code("sum", "ACC", "a + b")
+    return (head, pass1, f"{loop} {scalar_pass2}", f"{loop} {scalar_pass3}",
+            tree_code("m", "ACC", "((a > b || a != a) ? a : b)"),
+            tree_code("sum", "ACC", "a + b"))
+
+
+def _softmax_preamble(ctype: str, acc: str, mask: int, vw: int, ls: int) -> str:
+    """The typedefs and #defines the `attn_softmax` kernel text is written against."""
+    int_t = "long" if ctype == "double" else "int"  # same width as T: vector compares give it
+    mtype = "uchar" if mask == _MASK_BOOL else "T"
     iota = ", ".join(str(k) for k in range(vw))
     return f"""
 typedef {ctype} T;
@@ -205,7 +206,14 @@ typedef {mtype} MT;
 #define LS {ls}
 #define IOTA ((IV)({iota}))
 #define convert_IV convert_{int_t}{vw}
-/* Row (b, h, i) of the scores s (rows = B*H*L rows of n): softcap, + bias, masked softmax,
+"""
+
+
+def _softmax_kernel(mask: int, head: str, pass1: str, tree_max: str, pass2: str,
+                    tree_sum: str, pass3: str) -> str:
+    """The `attn_softmax` kernel around its passes: the row's limits, then max, exp and sum,
+    and the division, each pass followed by its work-group tree (if any)."""
+    return f"""/* Row (b, h, i) of the scores s (rows = B*H*L rows of n): softcap, + bias, masked softmax,
    in place; qr gets the qk_matmul_output at the stage QK_MODE selects. The bias is added in
    the CPU kernel's order: the mask (-inf past its length mlen), then the structural limits,
    which all reduce to one allowed key interval [lo, hi] per row. */
@@ -245,6 +253,33 @@ __kernel void attn_softmax(__global T *s, __global T *qk, __global const MT *mas
     {pass3}
 }}
 """
+
+
+@lru_cache(maxsize=None)
+def _softmax_source(ctype: str, acc: str, mask: int, qk_mode: int, ls: int,
+                    vector_bits: int) -> str:
+    """Kernel `attn_softmax` over the score rows (b, h, i) of length n.
+
+    ls == 1 (CPU devices): one work-item per row, in vectors of VW elements (`vector_bits`
+    wide: the backend's `vector_bits`; vload/vstore and
+    a vector exp: PoCL calls a builtin per use, so one call per vector instead of per element
+    makes the row ~3x faster), with a scalar tail. ls > 1: one work-group of ls work-items
+    per row striding it, combining max and sum by trees in local memory (GPUs)."""
+    wide = "double" in (ctype, acc)
+    vw = vector_bits // (64 if wide else 32)
+    to_acc, to_t = _softmax_converters(ctype, acc)
+    qk3 = "qr[j] = p;" if qk_mode == 3 else ""
+    scalar = (_bias_pass(1, mask, qk_mode),
+              "{ const ACC e = exp((ACC)sr[j] - m); sr[j] = (T)e; sum += e; }",
+              f"{{ const T p = (T)((ACC)sr[j] / sum); sr[j] = p; {qk3} }}")
+    if ls == 1:
+        head, pass1, pass2, pass3 = _softmax_vector_passes(vw, mask, qk_mode, to_acc, to_t,
+                                                           scalar)
+        tree_max = tree_sum = ""
+    else:
+        head, pass1, pass2, pass3, tree_max, tree_sum = _softmax_group_passes(scalar)
+    return _softmax_preamble(ctype, acc, mask, vw, ls) + _softmax_kernel(
+        mask, head, pass1, tree_max, pass2, tree_sum, pass3)
 
 
 # --------------------------------------------------------------------------------------------

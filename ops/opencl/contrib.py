@@ -549,69 +549,8 @@ class MultiHeadAttentionCL(_PaddedAttentionCL, CA.MultiHeadAttention):
         be = self.device
         n = self.num_heads
         dtype = query.dtype
-        query = contiguous(query)
-        # (array, element offset, (b, h, s, d) strides, head size) of each of Q, K, V
-        if query.ndim == 5:
-            if key is not None or value is not None:
-                raise self.fail("packed QKV query (B, S, N, 3, H) takes no key or value")
-            if query.shape[2] != n or query.shape[3] != 3:
-                raise self.fail(f"packed QKV must have shape (B, S, {n}, 3, H), got "
-                                f"{tuple(query.shape)}")
-            batch, q_len, _, _, head = query.shape
-            st = (q_len * n * 3 * head, 3 * head, n * 3 * head, 1)
-            srcs = [(query, i * head, st, head) for i in range(3)]
-            kv_len = q_len
-            dq = dk = dv = n * head
-        elif query.ndim == 3:
-            batch, q_len, dq = query.shape
-            if n <= 0 or dq % n:
-                raise self.fail(f"query hidden size {dq} is not a multiple of {n} heads")
-            hq = dq // n
-            srcs = [(query, 0, (q_len * dq, hq, dq, 1), hq)]
-            if key is None:
-                raise self.fail("key is required unless the query is packed QKV")
-            key = contiguous(key)
-            if key.ndim == 5:
-                if value is not None:
-                    raise self.fail("packed KV key (B, L, N, 2, H) takes no value")
-                if key.shape[0] != batch or key.shape[2] != n or key.shape[3] != 2:
-                    raise self.fail(f"packed KV must have shape ({batch}, L, {n}, 2, H), got "
-                                    f"{tuple(key.shape)}")
-                kv_len, head = key.shape[1], key.shape[4]
-                st = (kv_len * n * 2 * head, 2 * head, n * 2 * head, 1)
-                srcs += [(key, 0, st, head), (key, head, st, head)]
-                dk = dv = n * head
-            elif key.ndim == 3:
-                if value is None or value.ndim != 3:
-                    raise self.fail("a 3-D key needs a 3-D value")
-                if key.shape[0] != batch or value.shape[:2] != key.shape[:2]:
-                    raise self.fail(f"key {tuple(key.shape)} and value {tuple(value.shape)} "
-                                    f"do not match the query {tuple(query.shape)}")
-                value = contiguous(value)
-                kv_len, dk, dv = key.shape[1], key.shape[2], value.shape[2]
-                for what, size in (("key", dk), ("value", dv)):
-                    if size % n:
-                        raise self.fail(f"{what} hidden size {size} is not a multiple of {n} "
-                                        f"heads")
-                srcs += [(key, 0, (kv_len * dk, dk // n, dk, 1), dk // n),
-                         (value, 0, (kv_len * dv, dv // n, dv, 1), dv // n)]
-            elif key.ndim == 4:
-                if value is None or value.ndim != 4:
-                    raise self.fail("a 4-D key (B, N, L, H) needs a 4-D value")
-                if key.shape[:2] != (batch, n) or value.shape[:3] != key.shape[:3]:
-                    raise self.fail(f"4-D key {tuple(key.shape)} / value "
-                                    f"{tuple(value.shape)} must be ({batch}, {n}, L, H)")
-                if past_key is not None:
-                    raise self.fail("past_key/past_value cannot be used with a 4-D key")
-                kv_len = key.shape[2]
-                dk, dv = n * key.shape[3], n * value.shape[3]
-                srcs += [(key, 0, None, key.shape[3]), (contiguous(value), 0, None,
-                                                        value.shape[3])]
-            else:
-                raise self.fail(f"key must be 3-D, 4-D or 5-D, got shape {tuple(key.shape)}")
-        else:
-            raise self.fail(f"query must be 3-D or 5-D (packed QKV), got shape "
-                            f"{tuple(query.shape)}")
+        batch, q_len, kv_len, (dq, dk, dv), srcs = self._qkv_sources(contiguous(query), key,
+                                                                     value, past_key)
         hq, hk, hv = srcs[0][3], srcs[1][3], srcs[2][3]
         if hq != hk:
             raise self.fail(f"query head size {hq} differs from key head size {hk}")
@@ -630,24 +569,9 @@ class MultiHeadAttentionCL(_PaddedAttentionCL, CA.MultiHeadAttention):
                                 f"{tuple(past_value.shape)} must be ({batch}, {n}, P, H)")
             past_len = past_key.shape[2]
         total = past_len + kv_len
-
-        def heads(index, length, past, bias_off):
-            src, off, st, h = srcs[index]
-            if st is None:  # a (B, N, L, H) key / value, used as it is
-                return src
-            shape = (batch, n, past_len + length if past is not None else length, h)
-            out = be.empty(shape, dtype)
-            if past is not None:
-                pshape = tuple(past.shape)
-                _heads_copy(be, contiguous(past), out, pshape, _strides(pshape),
-                            _strides(shape))
-            _heads_copy(be, src, out, (batch, n, length, h), st, _strides(shape), off,
-                        past_len * h if past is not None else 0, bias=bias, bias_off=bias_off)
-            return out
-
-        q = heads(0, q_len, None, 0)
-        k = heads(1, kv_len, past_key, dq)
-        v = heads(2, kv_len, past_value, dq + dk)
+        q = self._to_heads(srcs[0], batch, q_len, None, past_len, bias, 0, dtype)
+        k = self._to_heads(srcs[1], batch, kv_len, past_key, past_len, bias, dq, dtype)
+        v = self._to_heads(srcs[2], batch, kv_len, past_value, past_len, bias, dq + dk, dtype)
         mask_bias, strides = self._bias_cl(key_padding_mask, attention_bias, batch, q_len,
                                            total, past_len, dtype)
         want_qk = self.n_outputs > 3
@@ -658,6 +582,91 @@ class MultiHeadAttentionCL(_PaddedAttentionCL, CA.MultiHeadAttention):
         if want_qk:
             results.append(qk)
         return tuple(results) if len(results) > 1 else results[0]
+
+    def _qkv_sources(self, query, key, value, past_key):
+        """(batch, q_len, kv_len, (dq, dk, dv), srcs) of the contiguous query and the key and
+        value in any of their layouts, checked: srcs holds (array, element offset, (b, h, s, d)
+        strides, head size) of each of Q, K, V (strides None: a (B, N, L, H) array as it is)."""
+        n = self.num_heads
+        if query.ndim == 5:
+            if key is not None or value is not None:
+                raise self.fail("packed QKV query (B, S, N, 3, H) takes no key or value")
+            if query.shape[2] != n or query.shape[3] != 3:
+                raise self.fail(f"packed QKV must have shape (B, S, {n}, 3, H), got "
+                                f"{tuple(query.shape)}")
+            batch, q_len, _, _, head = query.shape
+            st = (q_len * n * 3 * head, 3 * head, n * 3 * head, 1)
+            srcs = [(query, i * head, st, head) for i in range(3)]
+            return batch, q_len, q_len, (n * head,) * 3, srcs
+        if query.ndim != 3:
+            raise self.fail(f"query must be 3-D or 5-D (packed QKV), got shape "
+                            f"{tuple(query.shape)}")
+        batch, q_len, dq = query.shape
+        if n <= 0 or dq % n:
+            raise self.fail(f"query hidden size {dq} is not a multiple of {n} heads")
+        hq = dq // n
+        if key is None:
+            raise self.fail("key is required unless the query is packed QKV")
+        kv_len, dk, dv, kv_srcs = self._kv_sources(query, contiguous(key), value, past_key)
+        return batch, q_len, kv_len, (dq, dk, dv), \
+            [(query, 0, (q_len * dq, hq, dq, 1), hq)] + kv_srcs
+
+    def _kv_sources(self, query, key, value, past_key):
+        """(kv_len, dk, dv, srcs of K and V) for a 3-D query: the key packed KV (5-D), 3-D
+        beside a 3-D value, or already split into heads (4-D)."""
+        n = self.num_heads
+        batch = query.shape[0]
+        if key.ndim == 5:
+            if value is not None:
+                raise self.fail("packed KV key (B, L, N, 2, H) takes no value")
+            if key.shape[0] != batch or key.shape[2] != n or key.shape[3] != 2:
+                raise self.fail(f"packed KV must have shape ({batch}, L, {n}, 2, H), got "
+                                f"{tuple(key.shape)}")
+            kv_len, head = key.shape[1], key.shape[4]
+            st = (kv_len * n * 2 * head, 2 * head, n * 2 * head, 1)
+            return kv_len, n * head, n * head, [(key, 0, st, head), (key, head, st, head)]
+        if key.ndim == 3:
+            if value is None or value.ndim != 3:
+                raise self.fail("a 3-D key needs a 3-D value")
+            if key.shape[0] != batch or value.shape[:2] != key.shape[:2]:
+                raise self.fail(f"key {tuple(key.shape)} and value {tuple(value.shape)} "
+                                f"do not match the query {tuple(query.shape)}")
+            value = contiguous(value)
+            kv_len, dk, dv = key.shape[1], key.shape[2], value.shape[2]
+            for what, size in (("key", dk), ("value", dv)):
+                if size % n:
+                    raise self.fail(f"{what} hidden size {size} is not a multiple of {n} "
+                                    f"heads")
+            return kv_len, dk, dv, [(key, 0, (kv_len * dk, dk // n, dk, 1), dk // n),
+                                    (value, 0, (kv_len * dv, dv // n, dv, 1), dv // n)]
+        if key.ndim == 4:
+            if value is None or value.ndim != 4:
+                raise self.fail("a 4-D key (B, N, L, H) needs a 4-D value")
+            if key.shape[:2] != (batch, n) or value.shape[:3] != key.shape[:3]:
+                raise self.fail(f"4-D key {tuple(key.shape)} / value "
+                                f"{tuple(value.shape)} must be ({batch}, {n}, L, H)")
+            if past_key is not None:
+                raise self.fail("past_key/past_value cannot be used with a 4-D key")
+            return key.shape[2], n * key.shape[3], n * value.shape[3], \
+                [(key, 0, None, key.shape[3]), (contiguous(value), 0, None, value.shape[3])]
+        raise self.fail(f"key must be 3-D, 4-D or 5-D, got shape {tuple(key.shape)}")
+
+    def _to_heads(self, source, batch, length, past, past_len, bias, bias_off, dtype):
+        """One of Q, K, V from its `_qkv_sources` entry as a contiguous (B, N, rows, H) array
+        with its projection bias added: the past rows first (when `past` is given), then this
+        step's `length` rows."""
+        src, off, st, h = source
+        if st is None:  # a (B, N, L, H) key / value, used as it is
+            return src
+        be = self.device
+        shape = (batch, self.num_heads, past_len + length if past is not None else length, h)
+        out = be.empty(shape, dtype)
+        if past is not None:
+            pshape = tuple(past.shape)
+            _heads_copy(be, contiguous(past), out, pshape, _strides(pshape), _strides(shape))
+        _heads_copy(be, src, out, (batch, self.num_heads, length, h), st, _strides(shape), off,
+                    past_len * h if past is not None else 0, bias=bias, bias_off=bias_off)
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -703,65 +712,94 @@ class GroupQueryAttentionCL(CA.GroupQueryAttention):
             return self.run_on_cpu(*args[:self.n_inputs])
         self.check_required(seqlens_k, total_sequence_length, past_key, past_value)
         be = self.device
-        n, nkv = self.num_heads, self.kv_num_heads
-        dtype = query.dtype
         if query.ndim != 3:
             raise self.fail(f"query must be 3-D, got shape {tuple(query.shape)}")
+        batch, q_len, _ = query.shape
+        head, srcs = self._cl_sources(contiguous(query), key, value)
+
+        # lengths, on the host, checked as the CPU kernel checks them
+        total, kv_total, first_prompt, past_lens, past_buf, present_len = self.step_lengths(
+            be.to_host(seqlens_k), total_sequence_length, past_key, past_value, batch, q_len,
+            head)
+        rotary = self._cl_rotary(cos_cache, sin_cache, position_ids, past_lens, first_prompt,
+                                 batch, q_len, head) if self.do_rotary else None
+        q, k, v = self._cl_heads(srcs, rotary, past_key, past_value, past_lens, past_buf,
+                                 present_len, batch, q_len, head)
+        mask, mask_strides, nonpad = self._cl_mask(attention_bias, kv_total, first_prompt,
+                                                   batch, q_len, total, query.dtype)
+        want_qk = self.n_outputs > 3
+        if want_qk and self.qk_mode == 0:
+            raise self.fail("the output_qk output needs qk_output=1 or 2")
+        scale = self.scale or 1.0 / math.sqrt(head)
+        kw = dict(mask=mask, mask_strides=mask_strides, qk_mode=3, softcap=self.softcap,
+                  causal=bool(self.causal), left=self.window - 1 if self.window > 0 else -1,
+                  nonpad=nonpad, past_len=0)
+        y, qk = _attend(be, q, k, v, total, present_len * head, scale, kw, want_qk)
+        results = (_merge_heads(be, y), k, v) + ((qk,) if want_qk else ())
+        return results[:max(self.n_outputs, 1)]
+
+    def _cl_sources(self, query, key, value):
+        """(head size, srcs): (array, element offset, (b, h, s, d) strides) of each of Q, K, V
+        in the contiguous 3-D query (packed QKV without key and value) or key and value."""
+        n, nkv = self.num_heads, self.kv_num_heads
         batch, q_len, width = query.shape
-        query = contiguous(query)
         if key is None and value is None:  # packed QKV
             if width % (n + 2 * nkv):
                 raise self.fail(f"packed QKV width {width} is not a multiple of num_heads + "
                                 f"2 * kv_num_heads = {n + 2 * nkv}")
             head = width // (n + 2 * nkv)
             st = (q_len * width, head, width, 1)
-            srcs = [(query, 0, st), (query, n * head, st), (query, (n + nkv) * head, st)]
-        elif key is not None and value is not None:
-            if key.ndim != 3 or value.ndim != 3 or key.shape[:2] != (batch, q_len) \
-                    or value.shape[:2] != (batch, q_len):
-                raise self.fail(f"key {tuple(key.shape)} and value {tuple(value.shape)} must be "
-                                f"({batch}, {q_len}, kv_hidden)")
-            for what, x, h in (("query", query, n), ("key", key, nkv), ("value", value, nkv)):
-                if x.shape[2] % h:
-                    raise self.fail(f"{what} hidden size {x.shape[2]} is not a multiple of {h} "
-                                    f"heads")
-            head = width // n
-            if key.shape[2] // nkv != head or value.shape[2] // nkv != head:
-                raise self.fail("query, key and value head sizes differ")
-            kw = key.shape[2]
-            srcs = [(query, 0, (q_len * width, head, width, 1)),
-                    (contiguous(key), 0, (q_len * kw, head, kw, 1)),
-                    (contiguous(value), 0, (q_len * kw, head, kw, 1))]
-        else:
+            return head, [(query, 0, st), (query, n * head, st), (query, (n + nkv) * head, st)]
+        if key is None or value is None:
             raise self.fail("key and value must be given together (or neither, packed QKV)")
+        if key.ndim != 3 or value.ndim != 3 or key.shape[:2] != (batch, q_len) \
+                or value.shape[:2] != (batch, q_len):
+            raise self.fail(f"key {tuple(key.shape)} and value {tuple(value.shape)} must be "
+                            f"({batch}, {q_len}, kv_hidden)")
+        for what, x, h in (("query", query, n), ("key", key, nkv), ("value", value, nkv)):
+            if x.shape[2] % h:
+                raise self.fail(f"{what} hidden size {x.shape[2]} is not a multiple of {h} "
+                                f"heads")
+        head = width // n
+        if key.shape[2] // nkv != head or value.shape[2] // nkv != head:
+            raise self.fail("query, key and value head sizes differ")
+        kw = key.shape[2]
+        return head, [(query, 0, (q_len * width, head, width, 1)),
+                      (contiguous(key), 0, (q_len * kw, head, kw, 1)),
+                      (contiguous(value), 0, (q_len * kw, head, kw, 1))]
 
-        # lengths, on the host, checked as the CPU kernel checks them
-        total, kv_total, first_prompt, past_lens, past_buf, present_len = self.step_lengths(
-            be.to_host(seqlens_k), total_sequence_length, past_key, past_value, batch, q_len,
-            head)
-
-        rotary = None
-        if self.do_rotary:
-            self.check_rotary_caches(cos_cache, sin_cache, head)
-            steps = np.arange(q_len, dtype=np.int64).reshape(1, q_len)
-            if position_ids is None:
-                pos = past_lens.reshape(batch, 1) + steps
+    def _cl_rotary(self, cos_cache, sin_cache, position_ids, past_lens, first_prompt, batch,
+                   q_len, head):
+        """The `rotary` argument of `_heads_copy`: the caches and a device table of the
+        positions (B or 1, S), found on the host as the CPU kernel finds them."""
+        be = self.device
+        self.check_rotary_caches(cos_cache, sin_cache, head)
+        steps = np.arange(q_len, dtype=np.int64).reshape(1, q_len)
+        if position_ids is None:
+            pos = past_lens.reshape(batch, 1) + steps
+        else:
+            ids = np.asarray(be.to_host(position_ids))
+            if first_prompt:
+                pos = ids.reshape(-1)[:1].astype(np.int64).reshape(1, 1) + steps
             else:
-                ids = np.asarray(be.to_host(position_ids))
-                if first_prompt:
-                    pos = ids.reshape(-1)[:1].astype(np.int64).reshape(1, 1) + steps
-                else:
-                    if tuple(ids.shape) != (batch, q_len):
-                        raise self.fail(f"position_ids must have shape ({batch}, {q_len}), got "
-                                        f"{tuple(ids.shape)}")
-                    pos = ids.astype(np.int64)
-            self._check_positions(pos, cos_cache.shape[0])
-            rotary = (contiguous(cos_cache), contiguous(sin_cache),
-                      cached_table(be, np.ascontiguousarray(pos)),
-                      q_len if pos.shape[0] > 1 else 0, 1, self.interleaved)
+                if tuple(ids.shape) != (batch, q_len):
+                    raise self.fail(f"position_ids must have shape ({batch}, {q_len}), got "
+                                    f"{tuple(ids.shape)}")
+                pos = ids.astype(np.int64)
+        self._check_positions(pos, cos_cache.shape[0])
+        return (contiguous(cos_cache), contiguous(sin_cache),
+                cached_table(be, np.ascontiguousarray(pos)),
+                q_len if pos.shape[0] > 1 else 0, 1, self.interleaved)
 
-        # heads: Q (B, N, S, H); this step's K, V (B, Nkv, S, H); then the present buffers
-        q = be.empty((batch, n, q_len, head), dtype)
+    def _cl_heads(self, srcs, rotary, past_key, past_value, past_lens, past_buf, present_len,
+                  batch, q_len, head):
+        """(Q (B, N, S, H), present K, present V (B, Nkv, present_len, H)): this step's K and
+        V split into heads (K rotated too), then written after each entry's past rows by
+        `kv_cache`."""
+        be = self.device
+        nkv = self.kv_num_heads
+        dtype = srcs[0][0].dtype
+        q = be.empty((batch, self.num_heads, q_len, head), dtype)
         src, off, st = srcs[0]
         _heads_copy(be, src, q, q.shape, st, _strides(q.shape), off, rotary=rotary)
         past_table = cached_table(be, past_lens)
@@ -774,42 +812,39 @@ class GroupQueryAttentionCL(CA.GroupQueryAttention):
             present = be.empty((batch, nkv, present_len, head), dtype)
             knl = _knl(be, _KV_CACHE_SOURCE, "kv_cache", dtype)
             launch(be, knl, (present_len, nkv, batch), fresh,
-                    contiguous(past) if past is not None and past_buf else fresh, present,
-                    past_table, _i64(q_len), _i64(past_buf), _i64(present_len), _i64(head),
-                    _i64(nkv), _i32(past is not None and past_buf > 0))
+                   contiguous(past) if past is not None and past_buf else fresh, present,
+                   past_table, _i64(q_len), _i64(past_buf), _i64(present_len), _i64(head),
+                   _i64(nkv), _i32(past is not None and past_buf > 0))
             presents.append(present)
+        return q, presents[0], presents[1]
 
-        # the limits and the additive mask
-        target = (batch, n, q_len, total)
+    def _cl_mask(self, attention_bias, kv_total, first_prompt, batch, q_len, total, dtype):
+        """(mask, mask_strides, nonpad) for the row kernel: the attention bias, plus the key
+        limit as a -inf mask on a padded first prompt (its positions start at 0); otherwise
+        the key limit goes as `nonpad`, the per-entry key count (top = kv_total - 1, query
+        positions kv_total - S + i)."""
+        be = self.device
+        target = (batch, self.num_heads, q_len, total)
         mask, mask_strides = None, (0, 0, 0, 0)
         ab = attention_bias
         if ab is not None:
-            if (ab.ndim != 4 or ab.shape[0] not in (1, batch) or ab.shape[1] not in (1, n)
+            if (ab.ndim != 4 or ab.shape[0] not in (1, batch)
+                    or ab.shape[1] not in (1, self.num_heads)
                     or tuple(ab.shape[2:]) != (q_len, total)):
                 raise self.fail(f"attention_bias must have shape (batch_size or 1, num_heads or "
                                 f"1, {q_len}, {total}), got {tuple(ab.shape)}")
             mask = contiguous(ab)
         padded_prompt = bool(self.causal) and first_prompt and bool((kv_total != q_len).any())
         nonpad = None
-        if padded_prompt:  # positions start at 0: the key limit as a -inf mask
+        if padded_prompt:
             keys = np.where(np.arange(total)[None, :] < kv_total[:, None], 0.0, -np.inf)
             keys = be.to_device(keys.astype(dtype).reshape(batch, 1, 1, total))
             mask = keys if mask is None else ew(be, "a + b", [mask, keys], dtype)
-        else:  # nonpad: top = kv_total - 1, query positions kv_total - S + i
+        else:
             nonpad = cached_table(be, kv_total.astype(np.int64))
         if mask is not None:
             mask_strides = _mask_strides(tuple(mask.shape), target)
-        want_qk = self.n_outputs > 3
-        if want_qk and self.qk_mode == 0:
-            raise self.fail("the output_qk output needs qk_output=1 or 2")
-        scale = self.scale or 1.0 / math.sqrt(head)
-        kw = dict(mask=mask, mask_strides=mask_strides, qk_mode=3, softcap=self.softcap,
-                  causal=bool(self.causal), left=self.window - 1 if self.window > 0 else -1,
-                  nonpad=nonpad, past_len=0)
-        y, qk = _attend(be, q, presents[0], presents[1], total, present_len * head, scale, kw,
-                        want_qk)
-        results = (_merge_heads(be, y), presents[0], presents[1]) + ((qk,) if want_qk else ())
-        return results[:max(self.n_outputs, 1)]
+        return mask, mask_strides, nonpad
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from typing import Any
 
 import numpy as np
 
+from ember.ops.cpu import engine as cpu_engine
+
 
 class Backend:
     """What the executor needs from a backend.
@@ -55,7 +57,14 @@ class Backend:
 
 
 class CpuBackend(Backend):
+    """The CPU backend. Its `engine` (ember.ops.cpu.engine.CpuEngine) owns the kernel pool,
+    its board and BLAS's threads during runs: the process's one engine, as those are the
+    process's (made with the first CPU backend, or by the first kernel that needs it)."""
+
     name = "cpu"
+
+    def __init__(self) -> None:
+        self.engine = cpu_engine.current()
 
     def describe(self) -> str:
         return "cpu (numpy)"

@@ -288,6 +288,39 @@ def test_mha_refusals():
     assert "float64" in fallback_reason(model)
 
 
+def _error(model, feeds, backend):
+    with pytest.raises(ember.EmberError) as info:
+        ember.load(model, backend=backend).run(feeds)
+    return type(info.value), str(info.value)
+
+
+def test_mha_malformed_layouts_fail_as_on_cpu():
+    """The layout checks live once on the op (MultiHeadAttention.kv_layout): malformed key /
+    value layouts fail on the device with the CPU kernel's error type and message."""
+    b, s, kv_len, heads, head = 2, 3, 4, 2, 4
+    hidden = heads * head
+    query = normal(b, s, hidden)
+    cases = {
+        "takes no value": (normal(b, kv_len, heads, 2, head), normal(b, kv_len, hidden), {}),
+        "needs a 3-D value": (normal(b, kv_len, hidden), normal(b, heads, kv_len, head), {}),
+        "do not match the query": (normal(b, kv_len, hidden), normal(b, kv_len + 1, hidden),
+                                   {}),
+        "key hidden size 7": (normal(b, kv_len, 7), normal(b, kv_len, hidden), {}),
+        "cannot be used with a 4-D key": (
+            normal(b, heads, kv_len, head), normal(b, heads, kv_len, head),
+            dict(past_key=normal(b, heads, 2, head), past_value=normal(b, heads, 2, head))),
+        "past_key": (normal(b, kv_len, hidden), normal(b, kv_len, hidden),
+                     dict(past_key=normal(b, heads, 2, head + 1),
+                          past_value=normal(b, heads, 2, head))),
+    }
+    for what, (key, value, past) in cases.items():
+        model, feeds = contrib_model("MultiHeadAttention", mha_inputs(query, key, value, **past),
+                                     ["y"], num_heads=heads)
+        cpu = _error(model, feeds, "cpu")
+        assert what in cpu[1]
+        assert _error(model, feeds, "opencl") == cpu, what
+
+
 # --------------------------------------------------------------------------------------------
 # GroupQueryAttention
 

@@ -29,6 +29,7 @@ Where onnxruntime's documentation is silent its CPU kernels' measured behaviour 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -313,6 +314,30 @@ class Attention(_PaddedAttention):
         return y, present
 
 
+def shapes_of(*arrays) -> list:
+    """The shapes of `arrays` as tuples of ints (None for an omitted input)."""
+    return [None if a is None else tuple(int(d) for d in a.shape) for a in arrays]
+
+
+class MhaLayout(NamedTuple):
+    """The query / key / value layout of one MultiHeadAttention call, checked
+    (MultiHeadAttention.kv_layout): `form` is "packed_qkv" (query (B, S, N, 3, H), no key or
+    value), "packed_kv" (key (B, L, N, 2, H), no value), "separate" (key and value (B, L, D))
+    or "split_heads" (key and value (B, N, L, H), used as they are: no bias, no past); `dims`
+    the hidden sizes (dq, dk, dv), `heads` the head sizes (dims // num_heads)."""
+    form: str
+    batch: int
+    q_len: int
+    kv_len: int  # the key rows of this call, past excluded
+    past_len: int
+    dims: tuple[int, int, int]
+    heads: tuple[int, int, int]
+
+    @property
+    def total(self) -> int:
+        return self.past_len + self.kv_len
+
+
 @register("MultiHeadAttention", versions=[1], domain=_DOMAIN)
 class MultiHeadAttention(_PaddedAttention):
     """Self/cross attention on projected inputs: query (B, S, D) or packed QKV (B, S, N, 3, H);
@@ -322,97 +347,105 @@ class MultiHeadAttention(_PaddedAttention):
     defaults = {"num_heads": 0, "unidirectional": 0, "mask_filter_value": -10000.0,
                 "scale": 0.0}
 
-    def run(self, query, key=None, value=None, bias=None, key_padding_mask=None,
-            attention_bias=None, past_key=None, past_value=None, past_sequence_length=None,
-            cache_indirection=None):
-        xp = self.xp
+    # Checks every kernel of the op makes (the CPU's below, OpenCL's subclass), written once.
+
+    def refuse_unsupported(self, past_sequence_length, cache_indirection, past_key, past_value):
         if past_sequence_length is not None or cache_indirection is not None:
             raise self.fail("past_sequence_length / cache_indirection (buffer sharing, beam "
                             "search) are not supported")
         if (past_key is None) != (past_value is None):
             raise self.fail("past_key and past_value must be given together")
+
+    def kv_layout(self, query, key, value, bias=None, past_key=None,
+                  past_value=None) -> MhaLayout:
+        """The layout of the inputs whose shapes (tuples of ints, None when omitted: see
+        `shapes_of`) are given, checked: query, then key / value, head sizes, bias, past."""
         n = self.num_heads
-        out_dtype = query.dtype
-        work = work_dtype(out_dtype)
-        qw = query.astype(work, copy=False)
-        kv_split = False  # key/value given as (B, N, L, H): no bias, used as they are
-        if query.ndim == 5:
+        if len(query) == 5:
             if key is not None or value is not None:
                 raise self.fail("packed QKV query (B, S, N, 3, H) takes no key or value")
-            if query.shape[2] != n or query.shape[3] != 3:
-                raise self.fail(f"packed QKV must have shape (B, S, {n}, 3, H), got "
-                                f"{tuple(query.shape)}")
-            batch, q_len, _, _, head = query.shape
-            q = qw[:, :, :, 0].transpose(0, 2, 1, 3)
-            k = qw[:, :, :, 1].transpose(0, 2, 1, 3)
-            v = qw[:, :, :, 2].transpose(0, 2, 1, 3)
-            dq = dk = dv = n * head
-        elif query.ndim == 3:
-            batch, q_len, dq = query.shape
-            q = _heads(qw, n, "query", self.fail)
+            if query[2] != n or query[3] != 3:
+                raise self.fail(f"packed QKV must have shape (B, S, {n}, 3, H), got {query}")
+            batch, q_len, _, _, head = query
+            form, kv_len, dq, dk, dv = "packed_qkv", q_len, n * head, n * head, n * head
+        elif len(query) == 3:
+            batch, q_len, dq = query
+            self._check_hidden("query", dq)
             if key is None:
                 raise self.fail("key is required unless the query is packed QKV")
-            kw = key.astype(work, copy=False)
-            if key.ndim == 5:
-                if value is not None:
-                    raise self.fail("packed KV key (B, L, N, 2, H) takes no value")
-                if key.shape[0] != batch or key.shape[2] != n or key.shape[3] != 2:
-                    raise self.fail(f"packed KV must have shape ({batch}, L, {n}, 2, H), got "
-                                    f"{tuple(key.shape)}")
-                k = kw[:, :, :, 0].transpose(0, 2, 1, 3)
-                v = kw[:, :, :, 1].transpose(0, 2, 1, 3)
-                dk = dv = n * key.shape[4]
-            elif key.ndim == 3:
-                if value is None or value.ndim != 3:
-                    raise self.fail("a 3-D key needs a 3-D value")
-                if key.shape[0] != batch or value.shape[:2] != key.shape[:2]:
-                    raise self.fail(f"key {tuple(key.shape)} and value {tuple(value.shape)} "
-                                    f"do not match the query {tuple(query.shape)}")
-                k = _heads(kw, n, "key", self.fail)
-                v = _heads(value.astype(work, copy=False), n, "value", self.fail)
-                dk, dv = key.shape[2], value.shape[2]
-            elif key.ndim == 4:
-                if value is None or value.ndim != 4:
-                    raise self.fail("a 4-D key (B, N, L, H) needs a 4-D value")
-                if key.shape[:2] != (batch, n) or value.shape[:3] != key.shape[:3]:
-                    raise self.fail(f"4-D key {tuple(key.shape)} / value "
-                                    f"{tuple(value.shape)} must be ({batch}, {n}, L, H)")
-                if past_key is not None:
-                    raise self.fail("past_key/past_value cannot be used with a 4-D key")
-                k, v = kw, value.astype(work, copy=False)
-                dk, dv = n * key.shape[3], n * value.shape[3]
-                kv_split = True
-            else:
-                raise self.fail(f"key must be 3-D, 4-D or 5-D, got shape {tuple(key.shape)}")
+            form, kv_len, dk, dv = self._key_layout(query, key, value, past_key)
         else:
-            raise self.fail(f"query must be 3-D or 5-D (packed QKV), got shape "
-                            f"{tuple(query.shape)}")
-        if q.shape[-1] != k.shape[-1]:
-            raise self.fail(f"query head size {q.shape[-1]} differs from key head size "
-                            f"{k.shape[-1]}")
-        if bias is not None:
-            if tuple(bias.shape) != (dq + dk + dv,):
-                raise self.fail(f"bias must have shape ({dq + dk + dv},), got "
-                                f"{tuple(bias.shape)}")
-            bw = bias.astype(work, copy=False)
-            q = q + bw[:dq].reshape(n, 1, -1)
-            if not kv_split:
-                k = k + bw[dq:dq + dk].reshape(n, 1, -1)
-                v = v + bw[dq + dk:].reshape(n, 1, -1)
+            raise self.fail(f"query must be 3-D or 5-D (packed QKV), got shape {query}")
+        hq, hk, hv = dq // n, dk // n, dv // n
+        if hq != hk:
+            raise self.fail(f"query head size {hq} differs from key head size {hk}")
+        if bias is not None and bias != (dq + dk + dv,):
+            raise self.fail(f"bias must have shape ({dq + dk + dv},), got {bias}")
         past_len = 0
         if past_key is not None:
-            if (past_key.ndim != 4 or tuple(past_key.shape[:2]) != (batch, n)
-                    or past_key.shape[3] != k.shape[3] or past_value.ndim != 4
-                    or tuple(past_value.shape[:3]) != tuple(past_key.shape[:3])
-                    or past_value.shape[3] != v.shape[3]):
-                raise self.fail(f"past_key {tuple(past_key.shape)} / past_value "
-                                f"{tuple(past_value.shape)} must be ({batch}, {n}, P, H)")
-            past_len = past_key.shape[2]
+            if (len(past_key) != 4 or past_key[:2] != (batch, n) or past_key[3] != hk
+                    or len(past_value) != 4 or past_value[:3] != past_key[:3]
+                    or past_value[3] != hv):
+                raise self.fail(f"past_key {past_key} / past_value {past_value} must be "
+                                f"({batch}, {n}, P, H)")
+            past_len = past_key[2]
+        return MhaLayout(form, batch, q_len, kv_len, past_len, (dq, dk, dv), (hq, hk, hv))
+
+    def _check_hidden(self, what, size):
+        n = self.num_heads
+        if n <= 0 or size % n:
+            raise self.fail(f"{what} hidden size {size} is not a multiple of {n} heads")
+
+    def _key_layout(self, query, key, value, past_key) -> tuple[str, int, int, int]:
+        """(form, kv_len, dk, dv) of the key and value shapes beside a 3-D query shape."""
+        n = self.num_heads
+        batch = query[0]
+        if len(key) == 5:
+            if value is not None:
+                raise self.fail("packed KV key (B, L, N, 2, H) takes no value")
+            if key[0] != batch or key[2] != n or key[3] != 2:
+                raise self.fail(f"packed KV must have shape ({batch}, L, {n}, 2, H), got {key}")
+            return "packed_kv", key[1], n * key[4], n * key[4]
+        if len(key) == 3:
+            if value is None or len(value) != 3:
+                raise self.fail("a 3-D key needs a 3-D value")
+            if key[0] != batch or value[:2] != key[:2]:
+                raise self.fail(f"key {key} and value {value} do not match the query {query}")
+            self._check_hidden("key", key[2])
+            self._check_hidden("value", value[2])
+            return "separate", key[1], key[2], value[2]
+        if len(key) == 4:
+            if value is None or len(value) != 4:
+                raise self.fail("a 4-D key (B, N, L, H) needs a 4-D value")
+            if key[:2] != (batch, n) or value[:3] != key[:3]:
+                raise self.fail(f"4-D key {key} / value {value} must be ({batch}, {n}, L, H)")
+            if past_key is not None:
+                raise self.fail("past_key/past_value cannot be used with a 4-D key")
+            return "split_heads", key[2], n * key[3], n * value[3]
+        raise self.fail(f"key must be 3-D, 4-D or 5-D, got shape {key}")
+
+    def run(self, query, key=None, value=None, bias=None, key_padding_mask=None,
+            attention_bias=None, past_key=None, past_value=None, past_sequence_length=None,
+            cache_indirection=None):
+        xp = self.xp
+        self.refuse_unsupported(past_sequence_length, cache_indirection, past_key, past_value)
+        lay = self.kv_layout(*shapes_of(query, key, value, bias, past_key, past_value))
+        out_dtype = query.dtype
+        work = work_dtype(out_dtype)
+        q, k, v = self._split_heads(lay, query, key, value, work)
+        if bias is not None:
+            dq, dk, _ = lay.dims
+            n = self.num_heads
+            bw = bias.astype(work, copy=False)
+            q = q + bw[:dq].reshape(n, 1, -1)
+            if lay.form != "split_heads":
+                k = k + bw[dq:dq + dk].reshape(n, 1, -1)
+                v = v + bw[dq + dk:].reshape(n, 1, -1)
+        if past_key is not None:
             k = xp.concatenate([past_key.astype(work, copy=False), k], axis=2)
             v = xp.concatenate([past_value.astype(work, copy=False), v], axis=2)
-        total = k.shape[2]
-        bias_all = self._bias(key_padding_mask, attention_bias, batch, q_len, total, past_len,
-                              work)
+        bias_all = self._bias(key_padding_mask, attention_bias, lay.batch, lay.q_len, lay.total,
+                              lay.past_len, work)
         y, scores = self._attend(q, k, v, bias_all)
         results = [_merge_heads(y).astype(out_dtype, copy=False)]
         if self.n_outputs > 1:
@@ -420,6 +453,21 @@ class MultiHeadAttention(_PaddedAttention):
         if self.n_outputs > 3:
             results.append(scores.astype(out_dtype, copy=False))
         return tuple(results) if len(results) > 1 else results[0]
+
+    def _split_heads(self, lay, query, key, value, work):
+        """Q, K, V as (B, N, rows, H) arrays in the work dtype from their layout `lay`."""
+        n = self.num_heads
+        qw = query.astype(work, copy=False)
+        if lay.form == "packed_qkv":
+            return tuple(qw[:, :, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        q = _heads(qw, n, "query", self.fail)
+        kw = key.astype(work, copy=False)
+        if lay.form == "packed_kv":
+            return q, kw[:, :, :, 0].transpose(0, 2, 1, 3), kw[:, :, :, 1].transpose(0, 2, 1, 3)
+        vw = value.astype(work, copy=False)
+        if lay.form == "split_heads":
+            return q, kw, vw
+        return q, _heads(kw, n, "key", self.fail), _heads(vw, n, "value", self.fail)
 
 
 @register("GroupQueryAttention", versions=[1], domain=_DOMAIN)

@@ -538,44 +538,26 @@ class MultiHeadAttentionCL(_PaddedAttentionCL, CA.MultiHeadAttention):
             cache_indirection=None):
         args = (query, key, value, bias, key_padding_mask, attention_bias, past_key, past_value,
                 past_sequence_length, cache_indirection)
-        if past_sequence_length is not None or cache_indirection is not None:
-            raise self.fail("past_sequence_length / cache_indirection (buffer sharing, beam "
-                            "search) are not supported")
-        if (past_key is None) != (past_value is None):
-            raise self.fail("past_key and past_value must be given together")
+        self.refuse_unsupported(past_sequence_length, cache_indirection, past_key, past_value)
         if self.refuses(_dtypes_of(args[:8])) or any(
                 x is not None and x.size == 0 for x in (query, key, value)):
             return self.run_on_cpu(*args)
         be = self.device
-        n = self.num_heads
         dtype = query.dtype
-        batch, q_len, kv_len, (dq, dk, dv), srcs = self._qkv_sources(contiguous(query), key,
-                                                                     value, past_key)
-        hq, hk, hv = srcs[0][3], srcs[1][3], srcs[2][3]
-        if hq != hk:
-            raise self.fail(f"query head size {hq} differs from key head size {hk}")
+        lay = self.kv_layout(*CA.shapes_of(query, key, value, bias, past_key, past_value))
+        srcs = self._sources(lay, contiguous(query), key, value)
         if bias is not None:
-            if tuple(bias.shape) != (dq + dk + dv,):
-                raise self.fail(f"bias must have shape ({dq + dk + dv},), got "
-                                f"{tuple(bias.shape)}")
             bias = contiguous(bias)
-        past_len = 0
-        if past_key is not None:
-            if (past_key.ndim != 4 or tuple(past_key.shape[:2]) != (batch, n)
-                    or past_key.shape[3] != hk or past_value.ndim != 4
-                    or tuple(past_value.shape[:3]) != tuple(past_key.shape[:3])
-                    or past_value.shape[3] != hv):
-                raise self.fail(f"past_key {tuple(past_key.shape)} / past_value "
-                                f"{tuple(past_value.shape)} must be ({batch}, {n}, P, H)")
-            past_len = past_key.shape[2]
-        total = past_len + kv_len
+        batch, q_len, kv_len, past_len = lay.batch, lay.q_len, lay.kv_len, lay.past_len
+        dq, dk, _ = lay.dims
         q = self._to_heads(srcs[0], batch, q_len, None, past_len, bias, 0, dtype)
         k = self._to_heads(srcs[1], batch, kv_len, past_key, past_len, bias, dq, dtype)
         v = self._to_heads(srcs[2], batch, kv_len, past_value, past_len, bias, dq + dk, dtype)
         mask_bias, strides = self._bias_cl(key_padding_mask, attention_bias, batch, q_len,
-                                           total, past_len, dtype)
+                                           lay.total, past_len, dtype)
         want_qk = self.n_outputs > 3
-        y, qk = self._attention_cl(q, k, v, total, total * hk, mask_bias, strides, want_qk)
+        y, qk = self._attention_cl(q, k, v, lay.total, lay.total * lay.heads[1], mask_bias,
+                                   strides, want_qk)
         results = [_merge_heads(be, y)]
         if self.n_outputs > 1:
             results += [k, v]
@@ -583,76 +565,28 @@ class MultiHeadAttentionCL(_PaddedAttentionCL, CA.MultiHeadAttention):
             results.append(qk)
         return tuple(results) if len(results) > 1 else results[0]
 
-    def _qkv_sources(self, query, key, value, past_key):
-        """(batch, q_len, kv_len, (dq, dk, dv), srcs) of the contiguous query and the key and
-        value in any of their layouts, checked: srcs holds (array, element offset, (b, h, s, d)
-        strides, head size) of each of Q, K, V (strides None: a (B, N, L, H) array as it is)."""
+    def _sources(self, lay, query, key, value):
+        """(array, element offset, (b, h, s, d) strides, head size) of each of Q, K, V in their
+        layout `lay` (checked by kv_layout; strides None: a (B, N, L, H) array as it is)."""
         n = self.num_heads
-        if query.ndim == 5:
-            if key is not None or value is not None:
-                raise self.fail("packed QKV query (B, S, N, 3, H) takes no key or value")
-            if query.shape[2] != n or query.shape[3] != 3:
-                raise self.fail(f"packed QKV must have shape (B, S, {n}, 3, H), got "
-                                f"{tuple(query.shape)}")
-            batch, q_len, _, _, head = query.shape
-            st = (q_len * n * 3 * head, 3 * head, n * 3 * head, 1)
-            srcs = [(query, i * head, st, head) for i in range(3)]
-            return batch, q_len, q_len, (n * head,) * 3, srcs
-        if query.ndim != 3:
-            raise self.fail(f"query must be 3-D or 5-D (packed QKV), got shape "
-                            f"{tuple(query.shape)}")
-        batch, q_len, dq = query.shape
-        if n <= 0 or dq % n:
-            raise self.fail(f"query hidden size {dq} is not a multiple of {n} heads")
-        hq = dq // n
-        if key is None:
-            raise self.fail("key is required unless the query is packed QKV")
-        kv_len, dk, dv, kv_srcs = self._kv_sources(query, contiguous(key), value, past_key)
-        return batch, q_len, kv_len, (dq, dk, dv), \
-            [(query, 0, (q_len * dq, hq, dq, 1), hq)] + kv_srcs
-
-    def _kv_sources(self, query, key, value, past_key):
-        """(kv_len, dk, dv, srcs of K and V) for a 3-D query: the key packed KV (5-D), 3-D
-        beside a 3-D value, or already split into heads (4-D)."""
-        n = self.num_heads
-        batch = query.shape[0]
-        if key.ndim == 5:
-            if value is not None:
-                raise self.fail("packed KV key (B, L, N, 2, H) takes no value")
-            if key.shape[0] != batch or key.shape[2] != n or key.shape[3] != 2:
-                raise self.fail(f"packed KV must have shape ({batch}, L, {n}, 2, H), got "
-                                f"{tuple(key.shape)}")
-            kv_len, head = key.shape[1], key.shape[4]
-            st = (kv_len * n * 2 * head, 2 * head, n * 2 * head, 1)
-            return kv_len, n * head, n * head, [(key, 0, st, head), (key, head, st, head)]
-        if key.ndim == 3:
-            if value is None or value.ndim != 3:
-                raise self.fail("a 3-D key needs a 3-D value")
-            if key.shape[0] != batch or value.shape[:2] != key.shape[:2]:
-                raise self.fail(f"key {tuple(key.shape)} and value {tuple(value.shape)} "
-                                f"do not match the query {tuple(query.shape)}")
-            value = contiguous(value)
-            kv_len, dk, dv = key.shape[1], key.shape[2], value.shape[2]
-            for what, size in (("key", dk), ("value", dv)):
-                if size % n:
-                    raise self.fail(f"{what} hidden size {size} is not a multiple of {n} "
-                                    f"heads")
-            return kv_len, dk, dv, [(key, 0, (kv_len * dk, dk // n, dk, 1), dk // n),
-                                    (value, 0, (kv_len * dv, dv // n, dv, 1), dv // n)]
-        if key.ndim == 4:
-            if value is None or value.ndim != 4:
-                raise self.fail("a 4-D key (B, N, L, H) needs a 4-D value")
-            if key.shape[:2] != (batch, n) or value.shape[:3] != key.shape[:3]:
-                raise self.fail(f"4-D key {tuple(key.shape)} / value "
-                                f"{tuple(value.shape)} must be ({batch}, {n}, L, H)")
-            if past_key is not None:
-                raise self.fail("past_key/past_value cannot be used with a 4-D key")
-            return key.shape[2], n * key.shape[3], n * value.shape[3], \
-                [(key, 0, None, key.shape[3]), (contiguous(value), 0, None, value.shape[3])]
-        raise self.fail(f"key must be 3-D, 4-D or 5-D, got shape {tuple(key.shape)}")
+        (dq, dk, dv), (hq, hk, hv) = lay.dims, lay.heads
+        s, kv_len = lay.q_len, lay.kv_len
+        if lay.form == "packed_qkv":
+            st = (s * n * 3 * hq, 3 * hq, n * 3 * hq, 1)
+            return [(query, i * hq, st, hq) for i in range(3)]
+        srcs = [(query, 0, (s * dq, hq, dq, 1), hq)]
+        key = contiguous(key)
+        if lay.form == "packed_kv":
+            st = (kv_len * n * 2 * hk, 2 * hk, n * 2 * hk, 1)
+            return srcs + [(key, 0, st, hk), (key, hk, st, hk)]
+        value = contiguous(value)
+        if lay.form == "split_heads":
+            return srcs + [(key, 0, None, hk), (value, 0, None, hv)]
+        return srcs + [(key, 0, (kv_len * dk, hk, dk, 1), hk),
+                       (value, 0, (kv_len * dv, hv, dv, 1), hv)]
 
     def _to_heads(self, source, batch, length, past, past_len, bias, bias_off, dtype):
-        """One of Q, K, V from its `_qkv_sources` entry as a contiguous (B, N, rows, H) array
+        """One of Q, K, V from its `_sources` entry as a contiguous (B, N, rows, H) array
         with its projection bias added: the past rows first (when `past` is given), then this
         step's `length` rows."""
         src, off, st, h = source

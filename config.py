@@ -14,6 +14,7 @@
 | `EMBER_OPENCL_DEVICE` | a GPU, else the first device | an OpenCL backend is made | which device (a name fragment or an index) |
 | `EMBER_OPENCL_CHECK` | off | an OpenCL backend is made | guard bytes around device buffers, checked after each kernel |
 | `EMBER_CUDA_DEVICE` | 0 | the CUDA backend is made | which device |
+| `EMBER_SIMPLIFY_STRICT` | off | each `simplify` | on: the importer's check after every simplifier round that changed the graph (a debug mode; the tests turn it on) |
 
 A switch is off for `0`, `false`, `no` or an empty value (any case) and on for anything else.
 Each setting is read when what it sets is made, as the table says, so a process may change a
@@ -25,7 +26,7 @@ import os
 VARIABLES = ("EMBER_BACKEND", "EMBER_CACHE_DIR", "EMBER_LOG", "EMBER_NUMBA",
              "EMBER_POOL_PRODUCTS", "EMBER_KEEP_MEMORY", "EMBER_RANDOM_SEED",
              "EMBER_MAX_TENSOR_BYTES", "EMBER_MAX_LOOP_ITERATIONS", "EMBER_OPENCL_DEVICE",
-             "EMBER_OPENCL_CHECK", "EMBER_CUDA_DEVICE")
+             "EMBER_OPENCL_CHECK", "EMBER_CUDA_DEVICE", "EMBER_SIMPLIFY_STRICT")
 
 _OFF = ("0", "false", "no", "")
 

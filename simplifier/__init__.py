@@ -7,6 +7,14 @@ backend lacks into what it has.
 Passes run in order, round after round, until a round changes nothing. Every rewrite keeps
 results: fused ops are ONNX ops with kernels (LayerNormalization, Gelu, Attention) or ai.ember
 ops whose CPU kernels live in `ember.ops.fused`.
+
+The rounds work on ember's IR. Names and cycles are checked before the first round and after
+each round that changed the graph (`graph.check_structure`, ~1 us a node: a broken graph is an
+InvalidModelError, never a graph handed to onnx's C++ inference); the importer's full check
+runs once, on the first graph shape inference exports. The passes keep a valid graph valid;
+with EMBER_SIMPLIFY_STRICT on (the tests turn it on) the full check runs again after every
+round that changed the graph, and a round that broke it raises InvalidModelError naming its
+passes.
 """
 from __future__ import annotations
 
@@ -16,10 +24,13 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ember.errors import EmberError
-from ember.ir import Graph, Model, topological_order
+from google.protobuf.message import DecodeError
+
+from ember import config
+from ember.errors import EmberError, InvalidModelError
+from ember.ir import Graph, Model
 from ember.simplifier.context import Context, graphs_of
-from ember.simplifier.graph import outer_names
+from ember.simplifier.graph import check_structure, producers_first
 from ember.simplifier.passes.constant_folding import constants_to_initializers, fold_constants
 from ember.simplifier.passes.cse import eliminate_common_subexpressions
 from ember.simplifier.passes.dead_code import eliminate_dead_code
@@ -39,7 +50,7 @@ from ember.simplifier.passes.merge_transpose import (gather_through_transpose, m
                                                      merge_transposes, merge_unsqueezes)
 from ember.simplifier.passes.merge_constant_operands import merge_constant_operands
 from ember.simplifier.passes.noop import remove_noops
-from ember.simplifier.passes.shape_inference import infer_shapes
+from ember.simplifier.passes.shape_inference import infer_shapes, recheck
 from ember.simplifier.passes.slice_to_gather import slice_squeeze_to_gather
 from ember.simplifier.passes.widen_output_cast import widen_output_cast
 
@@ -118,31 +129,54 @@ def simplify(model: Model, backend: str = "cpu", skip: Iterable[str] = (),
         raise UnknownPassError(f"unknown pass(es) {', '.join(unknown)}; passes are: "
                                f"{', '.join(PASSES)}")
     start = time.perf_counter()
+    check_structure(model.graph)
+    strict = config.switch("EMBER_SIMPLIFY_STRICT", False)
     ctx = Context(model, backend, portable=portable)
     rounds = 0
     for rounds in range(1, MAX_ROUNDS + 1):
-        changed = False
-        graphs = list(graphs_of(model.graph))
-        for name, run_pass in PASSES.items():
-            if name in skip:
-                continue
-            for graph in graphs:
-                if name in _TOP_LEVEL_ONLY and graph is not model.graph:
-                    continue
-                trigger = _TRIGGERS.get(name)
-                if trigger and not any(n.op_type in trigger for n in graph.nodes):
-                    continue
-                if run_pass(graph, ctx) and name != "infer_shapes":
-                    ctx.changes[name] = ctx.changes.get(name, 0) + 1
-                    changed = True
+        changed = _round(model, ctx, skip)
         if not changed:
             break
+        _check_round(ctx, rounds, changed, strict)
     sort_topologically(model.graph)
     if stats is not None:
         stats.update(ctx.changes)
         stats["rounds"] = rounds
         stats["seconds"] = time.perf_counter() - start
     return model
+
+
+def _round(model: Model, ctx: Context, skip: set[str]) -> list[str]:
+    """One round: every pass not skipped, on every graph it applies to; returns the names of
+    the passes that changed something (counted in ctx.changes)."""
+    changed: list[str] = []
+    graphs = list(graphs_of(model.graph))
+    for name, run_pass in PASSES.items():
+        if name in skip:
+            continue
+        for graph in graphs:
+            if name in _TOP_LEVEL_ONLY and graph is not model.graph:
+                continue
+            trigger = _TRIGGERS.get(name)
+            if trigger and not any(n.op_type in trigger for n in graph.nodes):
+                continue
+            if run_pass(graph, ctx) and name != "infer_shapes":
+                ctx.changes[name] = ctx.changes.get(name, 0) + 1
+                if name not in changed:
+                    changed.append(name)
+    return changed
+
+
+def _check_round(ctx: Context, round_: int, passes: list[str], strict: bool) -> None:
+    """Names and cycles of the graph as this round left it, and with `strict` the importer's
+    check too; a failure is a pass's bug, reported with the round's passes."""
+    try:
+        check_structure(ctx.model.graph)
+        if strict:
+            recheck(ctx)
+    except (EmberError, DecodeError) as exc:
+        raise InvalidModelError(f"simplifier round {round_} (passes that changed the graph: "
+                                f"{', '.join(passes)}) left an invalid graph: {exc}") from exc
 
 
 def copy_structure(model: Model) -> Model:
@@ -163,8 +197,7 @@ def copy_structure(model: Model) -> Model:
 def sort_topologically(graph: Graph) -> None:
     """Order nodes producers-first (ONNX requires it; rewrites append their new nodes)."""
     for g in graphs_of(graph):
-        available = {v.name for v in g.inputs} | set(g.initializers) | outer_names(g)
-        ordered = topological_order(g, available)
+        ordered = producers_first(g)
         seen = {id(n) for n in ordered}
         g.nodes = ordered + [n for n in g.nodes if id(n) not in seen]
 

@@ -17,7 +17,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from ember.ir import Graph, Node, TensorType
+from ember.errors import InvalidModelError
+from ember.ir import Graph, Node, TensorType, topological_order
 from ember.ops._dtypes import is_narrow_float
 from ember.ops.registry import lookup
 
@@ -313,6 +314,31 @@ def folds_exactly(exact: np.ndarray, dtype: np.dtype) -> bool:
     with np.errstate(all="ignore"):
         stored = np.asarray(exact).astype(dtype).astype(np.float64)
         return bool(np.all((stored == exact) | (np.isnan(stored) & np.isnan(exact))))
+
+
+def producers_first(graph: Graph) -> list[Node]:
+    """`graph`'s nodes ordered producers first (ir.topological_order), with its inputs,
+    initialisers and whatever it reads from enclosing graphs available."""
+    available = {v.name for v in graph.inputs} | set(graph.initializers) | outer_names(graph)
+    return topological_order(graph, available)
+
+
+def check_structure(graph: Graph, outer: frozenset[str] = frozenset()) -> None:
+    """The simplifier's one check of names and cycles, on `graph` and its subgraphs: every
+    value read or given out is defined in its graph or an enclosing one (`outer`: the names
+    those define), and no graph has a cycle; InvalidModelError, naming the node, otherwise.
+    `simplify` runs it on the graph it is given and after each round that changed it (with
+    EMBER_SIMPLIFY_STRICT, the importer's check too)."""
+    own = {v.name for v in graph.inputs} | set(graph.initializers)
+    topological_order(graph, own | outer)  # raises on a cycle or an undefined read
+    visible = outer | own | {name for node in graph.nodes for name in node.outputs if name}
+    for out in graph.outputs:
+        if out.name not in visible:
+            raise InvalidModelError(f"graph '{graph.name}': its output '{out.name}' is never "
+                                    "computed (no node, input or initializer defines it)")
+    for node in graph.nodes:
+        for sub in node.subgraphs():
+            check_structure(sub, visible)
 
 
 def outer_names(graph: Graph) -> set[str]:

@@ -32,9 +32,10 @@ RNG = np.random.default_rng(0)
 
 @pytest.fixture(autouse=True)
 def strict_simplifier(monkeypatch):
-    """Every simplify run here checks the graph again after each round (simplifier.STRICT), so
-    a pass that leaves an invalid graph fails the test whose graph it broke."""
-    monkeypatch.setattr("ember.simplifier.STRICT", True)
+    """Every simplify run here checks the graph again after each round
+    (EMBER_SIMPLIFY_STRICT), so a pass that leaves an invalid graph fails the test whose graph
+    it broke."""
+    monkeypatch.setenv("EMBER_SIMPLIFY_STRICT", "1")
 
 
 def make_model(nodes, inputs, outputs, inits=(), opset=18, extra_opsets=()):
@@ -1032,7 +1033,7 @@ def test_onnxruntimes_fused_conv_becomes_embers(act, params):
     assert [len(n.inputs) for n in model.graph.nodes] == [3, 4, 4]
 
 
-# -- checks: the graph given is checked once, STRICT checks every round -----------------------
+# -- checks: the graph given is checked once, strict mode checks every round -----------------------
 
 def _ir_model(nodes):
     """An IR model of float [3] values x -> y, built directly: the importer refuses the broken
@@ -1073,26 +1074,38 @@ def test_a_broken_graph_is_refused_before_any_pass_runs(monkeypatch, nodes, mess
     assert ran == []
 
 
-def test_strict_mode_names_the_round_that_broke_the_graph(monkeypatch):
+def _read_nowhere(node):
+    node.inputs = ["nowhere"]
+
+
+def _alpha_as_ints(node):
+    node.attrs["alpha"], node.attr_types["alpha"] = [1, 2], onnx.AttributeProto.INTS
+
+
+@pytest.mark.parametrize("breaks, message", [
+    (_read_nowhere, "node 'act' \\(LeakyRelu\\) reads 'nowhere'"),
+    (_alpha_as_ints, "attribute 'alpha' is of type INTS, but LeakyRelu-16 takes FLOAT"),
+], ids=["names", "importer-check"])
+def test_strict_mode_names_the_round_that_broke_the_graph(monkeypatch, breaks, message):
     def break_graph(graph, ctx):
-        graph.nodes[0].inputs = ["nowhere"]
+        breaks(graph.nodes[0])
         return True
 
     monkeypatch.setitem(PASSES, "break_graph", break_graph)
-    model = import_model(make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")],
-                                    [tensor("x", [3])], [tensor("y", [3])]))
+    model = import_model(make_model(
+        [helper.make_node("LeakyRelu", ["x"], ["y"], name="act", alpha=0.5)],
+        [tensor("x", [3])], [tensor("y", [3])]))
     with pytest.raises(ember.InvalidModelError, match="simplifier round 1 \\(passes that changed "
-                       "the graph: break_graph\\) left an invalid graph: node 'relu' \\(Relu\\) "
-                       "reads 'nowhere'"):
+                       "the graph: break_graph\\) left an invalid graph: .*" + message):
         simplify(model)
 
 
 def test_the_importers_check_runs_once_per_run(monkeypatch):
-    """Outside STRICT, the check that guards onnx's inference runs on the first round's graph
+    """Outside strict mode, the check that guards onnx's inference runs on the first round's graph
     only: later rounds export the passes' rewrites of it."""
     from ember.simplifier.passes import shape_inference
 
-    monkeypatch.setattr("ember.simplifier.STRICT", False)
+    monkeypatch.delenv("EMBER_SIMPLIFY_STRICT")
     checked = []
     check = shape_inference.check_model
     monkeypatch.setattr(shape_inference, "check_model",

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.errors import InvalidModelError
-from ember.ir import Graph, Node, topological_order
+from ember.ir import Graph, Node
 from ember.simplifier.context import Context
-from ember.simplifier.graph import GraphIndex, alias, drop_dead, outer_names, rename_many
+from ember.simplifier.graph import GraphIndex, alias, drop_dead, producers_first, rename_many
 from ember.simplifier.passes.constant_folding import NONDETERMINISTIC
 
 # Constants are compared byte for byte up to this size; larger ones are left alone.
@@ -18,7 +17,9 @@ def eliminate_common_subexpressions(graph: Graph, ctx: Context) -> bool:
     changed = _merge_constants(graph)
     index = GraphIndex(graph)
     seen: dict[tuple, Node] = {}
-    for node in _topological(graph):
+    # producers first, so that a duplicate's readers, renamed to the kept node's outputs, are
+    # keyed (and merged) in the same sweep; simplify checked names and cycles before round 1
+    for node in producers_first(graph):
         key = _node_key(node)
         if key is None:
             continue
@@ -32,14 +33,6 @@ def eliminate_common_subexpressions(graph: Graph, ctx: Context) -> bool:
             changed = True
     drop_dead(graph, index)
     return changed
-
-
-def _topological(graph: Graph) -> list[Node]:
-    available = {v.name for v in graph.inputs} | set(graph.initializers) | outer_names(graph)
-    try:
-        return topological_order(graph, available)
-    except InvalidModelError:  # a cycle or an undefined name: the importer's checks report it
-        return list(graph.nodes)
 
 
 def _node_key(node: Node) -> tuple | None:

@@ -4,9 +4,15 @@ shapes, not their values, and serialising a BERT's weights on every round would 
 
 onnx's inference is C++ that trusts its input: a malformed graph can abort or crash the
 process, not just raise. So the exported graph goes through the importer's structural check
-(importer.validate) first, and inference runs only on a graph that passes; and nodes of ops
-whose inference dereferences an input's type without looking (RegexFullMatch and three
-ai.onnx.ml ops) are hidden from it while that type is unknown."""
+(importer.validate), and inference runs only on a graph that passed it. Once per run (per
+Context) is enough: later rounds export the passes' rewrites of the checked graph, which keep
+it valid (with EMBER_SIMPLIFY_STRICT, `recheck` checks after every round all the same). Nodes of
+ops whose inference dereferences an input's type without looking (RegexFullMatch and three
+ai.onnx.ml ops) are hidden from it while that type is unknown.
+
+Inference reads protobuf, so each round still exports the graph for it; the value infos and
+small initialisers that stay the same from round to round are converted once per run, and so
+are the types decoded back."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,12 +20,17 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from ember.errors import EmberError
-from ember.importer.onnx_export import export_model
+from ember.importer.onnx_export import array_to_tensor, export_model, export_value_info
 from ember.importer.onnx_values import decode_type
 from ember.importer.validate import check_model
 from ember.ir import Graph, Model, Node, TensorType, ValueInfo
 from ember.simplifier.context import Context
 
+# ctx.scratch key: a graph of this run has passed the importer's check.
+_CHECKED = "infer_shapes.checked"
+# ctx.scratch keys: the caches _inference_proto and _decode keep across rounds.
+_EXPORTED = "infer_shapes.exported"
+_DECODED = "infer_shapes.decoded"
 # Initialisers up to this many elements are exported with their data (shape arithmetic on
 # them lets inference compute Reshape targets and the like).
 _DATA_MAX_ELEMENTS = 4096
@@ -31,10 +42,12 @@ def infer_shapes(graph: Graph, ctx: Context) -> bool:
     if graph is not ctx.model.graph:
         return False
     try:
-        proto = _inference_proto(ctx.model)
-        check_model(proto)
+        proto = _inference_proto(ctx.model, ctx.scratch.setdefault(_EXPORTED, {}))
+        if not ctx.scratch.get(_CHECKED):
+            check_model(proto)
     except (EmberError, DecodeError):  # not fit for the C++ code; the planner says what is wrong
         return False
+    ctx.scratch[_CHECKED] = True
     # Data propagation (shape values through Shape -> Gather -> Concat) costs most of the
     # time; it only matters while Shape / Size nodes remain that folding could not remove.
     propagate = any(n.op_type in ("Shape", "Size") for n in graph.nodes)
@@ -45,10 +58,11 @@ def infer_shapes(graph: Graph, ctx: Context) -> bool:
         return False
     learnt = False
     known = {v.name for v in graph.inputs} | {v.name for v in graph.outputs}
+    decoded = ctx.scratch.setdefault(_DECODED, {})
     for info in inferred.graph.value_info:
         if info.name in known or info.name in graph.initializers:
             continue
-        value_type = decode_type(info.type) if info.HasField("type") else None
+        value_type = _decode(info, decoded)
         if not isinstance(value_type, TensorType):
             continue
         old = graph.value_info.get(info.name)
@@ -56,6 +70,25 @@ def infer_shapes(graph: Graph, ctx: Context) -> bool:
             graph.value_info[info.name] = ValueInfo(info.name, value_type)
             learnt = True
     return learnt
+
+
+def _decode(info: onnx.ValueInfoProto, memo: dict):
+    """decode_type of `info`'s type, memoised by its bytes: most values keep their type
+    from round to round."""
+    if not info.HasField("type"):
+        return None
+    key = info.type.SerializeToString()
+    if key not in memo:
+        memo[key] = decode_type(info.type)
+    return memo[key]
+
+
+def recheck(ctx: Context) -> None:
+    """EMBER_SIMPLIFY_STRICT, after a round that changed the graph: the importer's check on the
+    graph as inference now sees it, once a graph of this run has passed it (until then
+    infer_shapes checks every round itself). Raises what the check raises."""
+    if ctx.scratch.get(_CHECKED):
+        check_model(_inference_proto(ctx.model))
 
 
 def _more_specific(new: TensorType, old) -> bool:
@@ -68,17 +101,51 @@ def _more_specific(new: TensorType, old) -> bool:
     return sum(isinstance(d, int) for d in new.shape) > sum(isinstance(d, int) for d in old.shape)
 
 
-def _inference_proto(model: Model) -> onnx.ModelProto:
+def _inference_proto(model: Model, cache: dict | None = None) -> onnx.ModelProto:
+    """The graph as inference sees it: large initialisers as typed inputs, small ones with
+    their data. `cache` (kept across one run's rounds) holds the protos of the value infos and
+    small initialisers exported before: most of them are the same round after round."""
     graph = model.graph
     big = {name: value for name, value in graph.initializers.items()
            if isinstance(value, np.ndarray) and value.size > _DATA_MAX_ELEMENTS}
+    small = {k: v for k, v in graph.initializers.items() if k not in big}
+    if cache is not None and model.ir_version < 4:
+        cache = None  # the export declares initialisers as inputs there: it needs them all
     slim = Graph(graph.name, list(graph.inputs), list(graph.outputs), _shown_nodes(graph),
-                 {k: v for k, v in graph.initializers.items() if k not in big},
-                 dict(graph.value_info))
+                 small if cache is None else {},
+                 dict(graph.value_info) if cache is None else {})
     declared = {v.name for v in graph.inputs}
     slim.inputs += [ValueInfo(name, TensorType(value.dtype, tuple(value.shape)))
                     for name, value in big.items() if name not in declared]
-    return export_model(Model(slim, dict(model.opsets), model.ir_version))
+    proto = export_model(Model(slim, dict(model.opsets), model.ir_version))
+    if cache is not None:  # as export_graph writes them, in the same order
+        proto.graph.initializer.extend(_initializer_protos(small, cache))
+        proto.graph.value_info.extend(_value_info_protos(graph.value_info.values(), cache))
+    return proto
+
+
+def _initializer_protos(initializers: dict, cache: dict):
+    """TensorProtos of `initializers`, each made once per array (weights are never written,
+    only replaced, so an array is known by its identity)."""
+    for name, value in initializers.items():
+        entry = cache.get(("initializer", name))
+        if entry is None or entry[0] is not value:
+            entry = cache[("initializer", name)] = (value, array_to_tensor(value, name))
+        yield entry[1]
+
+
+def _value_info_protos(infos, cache: dict):
+    """ValueInfoProtos of `infos`, each made once per name, type and doc."""
+    for info in infos:
+        key = ("value_info", info.name, info.type, info.doc)
+        try:
+            proto = cache.get(key)
+        except TypeError:  # a type built with unhashable parts (a list for a shape)
+            yield export_value_info(info)
+            continue
+        if proto is None:
+            proto = cache[key] = export_value_info(info)
+        yield proto
 
 
 # Ops whose onnx inference reads an input's type without checking that there is one, so it

@@ -1,5 +1,5 @@
 """A numpy stand-in for cupy, for checking the CUDA backend's array code on machines without a
-GPU (tests/test_cuda_backend.py installs it as `cupy` when real cupy cannot run).
+GPU (tests/devices/test_cuda_backend.py installs it as `cupy` when real cupy cannot run).
 
 Device arrays are `ndarray`, a numpy subclass, so computing works; what it checks is residency:
 like cupy, its ufuncs and functions refuse a host numpy array mixed with device arrays (cupy
@@ -259,7 +259,7 @@ cuda = types.SimpleNamespace(runtime=_Runtime, Device=_Device)
 # CUDA C cannot run here; the kernels ember's CUDA backend builds are emulated in numpy by
 # name (a translation of each kernel's CUDA C), so the host code around them (argument order,
 # shapes, the GEMM after im2col) runs for real. The CUDA C itself is compiled by
-# tests/test_cuda_sources.py.
+# tests/devices/test_cuda_sources.py.
 _EMBER_EMULATE_KERNELS = True
 
 

@@ -1,4 +1,4 @@
-"""Datasets and models for the `ember batch` tests (tests/test_batch.py, test_batch_ray.py),
+"""Datasets and models for the `ember batch` tests (tests/tools/test_batch.py, test_batch_ray.py),
 and the oracle: a plain loop over Session.run."""
 from __future__ import annotations
 

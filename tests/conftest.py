@@ -1,15 +1,19 @@
 import os
 import sys
 
-# tests/ holds helper modules (onnx_suites) imported by the test files.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# tests/ holds helper modules (onnx_suites, backends) imported by the test files, and the test
+# files, one folder per package they test, import each other's model builders by name.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_FOLDERS = [os.path.join(_TESTS, d) for d in sorted(os.listdir(_TESTS))
+            if os.path.isdir(os.path.join(_TESTS, d)) and not d.startswith(("_", "."))]
+sys.path[:0] = [_TESTS, *_FOLDERS]
 # Unseeded random ops (Bernoulli, RandomUniformLike, ...) draw reproducibly, so their expected
 # failures fail every time instead of passing by chance now and then.
 os.environ.setdefault("EMBER_RANDOM_SEED", "0")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `realsize` (tests/test_opencl_real_size.py: minutes of OpenCL work) are
+    """Tests marked `realsize` (tests/devices/test_opencl_real_size.py: minutes of OpenCL work) are
     skipped unless selected with `-m realsize` or EMBER_REALSIZE=1."""
     if "realsize" in (config.getoption("markexpr", "") or "") or \
             os.environ.get("EMBER_REALSIZE", "") not in ("", "0"):

@@ -3,9 +3,9 @@
 #
 # What it checks:
 #   1. the backend starts on the GPU (cupy sees a device) and describes it;
-#   2. tests/test_cuda_sources.py: every CUDA C source in ember/ops/cuda compiles with NVRTC
+#   2. tests/devices/test_cuda_sources.py: every CUDA C source in ember/ops/cuda compiles with NVRTC
 #      for sm_80 and sm_90;
-#   3. tests/test_cuda_backend.py in `gpu` mode: all ONNX node-suite cases on backend "cuda"
+#   3. tests/devices/test_cuda_backend.py in `gpu` mode: all ONNX node-suite cases on backend "cuda"
 #      against the suite's expected outputs (the CPU's known failures, tests/xfail_cpu.txt, as
 #      xfails; plus tests/xfail_cuda.txt if present); a shared kernel meeting something cupy
 #      lacks fails (no per-call CPU fallback exists); the key ops (Conv, MatMul,
@@ -59,12 +59,12 @@ python -c "import sys; sys.path.insert(0, 'tests'); import onnx_suites; onnx_sui
 echo "== NVRTC sources + CUDA node suite in $SHARDS shards"
 pids=()
 timeout 120 python -m pytest -q -o addopts="" -p no:cacheprovider --import-mode=importlib \
-  tests/test_cuda_sources.py > "$LOGS/sources.log" 2>&1 &
+  tests/devices/test_cuda_sources.py > "$LOGS/sources.log" 2>&1 &
 pids+=($!)
 for ((i = 0; i < SHARDS; i++)); do
   EMBER_TEST_SHARD="$i/$SHARDS" timeout 360 python -m pytest -q -o addopts="" \
     -p no:cacheprovider --import-mode=importlib -rfE --durations=5 \
-    tests/test_cuda_backend.py > "$LOGS/shard$i.log" 2>&1 &
+    tests/devices/test_cuda_backend.py > "$LOGS/shard$i.log" 2>&1 &
   pids+=($!)
 done
 status=0

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 ARCHS = ("sm_80", "sm_90")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cuda_modules():

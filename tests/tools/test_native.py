@@ -21,7 +21,7 @@ from ember.native.safetensors import load_file, save_file
 from ember.native.testing import as_list, identical, import_generated
 from onnx_suites import light_models, load_case_dir, load_light_case, suite_case_dirs
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 XFAILS = os.path.join(REPO, "tests", "xfail_cpu.txt")
 
 

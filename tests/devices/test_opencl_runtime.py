@@ -18,7 +18,7 @@ import ember
 
 pytestmark = pytest.mark.skipif(unavailable_reason("opencl") is not None,
                                 reason=str(unavailable_reason("opencl")))
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_check_mode_names_the_kernel_that_writes_out_of_bounds(tmp_path):

@@ -1,7 +1,7 @@
 """`ember batch` with the local engine: outputs equal a plain loop over Session.run, bit for
 bit and in row order, on datasets of 10,000+ rows in several Parquet files (the demo MLP and a
 CNN exported from PyTorch), and on .npy / .npz folders; resume, failing rows, --map, the
-CLI. The Ray engine: tests/test_batch_ray.py."""
+CLI. The Ray engine: tests/tools/test_batch_ray.py."""
 import io
 import os
 import subprocess

@@ -14,7 +14,7 @@ from ember.cli import main
 
 from backends import present_backends
 
-MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
 CNN = os.path.join(MODELS, "cnn.onnx")
 
 

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("onnxscript")
 ort = pytest.importorskip("onnxruntime")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "models"))
 import export_torch_models  # noqa: E402
 

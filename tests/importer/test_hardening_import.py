@@ -20,7 +20,7 @@ from ember.native import convert
 from ember.ops.registry import OpImpl
 
 F = TensorProto.FLOAT
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _vi(name, shape=(3,), elem=F):

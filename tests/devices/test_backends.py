@@ -11,7 +11,7 @@ from backends import unavailable_reason
 from ember.runtime.backends import get_backend
 from ember.runtime.executor import Transfer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CNN = os.path.join(REPO, "models", "cnn.onnx")
 needs_opencl = pytest.mark.skipif(unavailable_reason("opencl") is not None,
                                   reason=f"opencl unavailable: {unavailable_reason('opencl')}")

@@ -44,7 +44,7 @@ pytestmark = pytest.mark.realsize
 from backends import unavailable_reason  # noqa: E402
 from onnx_suites import CACHE, light_models  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "models"))
 

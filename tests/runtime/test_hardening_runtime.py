@@ -20,7 +20,7 @@ import ember
 from ember.cli import main as cli_main
 from ember.errors import ResourceLimitError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MLP = os.path.join(ROOT, "models", "mlp.onnx")
 
 ort = pytest.importorskip("onnxruntime")

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 import ember
 from ember.cli import main as cli_main
 
-MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
 MLP = os.path.join(MODELS, "mlp.onnx")
 
 

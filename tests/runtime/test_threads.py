@@ -17,7 +17,7 @@ from backends import cuda_backend, real_cuda_device, unavailable_reason
 
 import ember
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 THREADS, CALLS, DISTINCT_FEEDS = 8, 200, 8
 
 

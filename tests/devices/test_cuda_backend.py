@@ -9,7 +9,7 @@ Two modes, one set of tests:
   with device arrays; it runs on any machine (skipped where a real device is present, which
   tests the same code for real). It checks the shared kernels' wiring and device residency:
   every node the backend places on the device runs there on "device" arrays, and results
-  match the CPU. CUDA C cannot run in it; tests/test_cuda_sources.py compiles that code.
+  match the CPU. CUDA C cannot run in it; tests/devices/test_cuda_sources.py compiles that code.
 
 Every node case runs, with the CPU's expected failures (tests/xfail_cpu.txt) as strict
 xfails. Shared kernels compute over `self.xp` (cupy) and have no per-call CPU fallback: one that
@@ -26,7 +26,7 @@ import pytest
 from backends import cuda_backend, real_cuda_device
 from onnx_suites import load_case_dir, load_xfails, run_case, suite_case_dirs
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 REPO = os.path.dirname(HERE)
 XFAILS = load_xfails(os.path.join(HERE, "xfail_cpu.txt"))
 XFAILS.update(load_xfails(os.path.join(HERE, "xfail_cuda.txt")))

@@ -289,7 +289,7 @@ ORT_ABSENT = {
     # onnxruntime's model tools, on its namespace once imported: ember runs the files they write
     "quantization": _TOOLS, "transformers": _TOOLS, "tools": _TOOLS,
 }
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs",
                     "ort_compat.md")
 
 

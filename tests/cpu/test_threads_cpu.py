@@ -32,7 +32,7 @@ from ember.ops.cpu import blas as _blas, compiled as _compiled
 from ember.ops import fused, linalg
 from ember.ops.cpu import engine, threads as ember_threads
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRANSFORMER = os.path.join(REPO, "models", "transformer.onnx")
 
 pytestmark = pytest.mark.skipif(

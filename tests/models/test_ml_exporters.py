@@ -584,7 +584,7 @@ def test_sklearn_tfidf_pipeline_numpy_string_feeds(form):
     assert x.dtype.kind == "U"
     if form == "bytes":
         # wider than the longest text: onnxruntime 1.32 reads past an element that fills its
-        # width (ember reads it as numpy does; tests/test_ort_compat.py)
+        # width (ember reads it as numpy does; tests/runtime/test_ort_compat.py)
         width = max(len(t.encode()) for t in texts) + 1
         x = np.array([[t.encode()] for t in texts], dtype=f"S{width}")
     got = check(model, {"X": x}, "cpu")

@@ -386,8 +386,8 @@ def model_summary(model: Model, session: Session | None, nodes: bool) -> dict:
     if session is not None:
         summary["plan"] = {"backend": session.backend_instance.describe(),
                            "nodes": [{"name": name, "op": op, "where": where, "reason": reason,
-                                      "kernel": kernel}
-                                     for (name, op, where, reason), (_, _, kernel, _)
+                                      "kernel": kernel, "kernel_reason": why}
+                                     for (name, op, where, reason), (_, _, kernel, why)
                                      in zip(session.placement_reasons, session.kernels)],
                            "summary": session.placement_summary()}
     return summary
@@ -396,10 +396,10 @@ def model_summary(model: Model, session: Session | None, nodes: bool) -> dict:
 def describe_placement(session: Session) -> str:
     """Where each node runs on the session's backend, and how many fall back to the CPU."""
     lines = [f"placement on {session.backend_instance.describe()}:"]
-    for (name, op, where, reason), (_, _, kernel, _) in zip(session.placement_reasons,
-                                                            session.kernels):
-        lines.append(f"  {op:<24} {where:<9} {kernel:<22} {name}"
-                     + (f"  ({reason})" if reason else ""))
+    for (name, op, where, reason), (_, _, kernel, why) in zip(session.placement_reasons,
+                                                              session.kernels):
+        lines.append(f"  {op:<24} {where:<9} {kernel:<22} {name}  ("
+                     + "; ".join(filter(None, (reason, why))) + ")")
     counts = session.placement_summary()
     lines.append("summary: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
                  + f"; {counts.get('fallback', 0)} node(s) fall back to the CPU")

@@ -5,7 +5,7 @@
 
 Cases K .. K+N-1 of base seed S (tests/fuzz_mutants.py: the first ids of every campaign pin
 each mutation kind and each named variant once), each loaded and run in a worker subprocess
-under an address-space cap and a timeout, with the same runner as tests/test_fuzz.py. Prints
+under an address-space cap and a timeout, with the same runner as tests/tools/test_fuzz.py. Prints
 the counts per outcome, per mutation kind, the distinct failure signatures (python_error:
 type and the innermost frame, with the innermost ember frame; killed/hung: the signal or
 timeout and where the stack was) with an example case each, and the EmberErrors that wrap a

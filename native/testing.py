@@ -1,5 +1,5 @@
 """Helpers to load a generated package and compare its outputs with the executor's, shared by
-tests/test_native.py and the benchmark scripts."""
+tests/tools/test_native.py and the benchmark scripts."""
 from __future__ import annotations
 
 import importlib.util

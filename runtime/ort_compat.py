@@ -5,7 +5,7 @@
 `InferenceSession`, `SessionOptions`, `RunOptions`, `GraphOptimizationLevel`, `ExecutionMode`,
 `ExecutionOrder`, `get_available_providers`, `get_all_providers`, `get_device`,
 `set_default_logger_severity` and `set_default_logger_verbosity` behave as onnxruntime's do
-(onnxruntime is the oracle of tests/test_ort_compat.py); docs/ort_compat.md lists
+(onnxruntime is the oracle of tests/runtime/test_ort_compat.py); docs/ort_compat.md lists
 onnxruntime's other module-level names and why ember has none of them. What the options mean
 here:
 

@@ -123,12 +123,11 @@ class Session:
 
     @property
     def placement_reasons(self) -> list[tuple[str, str, str, str]]:
-        """`placement` with why: for a node on the host of a device backend, no kernel for
-        this backend, a dtype its kernel does not run, shape work, or control flow; then, for
-        every node, the kernel that runs it and why (as `kernels`)."""
-        return [(name, op, where, "; ".join(filter(None, (reason, f"kernel {kernel}: {why}"))))
-                for (name, op, where), reason, (kernel, why)
-                in zip(self.placement, self._plan.placement_reasons, self._plan.kernels())]
+        """`placement` with, for each node on the host, why: no kernel for this backend, a
+        dtype its kernel does not run, shape work, or control flow ('' for device nodes).
+        `kernels` names the kernel each node runs, in the same order."""
+        return [(name, op, where, reason) for (name, op, where), reason
+                in zip(self.placement, self._plan.placement_reasons)]
 
     @property
     def kernels(self) -> list[tuple[str, str, str, str]]:

@@ -40,7 +40,7 @@ MobileNetV2 0.85x, UNet 0.88x, BERT-small 0.90x, DistilBERT 0.90x, LSTM+GRU 0.96
 The pieces are a function of the shape and the session's thread count only, never of which
 thread takes them, so a session gives the same bits run after run, from any number of caller
 threads; a session with another thread count may round differently (as with OpenBLAS's own
-threads: see tests/test_threads_cpu.py).
+threads: see tests/cpu/test_threads_cpu.py).
 
 Off (np.matmul, OpenBLAS's own threads) outside runs, where numba is not installed (the
 helpers then sleep between jobs), where no OpenBLAS with 64-bit integers and its CBLAS symbols

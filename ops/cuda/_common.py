@@ -10,7 +10,7 @@ Two kinds of CUDA kernels live in ops/cuda/:
   time, dtypes cupy has no arrays of.
 * Native kernels: CUDA C through cupy.RawKernel / cupy.ElementwiseKernel. Every CUDA C source is
   a module-level string listed in its module's `CUDA_SOURCES` dict ({name: full source}) so
-  tests/test_cuda_sources.py can compile all of them with NVRTC on machines without a GPU.
+  tests/devices/test_cuda_sources.py can compile all of them with NVRTC on machines without a GPU.
 """
 from __future__ import annotations
 

@@ -389,7 +389,8 @@ class _CliWorker:
     """A worker subprocess (`_cli_serve`) under the same limits as the real subprocesses."""
 
     def __init__(self, cwd: str):
-        boot = (f"import sys; sys.path.insert(0, {fm.TESTS!r}); import test_fuzz; "
+        here = os.path.dirname(os.path.abspath(__file__))
+        boot = (f"import sys; sys.path[:0] = [{fm.TESTS!r}, {here!r}]; import test_fuzz; "
                 f"sys.exit(test_fuzz._cli_serve())")
         self.proc = subprocess.Popen([sys.executable, "-c", boot], cwd=cwd, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,

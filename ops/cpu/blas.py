@@ -5,37 +5,27 @@
 Why: a run alternates BLAS products with ember's compiled kernels, and each had a thread pool
 of its own: OpenBLAS's workers, then ember's helpers (ops/cpu/compiled.py). Each sleeps shortly
 after its own work, so each product and each split kernel first waited for a sleeping thread
-to wake (on a 2-vCPU KVM guest, 120-180 us: a small product's whole time), and a pool that
-spun longer took the core the other pool needed. With the products on ember's pool there is
-one pool, awake for the whole run: OpenBLAS runs on one thread during runs (the engine's
-`enter`, ember.ops.cpu.engine), and a product of at least PIECE_MACS multiply-adds a piece is
-cut into one piece per thread of the run (its batch items, rows, or columns in blocks of 16),
-each one sgemm / dgemm call (sgemv / dgemv for one row or column). Smaller products, stacks
-of matrices of fewer than PIECE_MACS multiply-adds each, and GEMVs of fewer than
-_GEMV_MIN_VALUES values run whole on the calling thread (np.matmul).
+to wake (often a small product's whole time), and a pool that spun longer took the core the
+other pool needed. With the products on ember's pool there is one pool, awake for the whole
+run: OpenBLAS runs on one thread during runs (the engine's `enter`, ember.ops.cpu.engine),
+and a product of at least PIECE_MACS multiply-adds a piece (ops/cpu/tuning.py) is cut into
+one piece per thread of the run (its batch items, rows, or columns in blocks of 16), each one
+sgemm / dgemm call (sgemv / dgemv for one row or column). Smaller products, stacks of
+matrices of fewer than PIECE_MACS multiply-adds each, and GEMVs of fewer than GEMV_MIN_VALUES
+values run whole on the calling thread (np.matmul).
 
 How a product is cut depends on its shapes, strides, dtype and the thread count alone, so
 it is decided once per such geometry (`_plan`, kept; a call then only fills in the three
-addresses): deciding took ~20 us a product, and a run repeats its shapes (in-process
-alternation, b1: MobileNetV2 0.93x, GPT-2's decoder step 0.93x, BERT-small 0.96x).
+addresses): deciding is slow beside a small product's own time, and a run repeats its shapes.
 
 No Python between the pieces: the caller posts the product on the board (an int64 array of
 its pointers, shape and cuts), and compiled code takes the pieces, on the caller's thread
 and on each helper that is waiting for a job (the helpers watch the board while they spin,
 GIL released: `wait_for_job_or_pieces`); CBLAS is called from compiled code through names
 registered with LLVM. A helper handed a Python job instead needs the GIL back first, which
-the caller holds until its own piece starts: on a 2-vCPU KVM guest it started 100-170 us
-late, a small product's whole time. The board carries the pieces of split compiled kernels
-too (ops/cpu/compiled.py's piece functions: `run_pieces`).
-
-Measured on 2 vCPUs (Zen 3 KVM), against OpenBLAS's own threads (EMBER_POOL_PRODUCTS=0),
-the median ratio of times over 12-20 blocks of runs alternated in one process, b1: ResNet-50
-0.81x, DistilBERT 0.89x, MobileNetV2 0.91x, BERT-small 0.91x, LSTM+GRU 0.98x, UNet 1.01x,
-GPT-2's decoder step 1.01x (b8: MobileNetV2 0.89x, decoder step 0.99x), with the pieces
-still handed to the helpers as Python jobs. The board against those Python jobs, alternated
-in one process: MobileNetV2 0.82x, ResNet-50 0.97x, UNet 1.03x; paired processes, b1:
-MobileNetV2 0.85x, UNet 0.88x, BERT-small 0.90x, DistilBERT 0.90x, LSTM+GRU 0.96x, ResNet-50
-0.97x, decoder step 0.97x (b8 0.95x), MobileNetV2 b8 1.01x.
+the caller holds until its own piece starts: it starts late by a small product's whole
+time. The board carries the pieces of split compiled kernels too (ops/cpu/compiled.py's
+piece functions: `run_pieces`).
 
 The pieces are a function of the shape and the session's thread count only, never of which
 thread takes them, so a session gives the same bits run after run, from any number of caller
@@ -58,32 +48,12 @@ from typing import Any
 import numpy as np
 
 from ember import config
-from ember.ops.cpu import compiled as _compiled, threads as _threads
+from ember.ops.cpu import compiled as _compiled, threads as _threads, tuning
 from ember.ops.cpu.process import current
 
 _address = _compiled.address  # an array's data pointer
 
-# A product is cut only where each piece has at least this many multiply-adds: OpenBLAS's own
-# threshold for a second thread (65536 * GEMM_MULTITHREAD_THRESHOLD, see ops/linalg.py)
-PIECE_MACS = 1 << 18
 _COLUMN_BLOCK = 16     # column pieces start at multiples of this (whole vector registers)
-# A product of at least this many rows by weights of at most _ROWS_CUT_MAX_WEIGHT_BYTES is cut
-# into rows even where it has more columns: the ops before and after it mostly cut theirs
-# into rows too (pixels, tokens), and the caller takes the first pieces, a helper the last
-# (the board), so that each thread reads rows its own core wrote. Cut into columns, every
-# row's halves came from both cores. On 2 cores of a Xeon with AVX-512, MobileNetV2's 96 ->
-# 576 products at 14x14 then the depthwise 3x3: 94 + 43 -> 79 + 36 us; the model at b1
-# 0.80-0.90x (paired processes, with the board's ends); BERT-small, GPT-2 0.96-1.04x. Not
-# from 64 rows: a recurrence's input projection (LSTM+GRU's 64 steps) feeds steps that cut
-# its columns (the model 1.02-1.16x); nor with larger weights: each piece read all of GPT-2's
-# LM head from memory (154 MB; the model 1.07-1.11x).
-_ROWS_CUT_MIN_ROWS = 128
-_ROWS_CUT_MAX_WEIGHT_BYTES = 1 << 20
-# A GEMV (one row or one column) is cut only from this many matrix values: it reads each
-# value once from memory, and smaller ones gain nothing from a second thread. Measured on 2
-# vCPUs (Zen 3 KVM), weights not in cache, one thread / cut in two: 768 x 768 117 / 136 us,
-# 768 x 2304 346 / 306, 768 x 3072 478 / 380, 3072 x 768 577 / 582.
-_GEMV_MIN_VALUES = 1 << 20
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
 
@@ -181,7 +151,8 @@ def _with_addresses(fields, a, b, out):
 @functools.lru_cache(maxsize=4096)
 def _plan(a_shape, a_strides, b_shape, b_strides, a_dtype, b_dtype, out_geometry, threads):
     """How a product of these shapes, strides and dtypes is cut, decided once per geometry
-    (a run repeats its shapes; deciding cost ~20 us a product): (out's shape, the board's
+    (a run repeats its shapes, and deciding is slow beside a small product's time): (out's
+    shape, the board's
     fields from _KIND on with the three addresses 0), or None where np.matmul does it whole.
     `out_geometry` is out's (shape, strides, dtype), None for a new C-ordered out."""
     if a_dtype != b_dtype or a_dtype not in _DTYPES or len(a_shape) < 2 or len(b_shape) < 2:
@@ -193,10 +164,10 @@ def _plan(a_shape, a_strides, b_shape, b_strides, a_dtype, b_dtype, out_geometry
     N = b_shape[-1]
     lead = a_shape[:-2] if len(a_shape) > 2 else b_shape[:-2]
     batch = math.prod(lead)
-    pieces = min(threads, batch * M * N * K // PIECE_MACS)
-    if batch == 1 and min(M, N) == 1 and M * N * K < _GEMV_MIN_VALUES:
-        return None
-    if batch > 1 and M * N * K < PIECE_MACS:
+    pieces = min(threads, batch * M * N * K // tuning.PIECE_MACS)
+    if batch == 1 and min(M, N) == 1 and M * N * K < tuning.GEMV_MIN_VALUES:
+        return None  # a GEMV reads each value once from memory: a small one gains no thread
+    if batch > 1 and M * N * K < tuning.PIECE_MACS:
         return None  # small matrices (a decoder step's attention): numpy loops over them in C
     if pieces <= 1:
         return None
@@ -218,9 +189,13 @@ def _plan(a_shape, a_strides, b_shape, b_strides, a_dtype, b_dtype, out_geometry
     (ta, lda), (tb, ldb) = matrix_a, matrix_b
     if batch > 1:
         axis, count = _BATCH, batch
-    elif M >= N or (M >= _ROWS_CUT_MIN_ROWS and K * N * size <= _ROWS_CUT_MAX_WEIGHT_BYTES):
-        # rows: the longer side (each piece packs all of the other operand), or rows that
-        # stay with their thread (see _ROWS_CUT_MIN_ROWS)
+    elif M >= N or (M >= tuning.ROWS_CUT_MIN_ROWS
+                    and K * N * size <= tuning.ROWS_CUT_MAX_WEIGHT_BYTES):
+        # rows: the longer side (each piece packs all of the other operand), or many rows by
+        # small weights even where there are more columns: the ops around mostly cut rows
+        # too (pixels, tokens), and the caller takes the first pieces, a helper the last (the
+        # board), so each thread reads rows its own core wrote; cut into columns, every row's
+        # halves came from both cores
         axis, count = _ROWS, M
     else:
         axis, count = _COLUMNS, -(-N // _COLUMN_BLOCK)
@@ -291,7 +266,7 @@ def run_pieces(piece: int, block: np.ndarray, bounds: list[int]) -> int:
 @functools.lru_cache(maxsize=4096)
 def _kernel_fields(piece: int, bounds: tuple[int, ...]) -> np.ndarray:
     """The board's fields (from _KIND on) for a split kernel's pieces, the block's address
-    0: made once per piece function and cut (a call repeats both; made anew, ~2 us)."""
+    0: made once per piece function and cut (a call repeats both)."""
     pieces = len(bounds) - 1
     product = np.zeros(_BOUNDS - _KIND + pieces + 1, np.int64)
     product[0] = _KERNEL
@@ -319,8 +294,7 @@ _BATCH, _ROWS, _COLUMNS = range(3)
 # (pixels, tokens) into pieces in order, so the caller keeps to the first rows of every op and
 # a helper to the last: the rows an op reads are mostly those its thread wrote in the op
 # before, in its own core's cache. Taken in turn from one counter, a thread's rows changed
-# from op to op, and read another core's writes cost more than they saved here (2-core Xeon:
-# a 96 -> 576 product at 14x14, then the depthwise 3x3 on it, 105 + 51 us -> 84 + 38).
+# from op to op, and reading another core's writes cost more than the turns saved.
 (_GEN, _USERS, _CLAIMS, _DONE, _KIND, _M, _N, _K, _PA, _TA, _LDA, _SA, _PB, _TB, _LDB, _SB, _PC,
  _LDC, _SC, _SIZE, _AXIS, _PIECES, _BOUNDS) = range(23)
 _MAX_PIECES = 256
@@ -475,20 +449,12 @@ def _wait_for(board, field, value):
             _compiled.os_yield()
 
 
-# A helper keeps watching the board for LINGER_PAUSES pauses (~0.1 ms here: ~20 ns a pause)
-# after the last run in flight returns, then sleeps: a session run in a loop finds it awake
-# at its first op, where a sleeping one took ~100 us to wake and join (MobileNetV2's stem, its
-# first op, ran on the caller alone: 390 -> 270 us). Paired processes, 2-core Xeon, b1:
-# LSTM+GRU 0.86-0.91x, MobileNetV2 0.94-0.97x, ResNet-50, UNet, BERT-small, the decoder step
-# and MobileNetV2 b8 0.96-1.05x (unchanged). The cost: 0.15-0.19 ms of a helper's CPU after
-# each run (its thread's own clock; 0.02-0.03 ms without the linger).
-LINGER_PAUSES = 6000
-
-
 def wait_for_job_or_pieces(finished, posted, seen, runs, pauses, settle, linger, board):
     """A helper between jobs (as _compiled.wait_for_job), taking the pieces of the products
-    posted on the board meanwhile; each product taken starts its wait anew. With no run in
-    flight it waits `linger` pauses more (see LINGER_PAUSES)."""
+    posted on the board meanwhile; each product taken starts its wait anew. Once the last run
+    in flight has returned it watches the board `linger` pauses more (LINGER_PAUSES,
+    ops/cpu/tuning.py), then sleeps: a session run in a loop finds it awake at its first op,
+    where a sleeping one is slow to wake and join and leaves that op to the caller."""
     _compiled.exchange(finished, 0, 1)
     generation = np.int64(-2)  # a product in progress is joined at once
     spins = 0
@@ -520,5 +486,5 @@ def helper_wait(board: np.ndarray):
         return None
     wait = _compiled.jit(wait_for_job_or_pieces)
     return lambda finished, posted, seen, runs, pauses, settle: wait(
-        finished, posted, seen, runs, pauses, settle, LINGER_PAUSES, board)
+        finished, posted, seen, runs, pauses, settle, tuning.LINGER_PAUSES, board)
 

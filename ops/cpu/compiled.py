@@ -6,24 +6,25 @@
         split_rows(kernel, rows, *args, ns_per_row=...)  # kernel(*args, row0, row1), threaded
 
 A kernel is compiled on first use, once per argument types, and cached on disk by numba (next
-to its source, or in numba's user-wide cache directory): a later process loads it (~0.5 s with
-numba's import) instead of compiling it again (a few seconds). numba checks only the kernel's
-own file for changes: after editing a function it calls from another file (`kernel_math`, the
-vector code of ops/cpu/tiles.py), delete ops/__pycache__/*.nbi and *.nbc, or it runs the old
-code (an installed release writes every file anew, which clears them all). Kernels release
+to its source, or in numba's user-wide cache directory): a later process loads it instead of
+compiling it again, many times faster. numba checks only the kernel's own file for changes:
+after editing a function it calls from another file (`kernel_math`, the vector code of
+ops/cpu/tiles.py), or a value in ops/cpu/tuning.py that compiled code reads, delete
+ops/__pycache__/*.nbi and *.nbc, or it runs the old code (an installed release writes every
+file anew, which clears them all). Kernels release
 the GIL and compute each output element with the same expression whatever the split, so a run
 gives the same bits on one thread or several.
 
 Threads: `split_rows` cuts the rows into two pieces per thread of the run in flight
 (ember.ops.cpu.threads), which the caller and a small pool of ours (`_Helpers`) take in
 turn; a kernel with a piece function (see "pieces without Python" below) has them taken
-from the board the helpers watch, without the GIL. numba's own `parallel=True` loops were
-slower here: numba's workers and OpenBLAS's competed for the cores from one node to the
-next. The pool's threads spin a few tens of microseconds for a next job during a run (~0.6
-ms where the pool runs the products too: cpu/blas.py), then sleep: they use no CPU between
-runs. The pool, its board and the run-thread count are the process's CPU engine's
-(ember.ops.cpu.engine, found through `current()`): this module imports neither blas nor
-threads, and asks the engine what they decide.
+from the board the helpers watch, without the GIL. Not numba's own `parallel=True` loops:
+numba's workers and OpenBLAS's competed for the cores from one node to the next. The pool's
+threads spin a short while for a next job during a run (HELPER_PAUSES, longer where the pool
+runs the products too: POOL_PRODUCTS_HELPER_PAUSES, ops/cpu/tuning.py), then sleep: they use
+no CPU between runs. The pool, its board and the run-thread count are the process's CPU
+engine's (ember.ops.cpu.engine, found through `current()`): this module imports neither blas
+nor threads, and asks the engine what they decide.
 
 Steps in lockstep: `run_in_lockstep` runs a loop of dependent steps (a recurrence's time
 steps) on several threads with no Python between the steps: each step's units (hidden units)
@@ -38,12 +39,12 @@ Waiting spins with the CPU's pause for a few microseconds, then yields the core
 helpers' part starts and ends on the board, without Python.
 
 Math for kernels: `exp_float32` and `tanh_float32` are float32 functions that LLVM inlines
-and vectorises in a kernel's loop (the C library's expf / tanhf are scalar calls, 5-30 ns each
-here; these cost 2-4 ns an element, half of numpy's float32 exp / tanh). Plain Python
-functions, callable from Python too; `jit` registers them with numba before it compiles a
-kernel. Both are within 2 ulp of the correctly rounded result; exp_float32 flushes results
-below 2**-124 (x < -86) to zero. Other modules declare such functions with `kernel_math`
-(activations.py's float32 GELU, which the GELU kernel and the fused epilogue share).
+and vectorises in a kernel's loop (the C library's expf / tanhf are scalar calls; these also
+run faster than numpy's float32 exp / tanh). Plain Python functions, callable from Python
+too; `jit` registers them with numba before it compiles a kernel. Both are within 2 ulp of
+the correctly rounded result; exp_float32 flushes results below 2**-124 (x < -86) to zero.
+Other modules declare such functions with `kernel_math` (activations.py's float32 GELU, which
+the GELU kernel and the fused epilogue share).
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ember import config
+from ember.ops.cpu import tuning
 from ember.ops.cpu.process import current
 
 _OPTIONS = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
@@ -90,10 +92,10 @@ def enabled() -> bool:
 
 
 # An array's data pointer is read from the array object itself: numpy's PyArrayObject puts it
-# right after the object's header (its C ABI), ~0.15 us, where __array_interface__ builds a
-# dict for it (~1 us; x.ctypes.data ~0.9). The kernels' calls write two to four addresses a
-# node. Plain ndarrays only; checked on arrays and views when this module loads; where the
-# header differs (another Python build), __array_interface__ serves.
+# right after the object's header (its C ABI), several times faster than __array_interface__,
+# which builds a dict for it, and the kernels' calls write two to four addresses a node. Plain
+# ndarrays only; checked on arrays and views when this module loads; where the header differs
+# (another Python build), __array_interface__ serves.
 _pointer_at = ctypes.c_void_p.from_address
 _DATA_OFFSET = object.__basicsize__
 
@@ -135,8 +137,8 @@ def _numba() -> Any:
     calls ensure_blas on import) is loaded now, and the runs in flight set its thread count
     (the engine's, ember.ops.cpu.threads.RunThreads): otherwise it would appear in the middle
     of a run, unmanaged until the next one. Both once per process (looking the libraries up
-    costs ~2 ms); the engine is made first, so that a copy loaded now reads the OpenBLAS spin
-    the engine sets."""
+    is slow: threads.find_libraries); the engine is made first, so that a copy loaded now
+    reads the OpenBLAS spin the engine sets."""
     try:
         import numba
     except ImportError:
@@ -152,28 +154,10 @@ def _numba() -> Any:
     return numba
 
 
-# A kernel is split among threads only where each piece has at least this much work. Below
-# it, handing pieces to our pool costs more than it saves: after every BLAS product
-# OpenBLAS's workers spin for up to ~0.1 ms (ember.ops.cpu.threads) on the very cores our
-# pool's threads would need, so a piece handed over right after a GEMM may wait that long.
-# Measured on MobileNetV2 (2 cores, runs paired in two processes): splitting every kernel of
-# at least 16k values, as before, was 10% slower than this; 60 us was 1-4% faster than
-# 250 us on MobileNetV2 and UNet. With the pieces on the board (no Python job to hand over),
-# 30 us against 60 (2-core Xeon with AVX-512, paired processes, b1): MobileNetV2 0.94-0.98x
-# (its depthwise layers at 28x28 now split), BERT-small 0.96-0.99x, LSTM+GRU 0.97-1.01x,
-# UNet 1.00-1.01x, the decoder step 0.99-1.00x; MobileNetV2 b8 1.01-1.03x. 15 us against 30,
-# once each thread kept to its own rows (ops/cpu/blas.py: the board's ends; a core reads what the
-# other wrote at half the speed it reads memory, here), two sessions alternated in one process:
-# MobileNetV2 0.974x (b8 0.971x; its depthwise layers at 14x14 now split, their inputs split
-# by the products before them), ConvNeXt-T 0.99x, LSTM+GRU, BERT-small, UNet and the decoder
-# step 1.00-1.01x; 8 us no faster than 15.
-MIN_PIECE_NS = 15_000
-
-
 def split_rows(kernel: Callable, rows: int, *args: Any, ns_per_row: float,
                piece: Callable | None = None) -> None:
     """kernel(*args, row0, row1) over rows [0, rows): on up to as many threads as the run in
-    flight has, but no more than leave each MIN_PIECE_NS of work by the estimate
+    flight has, but no more than leave each tuning.MIN_PIECE_NS of work by the estimate
     `ns_per_row` (the kernel's time per row on one core, roughly). The rows are cut into two
     pieces per thread, taken in turn by the calling thread and by the pool's threads as they
     start: a helper that is slow to start (its core busy) leaves its pieces to the others
@@ -187,7 +171,10 @@ def split_rows(kernel: Callable, rows: int, *args: Any, ns_per_row: float,
 
 def row_bounds(rows: int, ns_per_row: float) -> list[int]:
     """How split_rows cuts `rows` rows in the run in flight: the pieces' bounds."""
-    threads = max(1, min(run_threads(), int(rows * ns_per_row // MIN_PIECE_NS)))
+    # each piece at least MIN_PIECE_NS of work: below, handing pieces to our pool costs more
+    # than it saves, as after a BLAS product OpenBLAS's workers spin (ember.ops.cpu.threads)
+    # on the very cores our pool's threads would need, and a piece handed over waits for them
+    threads = max(1, min(run_threads(), int(rows * ns_per_row // tuning.MIN_PIECE_NS)))
     pieces = 1 if threads == 1 else min(rows, 2 * threads)
     return [rows * i // pieces for i in range(pieces + 1)]
 
@@ -228,7 +215,7 @@ def run_in_lockstep(kernel: Callable, units: int, steps: int, *args: Any, min_un
     `piece`, the kernel's piece function (its row0 is the rank), puts the ranks on the board
     the helpers watch (as `split_rows` does): a helper then neither starts nor ends its part
     in Python, where it would take the GIL from the caller, which went on with the next
-    nodes (LSTM+GRU: those waited ~50 us for it after each recurrence)."""
+    nodes and then waited for it."""
     threads = max(1, min(run_threads(), _CPUS, units // max(1, min_units)))
     cuts = np.array([units * k // threads // align * align for k in range(threads)] + [units],
                     np.int64)
@@ -250,10 +237,10 @@ _CPUS = os.cpu_count() or 1
 
 
 def _current_cpu_function() -> Callable[[], int] | None:
-    """libc's sched_getcpu (~0.2 us through ctypes), or None where there is none (macOS)."""
+    """libc's sched_getcpu (through ctypes), or None where there is none (macOS)."""
     try:
         getcpu = ctypes.PyDLL(None).sched_getcpu  # PyDLL: keeps the GIL (a thread waiting
-        # for it would take it, and the caller then sleeps ~50 us to get it back)
+        # for it would take it, and the caller then sleeps to get it back: a slow wake-up)
     except (AttributeError, OSError):
         return None
     getcpu.restype, getcpu.argtypes = ctypes.c_int, []
@@ -272,10 +259,7 @@ def _away_from(cpu: int, work: Callable, *args: Any) -> None:
     scheduler woke it there. With every core busy (another process, even at nice 19), Linux
     often wakes the helper on the caller's own CPU (no CPU is idle, the waker's is preferred),
     and the load balancer moves neither before the work is done: the two threads then share
-    one core. Measured with one nice-19 spinner beside a 2-thread split: both threads on one
-    CPU in 20-28% of the splits before, none after (two syscalls when it happens); a 3.4 ms
-    kernel split in two took 3.4 ms (one thread's time), now 1.9 ms as without the spinner;
-    ResNet-50's 3x3 convolutions 1.65x slower under contention before, 1.15x after."""
+    one core, and the split takes one thread's time. Two syscalls, only when it happens."""
     if cpu < 0 or _current_cpu() != cpu:
         work(*args)
         return
@@ -332,7 +316,7 @@ class _Job:
 
     def result(self) -> None:
         """Wait until the job has run, spinning (GIL released): the helper is running it,
-        and a sleeping caller would take ~50 us to wake once it is done."""
+        and a sleeping caller would be slow to wake once it is done (see _Helpers)."""
         wait = jit(wait_while_equal)
         if wait is None:
             while not self.done[0]:
@@ -347,23 +331,15 @@ class _Helpers:
     """The kernel pool: `threads` daemon threads running the jobs handed to `submit`, for
     `engine` (ember.ops.cpu.engine.CpuEngine: the runs in flight, and the wait between jobs).
 
-    Handing work to a sleeping thread costs ~50 us on the machines measured (the wake-up of
-    an idle core: a small kernel's whole time), and so does a caller that sleeps until a
-    helper is done. So, while a run is in flight (the engine's `in_flight`), a helper
-    that has just run a job waits HELPER_PAUSES pauses for the next one, GIL released
-    (`wait_for_job`), before it sleeps on a condition; and a caller waits for a started job
-    spinning (`_Job.result`). The spin is short and never yields the core: a helper that
-    yielded while another process is busy (even at nice 19) handed it its core for a time
-    slice, and splits under load got slower. Once no run is in flight, a helper watching
-    the products' board spins ~0.15 ms more for the next run (ops/cpu/blas.py's LINGER_PAUSES),
-    then nothing spins.
-    Measured (2 cores, Zen 4): a 1x1 convolution as tiles (112x112, 32 -> 16 channels) split
-    in 4 pieces went from 690 to 310 us; in models, paired: MobileNetV2 b1 0.97x, ResNet-50
-    b1 0.96x, decode step b8 0.95x, LSTM+GRU unchanged.
-    On a 2-vCPU KVM guest (Zen 3) a sleeping helper started its first piece 120-180 us after
-    `submit`, whether or not it had been moved off the caller's CPU beforehand and whatever
-    OpenBLAS's spin (OPENBLAS_THREAD_TIMEOUT 4, 18, 25): the kernels split right after a BLAS
-    product there (BERT's GELU epilogue, Softmax) took as long on two threads as on one."""
+    Handing work to a sleeping thread costs the wake-up of an idle core, often a small
+    kernel's whole time, and so does a caller that sleeps until a helper is done. So, while a
+    run is in flight (the engine's `in_flight`), a helper that has just run a job waits
+    HELPER_PAUSES pauses (ops/cpu/tuning.py) for the next one, GIL released (`wait_for_job`),
+    before it sleeps on a condition; and a caller waits for a started job spinning
+    (`_Job.result`). The spin is short and never yields the core: a helper that yielded while
+    another process is busy (even at nice 19) handed it its core for a time slice, and splits
+    under load got slower. Once no run is in flight, a helper watching the products' board
+    spins LINGER_PAUSES more for the next run (ops/cpu/blas.py), then nothing spins."""
 
     def __init__(self, threads: int, engine: Any):
         self.engine = engine
@@ -405,7 +381,7 @@ class _Helpers:
             if job is None and finished is not None and wait is not None:
                 engine.helper_wait(wait)(finished, self.posted, self.posted[0],
                                          engine.in_flight, engine.helper_pauses(),
-                                         SETTLE_PAUSES)
+                                         tuning.SETTLE_PAUSES)
                 finished = None
                 continue
             if finished is not None:
@@ -432,14 +408,6 @@ class _Helpers:
 
 
 _ALWAYS = np.ones(1, np.int64)  # as `runs` for wait_while_equal: wait whether runs are or not
-HELPER_PAUSES = 1000  # ~25-40 us: how long a helper spins for a next job
-SETTLE_PAUSES = 200   # ~5 us: see wait_for_job
-# ~0.6 ms where the products run on the pool too (ops/cpu/blas.py): then OpenBLAS's workers
-# sleep through the run, the helpers are the only threads that need the other cores, and the
-# next job is usually a product a few tens of microseconds away. Measured on 2 vCPUs (Zen 3,
-# KVM), products on the pool, paired runs at b1: HELPER_PAUSES instead of this made
-# BERT-small 1.05x and MobileNetV2 1.11x slower.
-POOL_PRODUCTS_HELPER_PAUSES = 20_000
 
 
 def _nothing() -> None:
@@ -465,7 +433,7 @@ def wait_for_job(finished, posted, seen, runs, pauses, settle):
     caller that waits for it finds the GIL free), wait for posted[0] to move on from `seen`
     (wait_while_equal), then pause `settle` times more: the caller that posted the job is
     still in Python until its own kernel releases the GIL, and a thread that finds the GIL
-    held sleeps (a ~50 us wake-up)."""
+    held sleeps (a slow wake-up)."""
     exchange(finished, 0, 1)
     wait_while_equal(posted, 0, seen, runs, pauses, 0)
     for _ in range(settle):
@@ -476,18 +444,13 @@ def wait_for_job(finished, posted, seen, runs, pauses, settle):
 # A split kernel's pieces go on the board the pool's helpers watch while they spin (the
 # products' board, ops/cpu/blas.py), and a helper runs them without taking the GIL, as it runs
 # a product's pieces: a helper handed a Python job instead takes the GIL first, in turn with
-# the caller, and on a 2-vCPU KVM guest the two threads then wait on each other for it
-# (MobileNetV2's depthwise layers: the caller waited 30-50 us a call for the helper's last
-# piece). For that the kernel has a *piece function*: a plain function (block, row0, row1)
-# that finds the kernel's arguments in an int64 block (`piece_block`: an array as its
-# address and shape, a number as itself or its float64 bits), rebuilds the arrays
-# (`array_at`) and calls the kernel (a `kernel_math` function) on rows [row0, row1). It is
-# compiled as a C function (numba's cfunc, cached on disk like the kernels) whose address
-# the board carries; a helper calls it through that address (`call_piece`). Measured against
-# Python jobs, alternated in one process (2 vCPUs, Zen 3 KVM): MobileNetV2 b1 0.98-1.01x in
-# four sets of blocks, b8 0.94x, ResNet-50 b1 0.96x, BERT-small 0.99x: small, as a
-# depthwise layer's input and output move between the two cores' caches either way; the
-# recurrences' lockstep (LSTM+GRU b1) 0.95x.
+# the caller, and the two threads then wait on each other for it. For that the kernel has a
+# *piece function*: a plain function (block, row0, row1) that finds the kernel's arguments in
+# an int64 block (`piece_block`: an array as its address and shape, a number as itself or its
+# float64 bits), rebuilds the arrays (`array_at`) and calls the kernel (a `kernel_math`
+# function) on rows [row0, row1). It is compiled as a C function (numba's cfunc, cached on
+# disk like the kernels) whose address the board carries; a helper calls it through that
+# address (`call_piece`).
 
 def _pieces_on_board(piece: Callable, args: tuple, bounds: list[int]) -> bool:
     """Run the pieces [bounds[i], bounds[i + 1]) of `piece` on `args` on the board, if it
@@ -508,8 +471,8 @@ def piece_block(args: tuple) -> np.ndarray | None:
     """A kernel's arguments as a piece function finds them: each array as its address and
     its shape, each integer or bool as itself, each float as its float64 bits; None where an
     array is not C-ordered (a piece function rebuilds C-ordered arrays only) or without
-    numba. Packed by compiled code (`_pack_block`): ~1 us, where reading the addresses from
-    Python took ~12 us for a depthwise kernel's twelve arguments."""
+    numba. Packed by compiled code (`_pack_block`): reading the addresses from Python took
+    several times longer."""
     pack = jit(_pack_block)
     if pack is None:
         return None
@@ -605,7 +568,8 @@ def exp_float32(x):
     return x if x != x else y
 
 
-# tanh: Cephes' tanhf polynomial below 0.625 (no cancellation near 0), 1 - 2 / (e^2x + 1) above
+# tanh: Cephes' tanhf polynomial below 0.625 (no cancellation near 0), 1 - 2 / (e^(2|x|) + 1)
+# above, with x's sign
 _T0, _T1, _T2, _T3, _T4 = (np.float32(c) for c in (
     -5.70498872745e-3, 2.06390887954e-2, -5.37397155531e-2, 1.33314422036e-1,
     -3.33332819422e-1))
@@ -648,7 +612,8 @@ def exchange(a, i, v):
     return old
 
 
-SPINS_BEFORE_YIELD = 1000  # pauses (~10-40 ns each) before a waiting thread yields its core
+# a plain global (ops/cpu/tuning.py): compiled code reads it (wait_step, blas._wait_for)
+SPINS_BEFORE_YIELD = tuning.SPINS_BEFORE_YIELD
 
 
 def take_chunk(sync, step, chunk, chunks):

@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from ember.ops.cpu import blas, compiled, memory, process, threads
+from ember.ops.cpu import blas, compiled, memory, process, threads, tuning
 from ember.ops.cpu.process import current
 
 __all__ = ["CpuEngine", "Pool", "current"]
@@ -111,11 +111,11 @@ class CpuEngine:
         return blas.helper_wait(self.pool.board) or wait
 
     def helper_pauses(self) -> int:
-        """How long a helper spins for its next job (compiled.HELPER_PAUSES, or longer where
-        the pool runs the products: compiled.POOL_PRODUCTS_HELPER_PAUSES)."""
+        """How long a helper spins for its next job (tuning.HELPER_PAUSES, or longer where the
+        pool runs the products: tuning.POOL_PRODUCTS_HELPER_PAUSES)."""
         if blas.enabled():
-            return compiled.POOL_PRODUCTS_HELPER_PAUSES
-        return compiled.HELPER_PAUSES
+            return tuning.POOL_PRODUCTS_HELPER_PAUSES
+        return tuning.HELPER_PAUSES
 
     def _forked(self) -> None:
         """In a forked child: the parent's helper threads are not there, one of them may have

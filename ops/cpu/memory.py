@@ -4,18 +4,16 @@ Every node's output is a fresh numpy array. glibc serves an allocation above its
 (128 KiB at first, raised up to the size of the largest mmap-ed block freed since) with fresh
 pages from the kernel, and gives freed memory at the top of its heap back to the kernel beyond
 its trim threshold. Either way, the next run's arrays of the same sizes land on pages the
-kernel must fault in and zero again: a 3x3 convolution over a 128x128 image with 3 input
-channels took 2.2 ms a call that way here, 0.7 ms with the memory kept (its patch matrix and
-output are 1.7 and 2 MB); UNet 128² ran 12% faster. onnxruntime keeps its memory in an arena
-for the same reason.
+kernel must fault in and zero again, which can cost a convolution most of its time.
+onnxruntime keeps its memory in an arena for the same reason.
 
 So, when the process's CPU engine is made (ember.ops.cpu.engine: by the first session, run or
 compiled kernel), ember raises glibc's mmap threshold to its maximum (32 MiB; larger blocks
 are still mmap-ed: the kernels' large outputs, from ops/cpu/tiles.empty, reuse up to 4 such
-buffers once freed) and keeps up to TRIM_THRESHOLD of free memory at the top of the heap.
-The cost is memory: up to that much freed memory stays with the process. It is left alone
-where the user set glibc's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ /
-GLIBC_TUNABLES, with EMBER_KEEP_MEMORY=0, and off glibc.
+buffers once freed) and keeps up to TRIM_THRESHOLD (ops/cpu/tuning.py) of free memory at the
+top of the heap. The cost is memory: up to that much freed memory stays with the process.
+It is left alone where the user set glibc's own MALLOC_MMAP_THRESHOLD_ /
+MALLOC_TRIM_THRESHOLD_ / GLIBC_TUNABLES, with EMBER_KEEP_MEMORY=0, and off glibc.
 """
 from __future__ import annotations
 
@@ -24,10 +22,10 @@ import functools
 import os
 
 from ember import config
+from ember.ops.cpu import tuning
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # mallopt's parameter numbers (malloc.h)
 MMAP_THRESHOLD = 32 << 20                     # glibc's largest allowed on 64-bit
-TRIM_THRESHOLD = 256 << 20
 
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
 
@@ -59,4 +57,4 @@ def _apply() -> bool:
         return False
     mallopt.restype, mallopt.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) \
-        and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        and bool(mallopt(M_TRIM_THRESHOLD, tuning.TRIM_THRESHOLD))

@@ -12,33 +12,31 @@ Three things, all on the host (they matter to the CPU kernels and to host fallba
   installed, numpy's BLAS an OpenBLAS) the pool takes that count and BLAS is set to one
   thread for the run instead (the `blas_count` the CPU engine gives `RunThreads`: this module
   knows nothing of the pool). The libraries are found with threadpoolctl;
-  OpenBLAS on its own pthreads server is set through its C entry points directly (1 us a
-  call: threadpoolctl's `set_num_threads` costs 5 us and, in threadpoolctl 3.8, does nothing
-  when called from a thread other than the first one that used it, and runs come from any
+  OpenBLAS on its own pthreads server is set through its C entry points directly (faster
+  than threadpoolctl's `set_num_threads`, which in threadpoolctl 3.8 does nothing when
+  called from a thread other than the first one that used it, and runs come from any
   thread).
 
 * No spinning after `run()` returns. After each parallel call, OpenBLAS's worker threads
-  busy-wait (a `sched_yield` loop) for THREAD_TIMEOUT before they sleep: 2**28 TSC cycles by
-  default, 0.07-0.13 s: a whole core for each worker after every run, taken from whatever
-  runs next. OpenBLAS reads OPENBLAS_THREAD_TIMEOUT (the log2 of that spin, 4..30) when the
-  library loads, which is always before ember runs (numpy is imported first). So, unless the
-  user set it, ember sets OPENBLAS_THREAD_TIMEOUT=18 (2**18 cycles, 65-130 us: long enough to
-  stay awake between the products of one run, short enough that a 16-core pool spins < 2 ms
+  busy-wait (a `sched_yield` loop) before they sleep: 2**28 TSC cycles by default, a whole
+  core for each worker after every run, taken from whatever runs next. OpenBLAS reads
+  OPENBLAS_THREAD_TIMEOUT (the log2 of that spin, 4..30) when the library loads, which is
+  always before ember runs (numpy is imported first). So, unless the user set it, ember sets
+  OPENBLAS_THREAD_TIMEOUT to THREAD_TIMEOUT (ops/cpu/tuning.py: a spin long enough to stay
+  awake between the products of one run, short enough that a large pool spins only briefly
   after it) for OpenBLAS copies loaded later, and for those already loaded re-reads the
   environment (`openblas_read_env`) and restarts the idle worker threads
   (`blas_thread_shutdown_`, the call OpenBLAS itself makes before every fork; the workers come
   back on the next parallel call and read the new timeout then). This happens once, when the
   process's CPU engine is made (ember.ops.cpu.engine: by the first session, run or compiled
   kernel), and is the process's setting from then on. Setting the thread count to 1 after
-  a run does not help: the workers spin on whatever the count is. A longer spin is a trade,
-  measured on 2 cores (Zen 4, paired runs): 2**20-2**21 made MobileNetV2 at batch 1 1.1-1.2x
-  faster (a worker asleep after a depthwise convolution takes tens of microseconds to wake
-  for the next 1x1 convolution), but an LSTM 1.15-1.2x slower (the spinning worker takes a
-  core from the threads of its compiled loop) and a decoder step 1.06x slower; kept at 18.
+  a run does not help: the workers spin on whatever the count is. A longer spin is a trade:
+  a worker asleep after one product is slow to wake for the next, but a spinning one takes a
+  core from the threads of a compiled loop.
 
-* No product is sent to one thread: measured on this project's 2-core machine, BLAS's own
-  threading threshold is already the crossover (see ops/linalg.py), also for the recurrences'
-  loops of small products (ops/rnn.py).
+* No product is sent to one thread: BLAS's own threading threshold is already the crossover
+  (docs/performance.md, under BY_ROW_KN), also for the recurrences' loops of small products
+  (ops/rnn.py).
 """
 from __future__ import annotations
 
@@ -51,8 +49,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import threadpoolctl
 
-# log2 of the TSC cycles OpenBLAS workers spin before sleeping (OpenBLAS's default is 28)
-THREAD_TIMEOUT = 18
+from ember.ops.cpu import tuning
 
 AFFIXES = [(p, s) for p in ("", "scipy_") for s in ("", "64_", "_64")]
 
@@ -123,7 +120,8 @@ class _Lib:
 
 
 def find_libraries() -> tuple[_Lib, ...]:
-    """The BLAS libraries loaded in the process now (threadpoolctl: ~2 ms)."""
+    """The BLAS libraries loaded in the process now (threadpoolctl: slow, so looked up once,
+    and again only where a library may have been loaded since)."""
     return tuple(_Lib(c) for c in threadpoolctl.ThreadpoolController()
                  .select(user_api="blas").lib_controllers)
 
@@ -153,7 +151,7 @@ class RunThreads:
         self._target: int | None = None  # the count the runs in flight asked for
 
     def refresh(self) -> tuple[_Lib, ...]:
-        """Look the loaded BLAS libraries up again (~2 ms)."""
+        """Look the loaded BLAS libraries up again (find_libraries)."""
         found = find_libraries()
         with self._libs_lock:
             self._libs = found
@@ -235,15 +233,17 @@ def _symbol(dynlib: Any, name: str) -> Any:
 
 
 def shorten_openblas_spin(libs: Sequence[_Lib]) -> list[str]:
-    """Make OpenBLAS's idle workers sleep after 2**THREAD_TIMEOUT cycles instead of 2**28
-    (see the module docstring); a user's OPENBLAS_THREAD_TIMEOUT is applied instead, also to the
-    copies loaded before it was set (GOTO_THREAD_TIMEOUT alone: left as it is). Returns the
-    files of the loaded libraries whose workers were restarted to take it."""
+    """Make OpenBLAS's idle workers sleep after 2**THREAD_TIMEOUT cycles (ops/cpu/tuning.py)
+    instead of 2**28 (see the module docstring); a user's OPENBLAS_THREAD_TIMEOUT is applied
+    instead, also to the copies loaded before it was set (GOTO_THREAD_TIMEOUT alone: left as
+    it is). Returns the files of the loaded libraries whose workers were restarted to take
+    it."""
     env = os.environ.get("OPENBLAS_THREAD_TIMEOUT")
     if env is None:
         if "GOTO_THREAD_TIMEOUT" in os.environ:
             return []
-        env = os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(THREAD_TIMEOUT)  # later copies
+        env = str(tuning.THREAD_TIMEOUT)
+        os.environ["OPENBLAS_THREAD_TIMEOUT"] = env  # for the copies loaded later
     try:
         wanted = int(env)
     except ValueError:

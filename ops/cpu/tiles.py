@@ -18,14 +18,11 @@ float32 lanes (16 with AVX-512, 8 with AVX2; see HOST_LANES below).
   by COLUMN_BLOCKS blocks of LANES columns of R packed in blocks, with no sum across a
   vector's lanes.
 
-Why written by hand: LLVM's SLP pass left a register-blocked loop scalar (5 GF/s), and
-OpenBLAS's GEMM on the patch matrix ran ResNet-50's and UNet's convolutions at 45-80% of
-this machine's peak, plus the patch copy. As intrinsics, the vector code is compiled and
-cached on disk with the kernel that calls it (numba checks only that kernel's file for
-changes: see ops/cpu/compiled.py). Measured on one core of a Zen 4 EPYC: the tiles 108-119 GF/s
-(the core's peak is ~118) on ResNet-50's 3x3 layers and UNet's 32-channel layers, against
-OpenBLAS's 60-95 on the same patch matrices; the depthwise pixels 28-31 GFMA/s on aligned
-data, against 10-18 for the numba loops in ops/conv.py.
+Why written by hand: LLVM's SLP pass left a register-blocked loop scalar, and OpenBLAS's
+GEMM on the patch matrix ran ResNet-50's and UNet's convolutions well below the core's peak,
+plus the patch copy, where the tiles run close to it. As intrinsics, the vector code is
+compiled and cached on disk with the kernel that calls it (numba checks only that kernel's
+file for changes: see ops/cpu/compiled.py).
 
 The vector width is the CPU's, decided once at import (`HOST_LANES`): 16 float32 lanes with
 AVX-512 (32 vector registers: tiles of 12 pixels), 8 with AVX2 and FMA (16 registers: tiles
@@ -43,13 +40,13 @@ import sys
 
 import numpy as np
 
-from ember.ops.cpu import compiled as _compiled, memory as _memory
+from ember.ops.cpu import compiled as _compiled, memory as _memory, tuning
 from ember.ops.cpu.process import current
 
 
 def _host_lanes() -> int:
     """float32 lanes of the widest vectors this CPU computes on: 16 with AVX-512, 8 with AVX2
-    and FMA, 0 without either or without numba (llvmlite reads the CPU, ~30 ms)."""
+    and FMA, 0 without either or without numba (llvmlite reads the CPU: slow, so once)."""
     if importlib.util.find_spec("numba") is None:
         return 0
     import llvmlite.binding as llvm
@@ -71,17 +68,14 @@ SMALL_ROWS = 4 if LANES == 16 else 3
 assert ROWS % SMALL_ROWS == 0
 WIDE = LANES == 16         # AVX-512's width; the callers say where AVX2's tiles lose to BLAS
 COLUMN_BLOCKS = 4 if WIDE else 2  # a recurrence's column blocks at a time (x 4 rows)
-# The tiles prefetch the weights 8 KB ahead of the row they read (into the first level): a
-# tile reads its block's weights in one pass, and the first tile of a band reads them from
-# memory (a layer's weights, evicted since the last run by the rest of the model's), where
-# the hardware's prefetcher alone kept it waiting. ResNet-50's 512-channel 3x3 layer at 7x7
-# on 2 threads (2 cores of a Xeon with AVX-512): 1.62 -> 1.06 ms with its weights evicted,
-# 0.88 -> 0.75 ms with them in cache; 1, 2 and 4 KB ahead gained less, 16 KB no more. The
-# model at batch 1 (paired processes): 42.5 -> 39.0 ms.
-PREFETCH_AHEAD = 2048  # floats
-# the tiles' rate on one core, for split_rows' estimate: ~100 GF/s measured on Zen 4; AVX2's
-# half-width vectors, about 60 (a guess from its peak: it only decides the split)
-CORE_GFLOPS = 100 if WIDE else 60
+# The tiles prefetch the weights PREFETCH_AHEAD floats (ops/cpu/tuning.py) ahead of the row
+# they read, into the first level: a tile reads its block's weights in one pass, and the first
+# tile of a band reads them from memory (a layer's weights, evicted since the last run by the
+# rest of the model's), where the hardware's prefetcher alone kept it waiting. A plain global:
+# the tiles' IR generation (`_emit_tile`) reads it.
+PREFETCH_AHEAD = tuning.PREFETCH_AHEAD
+# the tiles' rate on one core (GF/s), for split_rows' estimate: AVX2's vectors are half-width
+_CORE_GFLOPS = tuning.CORE_GFLOPS if WIDE else tuning.CORE_GFLOPS_AVX2
 
 
 def tile(rows, image, base, taps, channels, packed, bias, lo, hi, out, at, ldc, width, stream):
@@ -115,9 +109,8 @@ def conv_tiles_loops(image, image_size, pixels, taps, channels, packed, bias, lo
     offset from it; `packed` (blocks, T * channels, BLOCK); `bias` (blocks * BLOCK,).
 
     One loop, no function taking arrays per unit: numba counts references to the arrays a
-    function is handed, 16 atomic increments and decrements a unit, ~100 ns (a 1x1
-    convolution of 16 -> 96 channels at 28x28, one core of a Xeon: 187 -> 101 ns a unit of
-    12 pixels by 32 channels)."""
+    function is handed, 16 atomic increments and decrements a unit, a large share of a small
+    unit's time."""
     L = pixels.shape[0]
     M = out.shape[1]
     blocks = packed.shape[0]
@@ -441,8 +434,8 @@ def _emit_tile(kit, R, context, builder, sig, args):
 
 def _store_tile(kit, v, builder, results, out_p, width, stream):
     """A tile's rows stored: whole (streamed or not), or a block's last columns (width <
-    BLOCK) with masked stores, where a copy through a scratch tile cost ~30% of a unit (M =
-    24, K = 96)."""
+    BLOCK) with masked stores, where a copy through a scratch tile cost a large share of a
+    unit."""
     const = kit.const
     whole = builder.icmp_signed(">=", width, const(BLOCK))
     with builder.if_else(whole) as (full, part):
@@ -641,29 +634,26 @@ def _register(numba) -> None:
 
 
 def empty(shape, dtype=np.float32) -> np.ndarray:
-    """np.empty(shape), its data aligned to a 64-byte cache line where it is large: a vector
-    load that straddles two lines costs two (numpy aligns to 16 bytes; the depthwise kernel
-    ran 1.6x slower so on 56x56 and 112x112 images). Small arrays stay plain: there the
-    alignment saves less than it costs (a few us a call). Very large ones reuse a freed
-    buffer (`_buffer`)."""
+    """np.empty(shape), its data aligned to a 64-byte cache line where it is large
+    (ALIGN_FROM_BYTES, ops/cpu/tuning.py): a vector load that straddles two lines costs two
+    (numpy aligns to 16 bytes). Small arrays stay plain: there the alignment saves less than
+    it costs. Very large ones reuse a freed buffer (`_buffer`)."""
     dtype = np.dtype(dtype)
     size = math.prod(shape) * dtype.itemsize
-    if size < _ALIGN_FROM_BYTES:
+    if size < tuning.ALIGN_FROM_BYTES:
         return np.empty(shape, dtype)
     buffer = _buffer(size + 64)
     return np.ndarray(shape, dtype, buffer, -_compiled.address(buffer) % 64)
 
 
-# From 32 MB, glibc maps every allocation afresh (its mmap threshold stops at 32 MB, where
+# From 32 MB, glibc maps every allocation afresh (its mmap threshold stops there, where
 # ember.ops.cpu.memory sets it) and unmaps it when freed, so each page faults again on its
-# first write; with transparent huge pages each fault clears 2 MB. MobileNetV2's 16 -> 96
-# channel layer at batch 8 (a 38 MB output) took 211 page faults a run, and 6-44 ms where
-# it took 5-6 without them; onnxruntime's arena keeps its memory. So such buffers are kept,
-# up to _KEEP_BUFFERS of them, and handed out again once nothing refers to them (numpy views
-# hold their base: a buffer is free when only this list does). The list is the process's
-# CPU engine's (`kept`, with `kept_lock`: ember.ops.cpu.engine), as glibc's heap is the
-# process's.
-KEEP_FROM_BYTES = 32 << 20
+# first write; with transparent huge pages each fault clears 2 MB. So such buffers are kept,
+# up to _KEEP_BUFFERS of them (a bound on the memory kept), and handed out again once nothing
+# refers to them (numpy views hold their base: a buffer is free when only this list does).
+# The list is the process's CPU engine's (`kept`, with `kept_lock`: ember.ops.cpu.engine), as
+# glibc's heap is the process's. Not a tuning value: glibc's limit (ops/linalg.py reads it).
+KEEP_FROM_BYTES = _memory.MMAP_THRESHOLD
 _KEEP_BUFFERS = 4
 
 
@@ -693,9 +683,6 @@ def _buffer(nbytes: int) -> np.ndarray:
         return buffer
 
 
-_ALIGN_FROM_BYTES = 64 << 10
-
-
 def pack(w_taps_last: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Weights (T*C, M) and bias (M,) as the tiles read them: (blocks, T*C, BLOCK) and
     (blocks*BLOCK,), zero-padded to whole blocks."""
@@ -711,32 +698,26 @@ def pack(w_taps_last: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, 
     return packed, b
 
 
-# A band's input, about this many bytes, is read by every block of weights in turn: sized
-# to stay in a core's L2 cache (1 MB on Zen 4) beside one block of weights
-BAND_BYTES = 192 << 10
-# An input of at most ONE_BAND_BYTES is one band: each band reads all the weights again,
-# from memory where they are large (GPT-2's LM head, 128 rows of 768 by 154 MB of weights,
-# in 3 bands: 53 -> 45 ms). Up to twice that where the weights are at least 4x the input (a
-# transformer's second MLP product, 128 rows of 3072 by 3072 x 768: in bands of one tile it
-# read its 9.4 MB of weights 11 times); ViT-S's 197 rows of 1536 by 1536 x 384 (weights 2x
-# its input) ran slower as one band (the model 1.04x).
-ONE_BAND_BYTES = 1 << 20
-ONE_BAND_WEIGHTS_RATIO = 4
-
-
 def band_tiles(tiles, images, image_size, channels, stride, packed) -> int:
     """The tiles of a band (conv_tiles_loops) for `tiles` tiles over `images` images of
-    `image_size` values, `channels` values a tap, `stride` input pixels per output pixel."""
+    `image_size` values, `channels` values a tap, `stride` input pixels per output pixel.
+
+    A band's input, about BAND_BYTES (ops/cpu/tuning.py), is read by every block of weights
+    in turn, so it is sized to stay in a core's L2 cache beside one block of weights. But
+    each band reads all the weights again, from memory where they are large: an input of at
+    most ONE_BAND_BYTES is one band, and up to twice that where the weights are at least
+    ONE_BAND_WEIGHTS_RATIO times the input."""
     input_bytes = images * image_size * 4
-    if input_bytes <= ONE_BAND_BYTES or (input_bytes <= 2 * ONE_BAND_BYTES and packed.nbytes
-                                         >= ONE_BAND_WEIGHTS_RATIO * input_bytes):
+    one_band = tuning.ONE_BAND_BYTES
+    if input_bytes <= one_band or (input_bytes <= 2 * one_band and packed.nbytes
+                                   >= tuning.ONE_BAND_WEIGHTS_RATIO * input_bytes):
         return tiles
-    return max(1, min(tiles, BAND_BYTES // (ROWS * stride * channels * 4)))
+    return max(1, min(tiles, tuning.BAND_BYTES // (ROWS * stride * channels * 4)))
 
 
 def unit_ns(packed) -> float:
     """A unit's time on one core, roughly (a tile by a block of the packed weights)."""
-    return ROWS * BLOCK * packed.shape[1] * 2 / CORE_GFLOPS
+    return ROWS * BLOCK * packed.shape[1] * 2 / _CORE_GFLOPS
 
 
 def cut(images, pixels, image_size, channels, stride, packed, out_bytes):
@@ -749,7 +730,7 @@ def cut(images, pixels, image_size, channels, stride, packed, out_bytes):
     band = band_tiles(tiles, images, image_size, channels, stride, packed)
     bounds = _compiled.row_bounds(blocks * tiles, unit_ns(packed))
     pieces = len(bounds) - 1
-    if pieces > 1 and packed.nbytes <= out_bytes * ROWS_SPLIT_WEIGHTS_RATIO:
+    if pieces > 1 and packed.nbytes <= out_bytes * tuning.ROWS_SPLIT_WEIGHTS_RATIO:
         band, bounds = rows_split(tiles, blocks, band, pieces)
     return band, bounds
 
@@ -763,33 +744,22 @@ def run(compiled, image, image_size, pixels, taps, channels, packed, bias, clamp
                        int(streams(out)), piece=_conv_tiles_piece)
 
 
-# An output of at least STREAM_FROM_BYTES is stored around the caches (non-temporal stores):
-# it does not stay in them for the next op anyway, and a store that goes through them first
-# reads the line it writes from memory. Two sessions alternated in one process, 2-core Xeon:
-# MobileNetV2 b8 0.90x (its 16 -> 96 layer at 112x112, a 38.5 MB output); from 12 MB 1.03x
-# and from 16 MB UNet b8 1.02x: outputs of 12-17 MB partly stayed in the last-level cache for
-# the next op.
-STREAM_FROM_BYTES = 32 << 20
-
-
 def streams(out: np.ndarray) -> bool:
-    """Whether the tiles stream their rows of out (rows, M): large, and every vector a tile
-    row stores aligned to a whole vector (a non-temporal vector store needs it)."""
-    return (out.nbytes >= STREAM_FROM_BYTES and out.shape[1] % LANES == 0
+    """Whether the tiles stream their rows of out (rows, M) around the caches (non-temporal
+    stores): from STREAM_FROM_BYTES (ops/cpu/tuning.py), as such an output does not stay in
+    them for the next op anyway and a store through them first reads the line it writes from
+    memory; and every vector a tile row stores aligned to a whole vector (a non-temporal
+    vector store needs it)."""
+    return (out.nbytes >= tuning.STREAM_FROM_BYTES and out.shape[1] % LANES == 0
             and _compiled.address(out) % 64 == 0)
 
 
-# Where the packed weights are at most ROWS_SPLIT_WEIGHTS_RATIO times the output's size, the
-# pieces are whole bands (every block of output channels for their pixels), so that each
-# thread keeps to its own rows, as the products' pieces do (ops/cpu/blas.py); cut in blocks,
-# each thread wrote part of every row. Two sessions alternated in one process, 2-core Xeon,
-# against blocks always: ResNet-50 b1 0.986x (b8 1.01x), MobileNetV2 0.983x (b8 0.95x), UNet
-# 0.993x, BERT-small 0.988x; with 8 times the output instead: ResNet-50 0.993x, UNet 1.007x.
-ROWS_SPLIT_WEIGHTS_RATIO = 1
-
-
 def rows_split(tiles, blocks, band, pieces):
-    """(band, bounds in units) for `pieces` pieces of whole bands of at most `band` tiles."""
+    """(band, bounds in units) for `pieces` pieces of whole bands of at most `band` tiles:
+    `cut`'s split where the packed weights are at most ROWS_SPLIT_WEIGHTS_RATIO
+    (ops/cpu/tuning.py) times the output's size. Each piece is every block of output
+    channels for its pixels, so that each thread keeps to its own rows, as the products'
+    pieces do (ops/cpu/blas.py); cut in blocks, each thread wrote part of every row."""
     band = min(band, -(-tiles // pieces))
     bands = -(-tiles // band)
     cuts = sorted({min(tiles, bands * i // pieces * band) for i in range(pieces + 1)})

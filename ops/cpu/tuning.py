@@ -4,9 +4,14 @@ pieces, once, with a one-line reason.
 The measurements behind a value are in docs/performance.md, "Measurement history, by
 constant", under the constant's name (the `history:` line below each one that has some):
 a change of value should repeat them. The `*_NS` values are time estimates that
-`compiled.split_rows` / `row_bounds` turn into a number of pieces, not limits.
+`compiled.split_rows` / `row_bounds` turn into a number of pieces, not limits (MIN_PIECE_NS
+aside: the least estimated work of a piece).
 
-Read by the ops' CPU kernels; this module imports nothing from ember.
+Read by the ops' CPU kernels and the CPU engine; this module imports nothing from ember. The
+few that compiled code reads (SPINS_BEFORE_YIELD, PREFETCH_AHEAD) are bound as plain globals
+of the module that uses them (`NAME = tuning.NAME`): numba freezes a global's value when it
+compiles, and its disk cache does not see a change made here, so after changing one delete the
+caches (ops/cpu/compiled.py's docstring).
 """
 
 # ---------------------------------------------------------------- ops/conv.py: convolutions
@@ -104,3 +109,56 @@ EPILOGUE_NS = 0.3  # the compiled epilogue's time per element, GELU's aside
 GELU_NS = 1.5  # GELU's own time per element (float32), in the epilogue and on its own
 # history: docs/performance.md#gelu_ns-ops_epiloguepy-opsactivationspy
 GELU_COMPILED_MIN = 1 << 14  # below, not worth a call (a thread's share is at least half)
+
+# ---------------------------------------------------------------- ops/cpu/compiled.py: splits
+
+MIN_PIECE_NS = 15_000  # a kernel's piece's least work: a piece handed over waits for a core
+# history: docs/performance.md#min_piece_ns-opscpucompiledpy
+HELPER_PAUSES = 1000  # a helper's spin for a next job during a run: a wake-up costs more
+# history: docs/performance.md#helper_pauses-settle_pauses-opscpucompiledpy
+SETTLE_PAUSES = 200  # and once one is posted: its caller still holds the GIL (wait_for_job)
+# history: docs/performance.md#helper_pauses-settle_pauses-opscpucompiledpy
+POOL_PRODUCTS_HELPER_PAUSES = 20_000  # HELPER_PAUSES where the pool runs the products too
+# history: docs/performance.md#pool_products_helper_pauses-opscpucompiledpy
+SPINS_BEFORE_YIELD = 1000  # pauses before a thread waiting for others yields its core
+# history: docs/performance.md#spins_before_yield-opscpucompiledpy
+
+# ---------------------------------------------------------------- ops/cpu/blas.py: products
+
+PIECE_MACS = 1 << 18  # a product's piece's least multiply-adds: OpenBLAS's own for a thread
+ROWS_CUT_MIN_ROWS = 128  # from so many rows, a product by small weights is cut into rows
+# history: docs/performance.md#rows_cut_min_rows-rows_cut_max_weight_bytes-opscpublaspy
+ROWS_CUT_MAX_WEIGHT_BYTES = 1 << 20  # larger weights: each piece of rows would read them all
+# history: docs/performance.md#rows_cut_min_rows-rows_cut_max_weight_bytes-opscpublaspy
+GEMV_MIN_VALUES = 1 << 20  # a GEMV's least matrix values to be cut: smaller gain no thread
+# history: docs/performance.md#gemv_min_values-opscpublaspy
+LINGER_PAUSES = 6000  # a helper's spin on the board after a run: the next run finds it awake
+# history: docs/performance.md#linger_pauses-opscpublaspy
+
+# ---------------------------------------------------------------- ops/cpu/tiles.py: tiles
+
+PREFETCH_AHEAD = 2048  # floats (8 KB) the tiles prefetch ahead of the weights they read
+# history: docs/performance.md#prefetch_ahead-opscputilespy
+CORE_GFLOPS = 100  # the AVX-512 tiles' rate on one core, for split_rows' estimate
+# history: docs/performance.md#core_gflops-core_gflops_avx2-opscputilespy
+CORE_GFLOPS_AVX2 = 60  # AVX2's tiles': a guess from its peak (it only decides the split)
+# history: docs/performance.md#core_gflops-core_gflops_avx2-opscputilespy
+BAND_BYTES = 192 << 10  # a band's input stays in a core's L2 beside one block of weights
+# history: docs/performance.md#band_bytes-opscputilespy
+ONE_BAND_BYTES = 1 << 20  # an input this small is one band: each band reads all weights again
+# history: docs/performance.md#one_band_bytes-one_band_weights_ratio-opscputilespy
+ONE_BAND_WEIGHTS_RATIO = 4  # up to twice that where the weights are this many times the input
+# history: docs/performance.md#one_band_bytes-one_band_weights_ratio-opscputilespy
+ROWS_SPLIT_WEIGHTS_RATIO = 1  # weights at most this x the output: pieces of whole bands
+# history: docs/performance.md#rows_split_weights_ratio-opscputilespy
+STREAM_FROM_BYTES = 32 << 20  # outputs this large are stored around the caches
+# history: docs/performance.md#stream_from_bytes-opscputilespy
+ALIGN_FROM_BYTES = 64 << 10  # arrays this large are cache-line aligned: smaller gain less
+# history: docs/performance.md#align_from_bytes-opscputilespy
+
+# ---------------------------------------------------------------- ops/cpu/threads.py, memory.py
+
+THREAD_TIMEOUT = 18  # log2 of the cycles OpenBLAS's workers spin: a run's products, not after
+# history: docs/performance.md#thread_timeout-opscputhreadspy
+TRIM_THRESHOLD = 256 << 20  # freed bytes glibc keeps at its heap's top for the next run
+# history: docs/performance.md#keep_freed_memory-opscpumemorypy

@@ -123,7 +123,7 @@ def test_split_rows_leaves_a_helper_that_does_not_start_out(monkeypatch):
     pieces = []
     try:
         _compiled.split_rows(lambda r0, r1: pieces.append((r0, r1, threading.get_ident())),
-                             100, ns_per_row=_compiled.MIN_PIECE_NS / 40)
+                             100, ns_per_row=tuning.MIN_PIECE_NS / 40)
     finally:
         blocker.set()
         busy.result()
@@ -141,10 +141,10 @@ def test_split_rows_hands_out_pieces_only_where_each_has_enough_work(monkeypatch
     def record(row0, row1):
         pieces.append((row0, row1))
 
-    _compiled.split_rows(record, 100, ns_per_row=_compiled.MIN_PIECE_NS / 60)
+    _compiled.split_rows(record, 100, ns_per_row=tuning.MIN_PIECE_NS / 60)
     assert pieces == [(0, 100)]
     pieces.clear()
-    _compiled.split_rows(record, 100, ns_per_row=_compiled.MIN_PIECE_NS / 40)
+    _compiled.split_rows(record, 100, ns_per_row=tuning.MIN_PIECE_NS / 40)
     assert sorted(pieces) == [(0, 25), (25, 50), (50, 75), (75, 100)]  # two per thread
 
 
@@ -230,7 +230,7 @@ def test_rows_split_among_threads_give_the_same_bits(kernel, window, stride, dil
     """A run with several threads splits the output rows among them: every split must give
     the bits of one thread doing all rows (BLAS's thread count may change a GEMM's rounding;
     this kernel's must not)."""
-    monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)  # split even this small image
+    monkeypatch.setattr(tuning, "MIN_PIECE_NS", 1)  # split even this small image
     monkeypatch.setattr(engine.current(), "run_threads", lambda: 3)
     if kernel != "numba":
         pytest.skip("the row split is the numba kernel's")
@@ -1028,7 +1028,7 @@ def test_compiled_maxpool_gives_the_numpy_kernels_bits(channels_last, pieces, in
     jobs, or in a run on the board (the channels-last kernel's piece functions)."""
     pytest.importorskip("numba")
     monkeypatch.delenv("EMBER_NUMBA", raising=False)
-    monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
+    monkeypatch.setattr(tuning, "MIN_PIECE_NS", 1)
     if in_run:
         engine.current().enter(pieces)
     else:
@@ -1116,7 +1116,7 @@ def test_layernorm_rows_give_the_same_bits_however_split(monkeypatch):
     x = rng.standard_normal((37, 300)).astype(np.float32)
     scale, bias = rng.standard_normal(300).astype(np.float32), np.zeros(300, np.float32)
     whole = normalization._layernorm_compiled(x, 1, scale, bias, 1e-5)
-    monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
+    monkeypatch.setattr(tuning, "MIN_PIECE_NS", 1)
     monkeypatch.setattr(engine.current(), "run_threads", lambda: 3)
     split = normalization._layernorm_compiled(x, 1, scale, bias, 1e-5)
     np.testing.assert_array_equal(whole, split)
@@ -1225,7 +1225,7 @@ def test_tiles_leave_long_products_and_batches_to_blas(rows, k, n, wide, few_row
 def test_few_rows_by_a_constant_weight_same_bits_on_threads(rows, few_rows, monkeypatch):
     """The columns split among the session's threads: a session shared by 4 threads gives the
     bits of sequential runs, and 1 thread gives the same bits as 2."""
-    monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)  # split even small products
+    monkeypatch.setattr(tuning, "MIN_PIECE_NS", 1)  # split even small products
     kernel_rows, taken = few_rows
     if rows not in kernel_rows:
         pytest.skip("not a row count this kernel takes")
@@ -1429,7 +1429,7 @@ def test_tiles_give_the_same_bits_however_split(monkeypatch):
         other = np.empty_like(whole)
         compiled(*args, other, n, band, 0, 0, units)
         np.testing.assert_array_equal(other, whole)
-    monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
+    monkeypatch.setattr(tuning, "MIN_PIECE_NS", 1)
     monkeypatch.setattr(engine.current(), "run_threads", lambda: 3)
     pooled = np.empty_like(whole)
     _tiles.run(compiled, image.reshape(-1), hp * hp * c, pixels, taps, c, packed, bias,
@@ -1587,7 +1587,7 @@ def test_depthwise_vector_rows_give_the_same_bits_however_split(monkeypatch):
     for i in range(0, 23, 5):
         compiled(x, vectors, taps, wt, b, c, *geometry, i, min(23, i + 5))
     np.testing.assert_array_equal(a, c)
-    monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
+    monkeypatch.setattr(tuning, "MIN_PIECE_NS", 1)
     monkeypatch.setattr(engine.current(), "run_threads", lambda: 3)
     pooled = np.empty_like(a)
     _compiled.split_rows(compiled, 23, x, vectors, taps, wt, b, pooled, *geometry,
@@ -1681,10 +1681,10 @@ def test_split_kernels_run_their_pieces_on_the_board(case, monkeypatch):
         taken.append((n := run_pieces(piece, block, bounds), len(bounds) - 1)), n)[1])
     engine.current().enter(2)
     try:
-        monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 10 ** 12)   # one thread
+        monkeypatch.setattr(tuning, "MIN_PIECE_NS", 10 ** 12)   # one thread
         want = compute()
         assert not taken
-        monkeypatch.setattr(_compiled, "MIN_PIECE_NS", 1)
+        monkeypatch.setattr(tuning, "MIN_PIECE_NS", 1)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not any(n < of for n, of in taken):
             np.testing.assert_array_equal(compute(), want)
@@ -1716,14 +1716,14 @@ def test_channels_last_concat_of_two_images_copies_them_pixel_by_pixel(in_run):
 
 @pytest.mark.parametrize("kernel, out_channels", [(1, 96), (3, 64), (1, 40)])
 def test_tiles_streaming_their_rows_match_onnxruntime(kernel, out_channels, monkeypatch):
-    """Outputs from _tiles.STREAM_FROM_BYTES on are stored around the caches (non-temporal
+    """Outputs from tuning.STREAM_FROM_BYTES on are stored around the caches (non-temporal
     stores, then a fence): here from 64 KB, through a 1x1 convolution's route and a 3x3 one's
     tiles, on two threads; 40 output channels are not whole vectors a row and are stored as
     usual. Same values as onnxruntime's."""
     pytest.importorskip("numba")
     if _tiles.kernel() is None or not _tiles.WIDE:
         pytest.skip("the streaming stores are AVX-512 tiles'")
-    monkeypatch.setattr(_tiles, "STREAM_FROM_BYTES", 1 << 16)
+    monkeypatch.setattr(tuning, "STREAM_FROM_BYTES", 1 << 16)
     rng = np.random.default_rng(kernel)
     c = 16
     inits = [numpy_helper.from_array(rng.standard_normal((c, 1, 3, 3)).astype(np.float32), "dw"),

@@ -30,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 import ember
 from ember.ops.cpu import blas as _blas, compiled as _compiled
 from ember.ops import fused, linalg
-from ember.ops.cpu import engine, threads as ember_threads
+from ember.ops.cpu import engine, threads as ember_threads, tuning
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRANSFORMER = os.path.join(REPO, "models", "transformer.onnx")
@@ -268,7 +268,7 @@ def test_openblas_spin_shortened():
         pytest.skip("no OpenBLAS on its pthreads server")
     if "GOTO_THREAD_TIMEOUT" in os.environ and "OPENBLAS_THREAD_TIMEOUT" not in os.environ:
         pytest.skip("the user's GOTO_THREAD_TIMEOUT is left as it is")
-    wanted = int(os.environ.get("OPENBLAS_THREAD_TIMEOUT", ember_threads.THREAD_TIMEOUT))
+    wanted = int(os.environ.get("OPENBLAS_THREAD_TIMEOUT", tuning.THREAD_TIMEOUT))
     for lib in libs:
         timeout = ember_threads._symbol(lib.dynlib, "openblas_thread_timeout")
         if timeout is None:

@@ -131,7 +131,21 @@ def load_tract(path: str, feeds: dict):
     return (lambda: [t.to_numpy() for t in runnable.run(args)]), list, tract.version(), runnable
 
 
-LOADERS = {"ember": load_ember, "onnxruntime": load_onnxruntime, "reference": load_reference,
+def load_onnxruntime_nospin(path: str, feeds: dict):
+    """onnxruntime with its intra-op threads' spinning off: what it costs where the cores are
+    shared, and the setting issue 45's first measurements used."""
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise Unavailable(f"onnxruntime: {exc}") from exc
+    opts = ort.SessionOptions()
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    return (lambda: sess.run(None, feeds)), list, ort.__version__, sess
+
+
+LOADERS = {"ember": load_ember, "onnxruntime": load_onnxruntime,
+           "onnxruntime-nospin": load_onnxruntime_nospin, "reference": load_reference,
            "openvino": load_openvino, "tract": load_tract}
 
 

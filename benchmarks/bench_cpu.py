@@ -16,7 +16,14 @@ the ratio to onnxruntime (median ÷ median) and, at the end, the geometric mean 
 In round 1 each runtime's outputs (a strided sample of them) are compared with onnxruntime's;
 a runtime that differs by more than 1e-3 of the output's scale is flagged.
 
+`--models broad` runs those ten and the broad zoo of issue 45
+(benchmarks/zoo/: CNN families, a detector, segmentation, audio, T5, a Llama-style decoder in
+fp32 and 4-bit, onnxruntime-optimised and quantised files, float16, tree ensembles, a streaming
+If/LSTM model), each built by the tool users make such files with and cached under
+.cache/bench-models-<torch version>/zoo/; the report adds ember's ratio by family.
+
 Runtimes: ember (cpu backend); onnxruntime (CPUExecutionProvider, default SessionOptions);
+onnxruntime-nospin (the same with its intra-op threads' spinning off);
 onnx's ReferenceEvaluator (a model is skipped for it when one run takes over `--ref-limit`
 seconds, 20 by default, and so are its larger batches); OpenVINO (`pip install openvino`,
 CPU device, default properties, inputs reshaped to the concrete shapes) and tract (`pip install
@@ -58,8 +65,11 @@ WORKER = os.path.join(HERE, "_bench_worker.py")
 sys.path.insert(0, HERE)
 
 import cpu_models  # noqa: E402  (numpy only; torch is imported by the export subprocess)
+import zoo  # noqa: E402  (the broad zoo's catalogue: numpy only)
 
-RUNTIMES = ["ember", "onnxruntime", "reference", "openvino", "tract"]
+ZOO = zoo.models()
+
+RUNTIMES = ["ember", "onnxruntime", "onnxruntime-nospin", "reference", "openvino", "tract"]
 BASELINE = "onnxruntime"
 CHECK_TOL = 1e-3  # max |x - ort| over max |ort|, per output
 SPIN = "import os\nos.nice(19)\nwhile True:\n    pass\n"
@@ -78,6 +88,8 @@ def cache_dir() -> str:
 def ensure_models(names: list[str], folder: str) -> dict[str, tuple[str, dict]]:
     """name -> (path, meta), exporting (in a subprocess, so the parent never imports torch)
     the models that are missing or stale."""
+    zoo_names = [n for n in names if n in ZOO]
+    names = [n for n in names if n not in ZOO]
     missing = [n for n in names if cpu_models.cached(n, folder) is None]
     if missing:
         print(f"exporting {', '.join(missing)} to {folder} ...", file=sys.stderr, flush=True)
@@ -93,7 +105,54 @@ def ensure_models(names: list[str], folder: str) -> dict[str, tuple[str, dict]]:
         if found is None:
             raise SystemExit(f"{n}: export did not produce a model in {folder}")
         models[n] = found
+    for n in zoo_names:
+        models[n] = _zoo_file(n, folder)
     return models
+
+
+def _zoo_file(name: str, folder: str) -> tuple[str, dict]:
+    """(path, meta) of a zoo model, built (in a subprocess: torch and the tools stay out of
+    this process) where missing or made from older code."""
+    digest = zoo.source_digest()
+    path = os.path.join(folder, "zoo", f"{name}.onnx")
+    meta_path = path[:-len(".onnx")] + ".meta.json"
+    meta = {"exporter": ZOO[name].tool, "note": "", "digest": digest}
+    if os.path.exists(path) and os.path.exists(meta_path):
+        with open(meta_path) as f:
+            if json.load(f).get("digest") == digest:
+                return path, meta
+    print(f"building {name} ({ZOO[name].tool}) ...", file=sys.stderr, flush=True)
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); import zoo; "
+            f"print(zoo.models()[{name!r}].build({os.path.dirname(path)!r}))")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+    if proc.returncode:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise SystemExit(f"building {name} failed:\n{tail}")
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    return path, meta
+
+
+def make_inputs(m: str, b: int) -> dict:
+    """The feeds of model `m` at batch `b`, from the zoo it belongs to (seeded)."""
+    if m in ZOO:
+        return ZOO[m].inputs(b, np.random.default_rng(1234 + b))
+    return cpu_models.make_inputs(m, b)
+
+
+def batches_of(m: str, batches: list[int]) -> list[int]:
+    """`batches`, less those a zoo model does not run (its file has a fixed batch)."""
+    return [b for b in batches if m not in ZOO or b in ZOO[m].batches]
+
+
+def label_of(m: str) -> str:
+    return ZOO[m].label if m in ZOO else cpu_models.SPECS[m].label
+
+
+def tokens_of(m: str) -> int:
+    return 0 if m in ZOO else cpu_models.SPECS[m].tokens_per_item
 
 
 # -- workers --------------------------------------------------------------------------------------
@@ -157,11 +216,11 @@ def compare(sample: str, reference: str) -> float:
 # -- the benchmark --------------------------------------------------------------------------------
 
 def benchmark(args, models: dict, runner: Runner, work: str) -> dict:
-    cells = [(m, b) for m in args.models for b in args.batches]
+    cells = [(m, b) for m in args.models for b in batches_of(m, args.batches)]
     inputs = {}
     for m, b in cells:
         inputs[m, b] = os.path.join(work, f"{m}.b{b}.inputs.npz")
-        np.savez(inputs[m, b], **cpu_models.make_inputs(m, b))
+        np.savez(inputs[m, b], **make_inputs(m, b))
     modes = ["plain", "contended"] if args.contended else ["plain"]
     # (mode, runtime, model, batch) -> list of round medians; and what stopped a cell
     medians: dict[tuple, list[float]] = {}
@@ -271,7 +330,7 @@ def report(args, models: dict, res: dict) -> tuple[str, dict]:
     summary: dict = {"cells": [], "geomean": {}, "contended": {}}
 
     def label(m: str) -> str:
-        return cpu_models.SPECS[m].label
+        return label_of(m)
 
     def cell_text(mode: str, rt: str, m: str, b: int) -> str:
         if rt in unavailable:
@@ -292,7 +351,7 @@ def report(args, models: dict, res: dict) -> tuple[str, dict]:
         vals = med.get((mode, rt, m, b))
         return statistics.median(vals) if vals else None
 
-    cells = [(m, b) for m in args.models for b in args.batches]
+    cells = [(m, b) for m in args.models for b in batches_of(m, args.batches)]
     for mode in (["plain", "contended"] if args.contended else ["plain"]):
         title = "Latency" if mode == "plain" else \
             "Latency with one competing nice-19 spin process"
@@ -319,8 +378,8 @@ def report(args, models: dict, res: dict) -> tuple[str, dict]:
                 entry[rt]["contended_median_ms"] = statistics.median(busy) * 1e3
                 entry[rt]["contended_rounds_ms"] = [v * 1e3 for v in busy]
                 entry[rt]["slowdown"] = statistics.median(busy) / t
-            if t and cpu_models.SPECS[m].tokens_per_item:
-                entry[rt]["tokens_per_s"] = b * cpu_models.SPECS[m].tokens_per_item / t
+            if t and tokens_of(m):
+                entry[rt]["tokens_per_s"] = b * tokens_of(m) / t
         entry["skipped"] = {rt: stopped[rt, m, b] for rt in runtimes if (rt, m, b) in stopped}
         entry["unavailable"] = {rt: unavailable[rt] for rt in runtimes if rt in unavailable}
         summary["cells"].append(entry)
@@ -366,7 +425,7 @@ def report(args, models: dict, res: dict) -> tuple[str, dict]:
         out.append("  (n) after a geometric mean: the number of model×batch cells it covers")
         out.append("")
 
-    decode = [m for m in args.models if cpu_models.SPECS[m].tokens_per_item]
+    decode = [m for m in args.models if tokens_of(m)]
     if decode:
         out.append("KV-cache decoding step, tokens/s (batch × new tokens ÷ median step time)")
         rows = []
@@ -375,7 +434,7 @@ def report(args, models: dict, res: dict) -> tuple[str, dict]:
                 row = [label(m), str(b)]
                 for rt in runtimes:
                     t = median_of("plain", rt, m, b)
-                    row.append(f"{b * cpu_models.SPECS[m].tokens_per_item / t:.1f}" if t else "-")
+                    row.append(f"{b * tokens_of(m) / t:.1f}" if t else "-")
                 rows.append(row)
         out.append(_table(["model", "batch"] + runtimes, rows))
         out.append("")
@@ -408,11 +467,25 @@ def report(args, models: dict, res: dict) -> tuple[str, dict]:
     exporters = {}
     for m in args.models:
         meta = models[m][1]
-        key = ("dynamo=True, opset 18" if meta["exporter"] == "dynamo" else
-               "dynamo=False, opset 17") + (f" ({meta['note']})" if meta.get("note") else "")
+        if m in ZOO:
+            key = meta["exporter"]
+        else:
+            key = ("torch.onnx.export dynamo=True, opset 18" if meta["exporter"] == "dynamo"
+                   else "torch.onnx.export dynamo=False, opset 17") + (
+                f" ({meta['note']})" if meta.get("note") else "")
         exporters.setdefault(key, []).append(m)
-    out.append("Exported with torch.onnx.export: " + "; ".join(
-        f"{k}: {', '.join(v)}" for k, v in exporters.items()))
+    out.append("Made with: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in exporters.items()))
+    families: dict[str, list[float]] = {}
+    for (mode, rt, m, b), vals in med.items():
+        base = med.get((mode, BASELINE, m, b))
+        if mode == "plain" and rt == "ember" and base:
+            family = ZOO[m].family if m in ZOO else "benchmark ten"
+            families.setdefault(family, []).append(
+                statistics.median(vals) / statistics.median(base))
+    if families:
+        out.append("ember ÷ onnxruntime by family (geomean over models × batches): " + ", ".join(
+            f"{f} {_geomean(v):.2f} ({len(v)})" for f, v in sorted(families.items())))
+        summary["families"] = {f: _geomean(v) for f, v in families.items()}
     out.append("Versions: " + ", ".join(f"{rt} {v}" for rt, v in res["versions"].items()))
     if notes.items:
         out.append("Notes:")
@@ -425,8 +498,8 @@ def report(args, models: dict, res: dict) -> tuple[str, dict]:
 def profile(args, models: dict, runner: Runner, work: str) -> str:
     m, b = args.profile, args.batches[0]
     inputs = os.path.join(work, f"{m}.b{b}.inputs.npz")
-    np.savez(inputs, **cpu_models.make_inputs(m, b))
-    out = [f"Profile of {cpu_models.SPECS[m].label}, batch {b}: median over {args.runs} runs "
+    np.savez(inputs, **make_inputs(m, b))
+    out = [f"Profile of {label_of(m)}, batch {b}: median over {args.runs} runs "
            f"per node, after {args.warmup} warm-up runs"]
     res = runner.run(runner.job("ember", models[m][0], inputs, profile=True))
     if res["status"] != "ok":
@@ -516,10 +589,13 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, k) is None:
             setattr(args, k, quick if args.quick else full)
     args.models = [m for m in args.models.split(",") if m]
+    if args.models == ["broad"]:  # issue 45's benchmark: the ten models and the zoo
+        args.models = list(cpu_models.DEFAULT_MODELS) + list(ZOO)
     args.runtimes = [r for r in args.runtimes.split(",") if r]
     for m in args.models + ([args.profile] if args.profile else []):
-        if m not in cpu_models.SPECS:
-            p.error(f"unknown model {m!r}; known: {', '.join(cpu_models.SPECS)}")
+        if m not in cpu_models.SPECS and m not in ZOO:
+            p.error(f"unknown model {m!r}; known: {', '.join([*cpu_models.SPECS, *ZOO])}, "
+                    f"or broad (all of them)")
     for r in args.runtimes:
         if r not in RUNTIMES:
             p.error(f"unknown runtime {r!r}; known: {', '.join(RUNTIMES)}")

@@ -643,22 +643,26 @@ class GroupQueryAttention(OpImpl):
             raise self.fail("query, key and value head sizes differ")
         return q, k, v
 
+    def rotary_positions(self, xp, position_ids, past, first_prompt, batch, q_len):
+        """Each query token's absolute position (B or 1, S), int64: past (B,) + its index, or
+        position_ids ((B, S), or on a first prompt only its first entry, as the offset)."""
+        steps = xp.arange(q_len, dtype=np.int64).reshape(1, q_len)
+        if position_ids is None:
+            return past.reshape(batch, 1) + steps
+        if first_prompt:
+            return position_ids.reshape(-1)[:1].astype(np.int64).reshape(1, 1) + steps
+        if tuple(position_ids.shape) != (batch, q_len):
+            raise self.fail(f"position_ids must have shape ({batch}, {q_len}), got "
+                            f"{tuple(position_ids.shape)}")
+        return position_ids.astype(np.int64)
+
     def _rotate_qk(self, q, k, cos_cache, sin_cache, position_ids, past_d, first_prompt, work):
         """q and k rotated at their absolute positions: past_d (B,) + step, or position_ids
         ((B, S), or only its first entry as the offset of a first prompt)."""
         xp = self.xp
         batch, _, q_len, head = q.shape
         self.check_rotary_caches(cos_cache, sin_cache, head)
-        steps = xp.arange(q_len, dtype=np.int64).reshape(1, q_len)
-        if position_ids is None:
-            pos = past_d.reshape(batch, 1) + steps
-        elif first_prompt:
-            pos = position_ids.reshape(-1)[:1].astype(np.int64).reshape(1, 1) + steps
-        else:
-            if tuple(position_ids.shape) != (batch, q_len):
-                raise self.fail(f"position_ids must have shape ({batch}, {q_len}), got "
-                                f"{tuple(position_ids.shape)}")
-            pos = position_ids.astype(np.int64)
+        pos = self.rotary_positions(xp, position_ids, past_d, first_prompt, batch, q_len)
         self._check_positions(pos, cos_cache.shape[0])
         cos = xp.take(cos_cache.astype(work, copy=False), pos, axis=0)[:, None]
         sin = xp.take(sin_cache.astype(work, copy=False), pos, axis=0)[:, None]

@@ -708,18 +708,8 @@ class GroupQueryAttentionCL(CA.GroupQueryAttention):
         positions (B or 1, S), found on the host as the CPU kernel finds them."""
         be = self.device
         self.check_rotary_caches(cos_cache, sin_cache, head)
-        steps = np.arange(q_len, dtype=np.int64).reshape(1, q_len)
-        if position_ids is None:
-            pos = past_lens.reshape(batch, 1) + steps
-        else:
-            ids = np.asarray(be.to_host(position_ids))
-            if first_prompt:
-                pos = ids.reshape(-1)[:1].astype(np.int64).reshape(1, 1) + steps
-            else:
-                if tuple(ids.shape) != (batch, q_len):
-                    raise self.fail(f"position_ids must have shape ({batch}, {q_len}), got "
-                                    f"{tuple(ids.shape)}")
-                pos = ids.astype(np.int64)
+        ids = None if position_ids is None else np.asarray(be.to_host(position_ids))
+        pos = self.rotary_positions(np, ids, past_lens, first_prompt, batch, q_len)
         self._check_positions(pos, cos_cache.shape[0])
         return (contiguous(cos_cache), contiguous(sin_cache),
                 cached_table(be, np.ascontiguousarray(pos)),

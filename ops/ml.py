@@ -6,7 +6,8 @@ import re
 
 import numpy as np
 
-from ember.ops.registry import OpImpl, register
+from ember.ops.cpu import compiled as _compiled, tuning
+from ember.ops.registry import Lowering, OpImpl, register
 
 ML = "ai.onnx.ml"
 
@@ -312,6 +313,49 @@ def _labels(labels, idx: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------- tree ensembles
 
+def _tree_lowering(forest: "_Forest", dtype: np.dtype | None) -> Lowering:
+    if dtype is not None and forest.compiled_walk(dtype):
+        return Lowering("cpu.compiled", "each row down each tree in one compiled walk, rows "
+                        "split among the threads")
+    return Lowering("numpy", "the trees walked a level at a time for all rows at once")
+
+
+def _walk_trees(x, feature, threshold, mode, true_step, false_step, missing_true, is_leaf,
+                roots, out, cyclic, row0, row1):  # pragma: no cover - compiled
+    """out[r, t] = the leaf row r reaches in tree t, for rows [row0, row1): the comparison
+    of each node's mode (a NaN takes the true branch where the node says so, as it does in
+    `_Forest.leaves`); cyclic[0] = 1 where a walk outlasts the node count."""
+    nodes = mode.shape[0]
+    for r in range(row0, row1):
+        for t in range(roots.shape[0]):
+            cur = roots[t]
+            steps = 0
+            while not is_leaf[cur]:
+                v = x[r, feature[cur]]
+                th = threshold[cur]
+                m = mode[cur]
+                if m == 0:
+                    cond = v <= th
+                elif m == 1:
+                    cond = v < th
+                elif m == 2:
+                    cond = v >= th
+                elif m == 3:
+                    cond = v > th
+                elif m == 4:
+                    cond = v == th
+                else:
+                    cond = v != th
+                if v != v and missing_true[cur]:
+                    cond = True
+                cur = true_step[cur] if cond else false_step[cur]
+                steps += 1
+                if steps > nodes:
+                    cyclic[0] = 1
+                    break
+            out[r, t] = cur
+
+
 _LEQ, _LT, _GTE, _GT, _EQ, _NEQ, _MEMBER, _LEAF = range(8)
 _COMPARE = {_LEQ: np.less_equal, _LT: np.less, _GTE: np.greater_equal, _GT: np.greater,
             _EQ: np.equal, _NEQ: np.not_equal}
@@ -353,6 +397,9 @@ class _Forest:
         self.c_weight = np.asarray(contrib_weight, dtype=np.float64).reshape(-1)[order]
         if self.c_target.size and (self.c_target.min() < 0 or self.c_target.max() >= n_targets):
             raise ValueError(f"a leaf names a target outside [0, {n_targets})")
+        # a tree's depth, as balanced trees of its size have it: the compiled walk's cost
+        self.depth = max(1, math.ceil(math.log2(max(2, len(self.mode) / max(1, len(roots))))))
+        self._thresholds: dict[np.dtype, np.ndarray] = {}  # by the rows' dtype
         self.c_count = np.bincount(node, minlength=len(self.mode)).astype(np.int64)
         self.c_start = np.concatenate([[0], np.cumsum(self.c_count)[:-1]]).astype(np.int64)
 
@@ -362,6 +409,8 @@ class _Forest:
         n, n_feat = x.shape
         if self.max_feature >= n_feat:
             raise ValueError(f"trees read feature {self.max_feature}, input has {n_feat}")
+        if self.compiled_walk(x.dtype):
+            return self._walk_compiled(x)
         flat_x = np.ascontiguousarray(x).reshape(-1)
         thr = self.threshold.astype(x.dtype) if x.dtype.kind == "f" else self.threshold
         has_nan = x.dtype.kind == "f" and bool(np.isnan(x).any())
@@ -387,6 +436,34 @@ class _Forest:
                 cond |= np.isnan(v) & self.missing_true[cur]
             cur = np.where(cond, self.true_step[cur], self.false_step[cur])
         raise ValueError("tree traversal did not terminate (cyclic tree)")
+
+    def compiled_walk(self, dtype: np.dtype) -> bool:
+        """Whether `_walk_compiled` serves rows of `dtype`: float rows, no set-membership
+        nodes, and numba."""
+        return np.dtype(dtype) in (np.float32, np.float64) and not self.members \
+            and _compiled.jit(_walk_trees) is not None
+
+    def _threshold_as(self, dtype: np.dtype) -> np.ndarray:
+        """The thresholds in the rows' dtype, as the level-by-level walk compares them."""
+        kept = self._thresholds.get(dtype)
+        if kept is None:
+            kept = self._thresholds[dtype] = self.threshold.astype(dtype)
+        return kept
+
+    def _walk_compiled(self, x: np.ndarray) -> np.ndarray:
+        """`leaves` by a compiled walk: each row down each tree, rows split among the run's
+        threads; the same leaf ids as the level-by-level walk."""
+        x = np.ascontiguousarray(x)
+        out = np.empty((x.shape[0], len(self.roots)), self.roots.dtype)
+        cyclic = np.zeros(1, np.int64)
+        _compiled.split_rows(_compiled.jit(_walk_trees), x.shape[0], x, self.feature,
+                             self._threshold_as(x.dtype), self.mode, self.true_step,
+                             self.false_step, self.missing_true, self.is_leaf, self.roots,
+                             out, cyclic,
+                             ns_per_row=tuning.TREE_STEP_NS * len(self.roots) * self.depth)
+        if cyclic[0]:
+            raise ValueError("tree traversal did not terminate (cyclic tree)")
+        return out
 
     def scores(self, x: np.ndarray, aggregate: str, dtype=np.float64) -> np.ndarray:
         """[N, n_targets] aggregated leaf weights in `dtype`. In float32 the sums are
@@ -477,6 +554,10 @@ class TreeEnsemble(OpImpl):
         self.agg = aggs[self.aggregate_function]
         self.post = _POST_CODES[self.post_transform]
 
+    def lower(self, inputs):
+        x = inputs[0]
+        return _tree_lowering(self.forest, None if x is None else x.dtype)
+
     def run(self, x):
         x2 = _as_2d(x)
         work = np.float32 if x.dtype == np.float32 else np.float64  # as onnxruntime sums
@@ -528,6 +609,9 @@ class TreeEnsembleRegressor(OpImpl):
             raise self.fail(f"malformed tree attributes: {exc}") from exc
         self.base = _base_values(self)
 
+    def lower(self, inputs):
+        return _tree_lowering(self.forest, np.dtype(np.float32))  # rows in float32 or 64
+
     def run(self, x):
         work = np.float64 if x.dtype == np.float64 else np.float32
         x2 = _as_2d(x).astype(work)
@@ -551,6 +635,9 @@ class TreeEnsembleClassifier(OpImpl):
             raise self.fail(f"malformed tree attributes: {exc}") from exc
         self.base = _base_values(self)
         self.binary = self.n_cls == 2 and len(set(self.class_ids)) == 1
+
+    def lower(self, inputs):
+        return _tree_lowering(self.forest, np.dtype(np.float32))  # rows in float32 or 64
 
     def run(self, x):
         work = np.float64 if x.dtype == np.float64 else np.float32

@@ -162,3 +162,8 @@ THREAD_TIMEOUT = 18  # log2 of the cycles OpenBLAS's workers spin: a run's produ
 # history: docs/performance.md#thread_timeout-opscputhreadspy
 TRIM_THRESHOLD = 256 << 20  # freed bytes glibc keeps at its heap's top for the next run
 # history: docs/performance.md#keep_freed_memory-opscpumemorypy
+
+# ---------------------------------------------------------------- ops/ml.py: tree ensembles
+
+TREE_STEP_NS = 9.0  # a compiled tree walk's time per tree level of a row, for split_rows
+# history: docs/performance.md#tree_step_ns-opsmlpy

@@ -9,9 +9,13 @@ rng)` makes its feeds with numpy.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
+import io
+import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,3 +59,32 @@ def source_digest() -> str:
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def written(out_dir: str, name: str):
+    """Yields a temporary path in out_dir; on success it becomes out_dir/NAME.onnx, so that
+    a build that fails half-way leaves no file a later run would take for a model."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.onnx")
+    tmp = os.path.join(out_dir, f"{name}.{os.getpid()}.tmp.onnx")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+@contextlib.contextmanager
+def quiet():
+    """No warnings, prints or log records below ERROR while a tool builds a file (the
+    exporters and the quantisers log their passes and advice)."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)

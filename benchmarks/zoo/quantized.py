@@ -23,18 +23,14 @@ batches. The tree ensembles are fitted on a seeded synthetic classification prob
 """
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import os
 import sys
 import tempfile
-import warnings
 from typing import Callable
 
 import numpy as np
 
-from . import ZooModel
+from . import ZooModel, quiet, written
 
 BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FEATURES, CLASSES = 20, 3
@@ -47,33 +43,6 @@ def _cpu_models():
     import cpu_models
 
     return cpu_models
-
-
-@contextlib.contextmanager
-def _quiet():
-    """No warnings, prints or log records (the quantisers log advice at WARNING)."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(previous)
-
-
-@contextlib.contextmanager
-def _atomic(out_dir: str, name: str):
-    """Yields a temporary path in out_dir; on success it becomes out_dir/NAME.onnx."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}.onnx")
-    tmp = os.path.join(out_dir, f"{name}.{os.getpid()}.tmp.onnx")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _float_source(name: str, work: str) -> str:
@@ -102,7 +71,7 @@ def _classic_export(name: str, path: str) -> None:
     example = cpu_models.make_inputs(name, 2)
     names, outputs = list(example), cpu_models.SPECS[name].outputs
     args = tuple(torch.from_numpy(v) for v in example.values())
-    with _quiet(), torch.no_grad():
+    with quiet(), torch.no_grad():
         torch.onnx.export(module, args, path, dynamo=False, opset_version=17,
                           input_names=names, output_names=outputs,
                           dynamic_axes={n: {0: "batch"} for n in names + outputs})
@@ -123,7 +92,7 @@ def _optimized_bert(path: str) -> None:
     with tempfile.TemporaryDirectory() as work:
         source = os.path.join(work, "bert_base.onnx")
         _classic_export("bert_base", source)
-        with _quiet():
+        with quiet():
             model = optimizer.optimize_model(source, model_type="bert", num_heads=12,
                                              hidden_size=768, opt_level=0, use_gpu=False,
                                              optimization_options=FusionOptions("bert"))
@@ -131,7 +100,7 @@ def _optimized_bert(path: str) -> None:
 
 
 def _build_bert_ort_opt(out_dir: str) -> str:
-    with _atomic(out_dir, "bert_ort_opt") as tmp:
+    with written(out_dir, "bert_ort_opt") as tmp:
         _optimized_bert(tmp)
     return os.path.join(out_dir, "bert_ort_opt.onnx")
 
@@ -140,10 +109,10 @@ def _build_bert_int8_dynamic(out_dir: str) -> str:
     import onnx
     from onnxruntime import quantization
 
-    with tempfile.TemporaryDirectory() as work, _atomic(out_dir, "bert_int8_dynamic") as tmp:
+    with tempfile.TemporaryDirectory() as work, written(out_dir, "bert_int8_dynamic") as tmp:
         fused = os.path.join(work, "bert_ort_opt.onnx")
         _optimized_bert(fused)
-        with _quiet():
+        with quiet():
             quantization.quantize_dynamic(
                 fused, tmp, weight_type=quantization.QuantType.QInt8,
                 extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
@@ -154,9 +123,9 @@ def _build_vit_fp16(out_dir: str) -> str:
     import onnx
     from onnxconverter_common import float16
 
-    with tempfile.TemporaryDirectory() as work, _atomic(out_dir, "vit_fp16") as tmp:
+    with tempfile.TemporaryDirectory() as work, written(out_dir, "vit_fp16") as tmp:
         model = onnx.load(_float_source("vit_s16", work))
-        with _quiet():
+        with quiet():
             model = float16.convert_float_to_float16(model, keep_io_types=True)
         onnx.save(model, tmp)
     return os.path.join(out_dir, "vit_fp16.onnx")
@@ -177,8 +146,8 @@ def _static(source: str, name: str, quant_format: str) -> Callable[[str], str]:
             def get_next(self):
                 return next(self.batches, None)
 
-        with tempfile.TemporaryDirectory() as work, _atomic(out_dir, name) as tmp:
-            with _quiet():
+        with tempfile.TemporaryDirectory() as work, written(out_dir, name) as tmp:
+            with quiet():
                 quantization.quantize_static(
                     _float_source(source, work), tmp, Reader(),
                     quant_format=getattr(quantization.QuantFormat, quant_format),
@@ -203,7 +172,7 @@ def _tree_inputs(batch: int, rng: np.random.Generator) -> dict:
 
 
 def _save(model, out_dir: str, name: str) -> str:
-    with _atomic(out_dir, name) as tmp:
+    with written(out_dir, name) as tmp:
         with open(tmp, "wb") as f:
             f.write(model.SerializeToString())
     return os.path.join(out_dir, f"{name}.onnx")
@@ -216,7 +185,7 @@ def _build_random_forest(out_dir: str) -> str:
     x, y = _tree_data()
     forest = RandomForestClassifier(n_estimators=100, max_depth=10, random_state=0, n_jobs=1)
     forest.fit(x, y)
-    with _quiet():
+    with quiet():
         model = to_onnx(forest, initial_types=[("input", _float_tensor_type())],
                         options={"zipmap": False}, target_opset={"": 17, "ai.onnx.ml": 3})
     return _save(model, out_dir, "random_forest")
@@ -229,7 +198,7 @@ def _build_lightgbm(out_dir: str) -> str:
     x, y = _tree_data()
     booster = lightgbm.LGBMClassifier(n_estimators=100, num_leaves=31, random_state=0,
                                       n_jobs=1, verbose=-1).fit(x, y)
-    with _quiet():
+    with quiet():
         model = onnxmltools.convert_lightgbm(
             booster, initial_types=[("input", _float_tensor_type(onnxmltools=True))],
             zipmap=False, target_opset=15)
@@ -243,7 +212,7 @@ def _build_xgboost(out_dir: str) -> str:
     x, y = _tree_data()
     booster = xgboost.XGBClassifier(n_estimators=100, max_depth=6, random_state=0,
                                     n_jobs=1).fit(x, y)
-    with _quiet():
+    with quiet():
         model = onnxmltools.convert_xgboost(
             booster, initial_types=[("input", _float_tensor_type(onnxmltools=True))],
             target_opset=15)

@@ -10,8 +10,6 @@ sample rate input becomes an ONNX If, and the exporter writes its recurrent laye
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import math
 import os
@@ -21,7 +19,7 @@ import warnings
 
 import numpy as np
 
-from . import ZooModel
+from . import ZooModel, quiet, written
 
 BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,34 +42,6 @@ def _cpu_models():
     return cpu_models
 
 
-@contextlib.contextmanager
-def _atomic(out_dir: str, name: str):
-    """Yields a temporary path in out_dir; on success it becomes out_dir/NAME.onnx."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}.onnx")
-    tmp = os.path.join(out_dir, f"{name}.{os.getpid()}.tmp.onnx")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-@contextlib.contextmanager
-def _quiet():
-    """No warnings, prints or log records below ERROR (the exporter and the quantiser log
-    their passes at INFO)."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(previous)
-
-
 def _export(name: str, make_module, example: dict, outputs: list[str], out_dir: str,
             dynamic: dict | None = None) -> str:
     """Export make_module() (seeded) to out_dir/NAME.onnx: dynamo at opset 18, the batch axis
@@ -86,7 +56,7 @@ def _export(name: str, make_module, example: dict, outputs: list[str], out_dir: 
     args = tuple(torch.from_numpy(v) for v in example.values())
     names = list(example)
     failure = None
-    with _atomic(out_dir, name) as tmp, _quiet(), torch.no_grad():
+    with written(out_dir, name) as tmp, quiet(), torch.no_grad():
         try:
             cpu_models._export_dynamo(module, args, names, spec, tmp)
         except Exception as exc:  # noqa: BLE001 - fall back, and say why below
@@ -465,7 +435,7 @@ def _build_decode_4bit(out_dir: str) -> str:
         model = onnx.load(_export_decode("llama_decode_4bit", scratch))
     quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=32, is_symmetric=True,
                                      op_types_to_quantize=("MatMul",))
-    with _atomic(out_dir, "llama_decode_4bit") as tmp, _quiet():
+    with written(out_dir, "llama_decode_4bit") as tmp, quiet():
         quantizer.process()
         quantizer.model.save_model_to_file(tmp)
     return os.path.join(out_dir, "llama_decode_4bit.onnx")
@@ -551,7 +521,7 @@ def _build_vad(out_dir: str) -> str:
     names, outputs = list(example), ["prob", "hn", "cn"]
     axes = {"input": {0: "batch"}, "h": {1: "batch"}, "c": {1: "batch"}, "prob": {0: "batch"},
             "hn": {1: "batch"}, "cn": {1: "batch"}}
-    with _atomic(out_dir, "vad_stream") as tmp, _quiet(), torch.no_grad():
+    with written(out_dir, "vad_stream") as tmp, quiet(), torch.no_grad():
         torch.onnx.export(module, args, tmp, dynamo=False, opset_version=17, input_names=names,
                           output_names=outputs, dynamic_axes=axes)
     return os.path.join(out_dir, "vad_stream.onnx")

@@ -138,6 +138,7 @@ class FusedMatMul(_Activated):
         self._transposed = CachedPack()  # of a constant B, for products of a few rows
 
     def run(self, a, b, bias=None, z=None):
+        self.settle_lowering(a, b)
         if a.ndim == 0 or b.ndim == 0 or a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
             raise self.fail(f"shapes {a.shape} and {b.shape} are not aligned")
         xp = self.xp

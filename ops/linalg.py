@@ -296,6 +296,7 @@ class MatMul(OpImpl):
         self._transposed = CachedPack()  # of a constant B, for products of a few rows
 
     def run(self, a, b):
+        self.settle_lowering(a, b)
         if a.__class__ is not np.ndarray or b.__class__ is not np.ndarray \
                 or a.dtype.kind == "O" or b.dtype.kind == "O":  # cheap first: products are hot
             check_numeric(self, A=a, B=b)
@@ -326,6 +327,7 @@ class _Gemm(OpImpl):
         return product_lowering(a, b, False)  # Gemm keeps no packed copy of its weight
 
     def run(self, a, b, c=None):
+        self.settle_lowering(a, b)
         xp = self.xp
         if a.__class__ is not np.ndarray or b.__class__ is not np.ndarray \
                 or a.dtype.kind == "O" or b.dtype.kind == "O" or c is not None \

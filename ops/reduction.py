@@ -544,6 +544,7 @@ class _SoftmaxBase(OpImpl):
         raise NotImplementedError
 
     def run(self, x):
+        self.settle_lowering(x)
         xp = self.xp
         rank = x.ndim
         axis = int(self.axis)

@@ -144,6 +144,21 @@ class OpImpl:
         `lowered` names what the run chose."""
         return PORTABLE
 
+    # set by the plan where `lower` could not choose ("by geometry"): the first run settles it
+    _lower_at_run = False
+
+    def settle_lowering(self, *inputs) -> None:
+        """On the first run after a plan that could not choose: `lower` again, for these
+        inputs' shapes and dtypes (constants as given), kept as `lowered()`. Ops whose
+        `lower` may answer "by geometry" call it first thing in `run`; one attribute test
+        a call after that."""
+        if self._lower_at_run:
+            self._lower_at_run = False
+            self._chosen = self.lower([
+                None if a is None or not hasattr(a, "shape") else
+                Sketch(tuple(a.shape), a.dtype, a if i in self.constant_inputs else None)
+                for i, a in enumerate(inputs)])
+
     def lowered(self) -> Lowering | None:
         """The kernel the latest run of this node chose, for ops that choose per input
         geometry at run time: they keep it in `_chosen` (None: `lower`'s answer stands)."""

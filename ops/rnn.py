@@ -616,6 +616,7 @@ class _RNN(_RecurrentBase):
     default_activations = ("Tanh",)
 
     def run(self, X, W, R, B=None, sequence_lens=None, initial_h=None):
+        self.settle_lowering(X, W, R, B, sequence_lens, initial_h)
         out_dtype, cdt, Xc, lens, H, states = self._prepare(X, W, R, B, sequence_lens,
                                                             [initial_h])
 
@@ -670,6 +671,7 @@ class _GRU(_RecurrentBase):
     default_activations = ("Sigmoid", "Tanh")
 
     def run(self, X, W, R, B=None, sequence_lens=None, initial_h=None):
+        self.settle_lowering(X, W, R, B, sequence_lens, initial_h)
         out_dtype, cdt, Xc, lens, H, states = self._prepare(X, W, R, B, sequence_lens,
                                                             [initial_h])
         lbr = bool(getattr(self, "linear_before_reset", 0))
@@ -824,6 +826,7 @@ class _LSTM(_RecurrentBase):
     default_activations = ("Sigmoid", "Tanh", "Tanh")
 
     def run(self, X, W, R, B=None, sequence_lens=None, initial_h=None, initial_c=None, P=None):
+        self.settle_lowering(X, W, R, B, sequence_lens, initial_h, initial_c, P)
         out_dtype, cdt, Xc, lens, H, states = self._prepare(X, W, R, B, sequence_lens,
                                                             [initial_h, initial_c])
         D = self.num_directions

@@ -218,7 +218,9 @@ class Plan:
             sketches = [None if not n else Sketch(shapes.get(n), dtypes.get(n),
                                                   graph.initializers.get(n))
                         for n in step.node.inputs]
-            lowerings.append(step.kernel.lower(sketches))
+            lowering = step.kernel.lower(sketches)
+            step.kernel._lower_at_run = lowering.kernel == "by geometry"
+            lowerings.append(lowering)
         return lowerings
 
     def kernels(self) -> list[Lowering]:

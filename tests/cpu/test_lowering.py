@@ -139,3 +139,23 @@ def test_profile_shows_each_nodes_kernel(tmp_path, capsys):
     for event in events:
         name = event["name"].removesuffix("_kernel_time")
         assert event["args"]["kernel"] == ran[name]
+
+
+def test_a_choice_the_plan_leaves_to_the_run_is_named_after_it(tmp_path):
+    """Symbolic rows: the plan cannot choose the product's or the softmax's kernel; the first
+    run chooses with its shapes, and `kernels` names the choice, as `lower` makes it for them."""
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"]),
+         helper.make_node("Softmax", ["y"], ["out"], axis=-1)],
+        "rows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", 768])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+        [_weight("w", (768, 2304))])
+    path = str(tmp_path / "rows.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    session = ember.load(path, "cpu", simplify=False)
+    assert [k for _, _, k, _ in session.kernels] == ["by geometry", "by geometry"]
+    session.run({"x": RNG.standard_normal((8, 768)).astype(np.float32)})
+    after = [k for _, _, k, _ in session.kernels]
+    assert "by geometry" not in after
+    known = ember.load(_decoder_step(str(tmp_path / "step.onnx")), "cpu", simplify=False)
+    assert after[0] == known.kernels[0][2]   # 8 x 768 by a constant 768 x 2304, as planned

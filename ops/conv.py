@@ -36,7 +36,8 @@ from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles,
 # as plain globals: conv_nd's im2col path reads the first two, a compiled kernel the third
 from ember.ops.cpu.tuning import (IM2COL_CHUNK as _IM2COL_CHUNK,
                                   IMAGE_CHANNELS as _IMAGE_CHANNELS, DEPTHWISE_BAND_BYTES)
-from ember.ops import _epilogue, _xp
+from ember.ops import _epilogue, _integer as _int, _xp
+from ember.ops.cpu import integer as _integer
 from ember.ops._layout import channels_last
 from ember.ops.linalg import check_numeric
 from ember.ops.registry import Lowering, OpImpl, register
@@ -1186,6 +1187,14 @@ class _ConvBase(OpImpl):
         self._weight = None  # (key, value) of cached_weight, one object: threads read it whole
         self._routes = RouteMemo()   # Conv.run's, without a clamp
 
+    def group_rows(self, w) -> int | None:
+        """Output channels a group, for the plan (None: one group, a depthwise convolution,
+        or unknown)."""
+        if self.group == 1 or w.shape is None or not isinstance(w.shape[0], int) \
+                or w.shape[0] == self.group and w.shape[1] == 1:
+            return None
+        return w.shape[0] // self.group
+
     def geometry(self, x, w):
         """(kernel, strides, dilations, pads begin, pads end) for these input and weight."""
         if x.__class__ is not np.ndarray or w.__class__ is not np.ndarray \
@@ -1374,9 +1383,71 @@ def _exact_int_conv(xp, op, x, w, x_zp, w_zp):
     return conv_nd(xp, xs, ws, op.group, kernel, strides, dilations, begin, end)
 
 
+def _integer_conv_serves(op, x, w, x_zp, w_zp) -> bool:
+    """Whether the CPU engine's integer product runs this convolution: a 2-D one of 8-bit
+    numpy arrays, zero points per tensor (and per output channel for w), and groups of at
+    least INT_GROUP_ROWS output channels (a depthwise convolution's one channel a group
+    would leave the tiles empty)."""
+    if op.xp is not np or x.ndim != 4 or w.ndim != 4 or not _integer.enabled() \
+            or x.dtype not in _int.BYTES or w.dtype not in _int.BYTES:
+        return False
+    if _int.scalar(x_zp) is None or _int.columns(w_zp, w.shape[0]) is None:
+        return False
+    M, G = w.shape[0], op.group
+    return x.shape[1] == w.shape[1] * G and M % G == 0 and (
+        G == 1 or M // G >= tuning.INT_GROUP_ROWS or _depthwise(x, w, G))
+
+
+def _depthwise(x, w, group) -> bool:
+    """One input and one output channel a group."""
+    return group == x.shape[1] == w.shape[0] and w.shape[1] == 1
+
+
+def _integer_conv(op, x, w, x_zp, w_zp, out_dtype, **epilogue):
+    """The convolution of 8-bit x by w, zero points taken, by the integer product (see
+    ops/cpu/integer.py): each image's patches packed group by group, the product finished
+    by `epilogue` (integer.product's) into a fresh (N, M, OH, OW) array of out_dtype."""
+    kernel, strides, dilations, begin, end = op.geometry(x, w)
+    N, C, H, W = x.shape
+    M, G = w.shape[0], op.group
+    outs = out_size((H, W), kernel, strides, dilations, begin, end)
+    limits.check_shape((N, M, *outs), out_dtype)
+    P = math.prod(outs)
+    out = np.empty((N, M, *outs), out_dtype)
+    if 0 in out.shape:
+        return out
+    Mg, Cg = M // G, C // G
+    zero = _int.columns(w_zp, M)
+    if _depthwise(x, w, G):
+        _integer.depthwise(x, _int.scalar(x_zp), w, zero, strides, dilations, begin, out,
+                           **epilogue)
+        return out
+    groups = _int.kept(op, "conv", (w, w_zp), lambda: [
+        _integer.conv_weights(w[g * Mg:(g + 1) * Mg], zero[g * Mg:(g + 1) * Mg])
+        for g in range(G)])
+    x_zero = _int.scalar(x_zp)
+    for n in range(N):
+        for g in range(G):
+            packed, sums, shift = _integer.pack_patches(
+                x[n, g * Cg:(g + 1) * Cg], x_zero, kernel, strides, dilations, begin, end,
+                outs)
+            part = {k: v[g * Mg:(g + 1) * Mg] if isinstance(v, np.ndarray) else v
+                    for k, v in epilogue.items()}
+            _integer.product(groups[g], packed, sums, x_zero + shift,
+                             out[n, g * Mg:(g + 1) * Mg].reshape(Mg, P), **part)
+    return out
+
+
 @register("ConvInteger", versions=[10])
 class ConvInteger(_ConvBase):
+    def lower(self, inputs):
+        return _int.lowering(inputs[0], inputs[1], 4, self.group_rows(inputs[1]))
+
     def run(self, x, w, x_zero_point=None, w_zero_point=None):
+        if _integer_conv_serves(self, x, w, x_zero_point, w_zero_point):
+            self._chosen = _int.INTEGER
+            return _integer_conv(self, x, w, x_zero_point, w_zero_point, np.int32)
+        self._chosen = _int.EXACT_FLOAT
         acc = _exact_int_conv(self.xp, self, x, w, x_zero_point, w_zero_point)
         # the accumulation wraps in 32 bits, as the spec allows
         return acc.astype(np.int64).astype(np.int32)
@@ -1384,18 +1455,33 @@ class ConvInteger(_ConvBase):
 
 @register("QLinearConv", versions=[10])
 class QLinearConv(_ConvBase):
+    def lower(self, inputs):
+        return _int.lowering(inputs[0], inputs[3], 4, self.group_rows(inputs[3]))
+
     def run(self, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point,
             B=None):
         xp = self.xp
         ws = xp.asarray(w_scale, np.float32).reshape(-1)
         if ws.size not in (1, w.shape[0]):
             raise self.fail(f"w_scale has {ws.size} values for {w.shape[0]} channels")
+        scale = (xp.asarray(x_scale, np.float32).reshape(()) * ws
+                 / xp.asarray(y_scale, np.float32).reshape(()))
+        yzp = xp.asarray(y_zero_point)
+        if _integer_conv_serves(self, x, w, x_zero_point, w_zero_point) \
+                and yzp.dtype in _int.BYTES and yzp.size == 1:
+            M = w.shape[0]
+            bias = np.zeros(M, np.int64) if B is None else B.astype(np.int64).reshape(M)
+            info = np.iinfo(yzp.dtype)
+            self._chosen = _int.INTEGER
+            return _integer_conv(self, x, w, x_zero_point, w_zero_point, yzp.dtype,
+                                 mode=_integer.REQUANTIZE, bias=bias,
+                                 mult=np.broadcast_to(scale, (M,)).astype(np.float32),
+                                 y_zero=float(yzp.reshape(())), lo=info.min, hi=info.max)
+        self._chosen = _int.EXACT_FLOAT
         acc = _exact_int_conv(xp, self, x, w, x_zero_point, w_zero_point)
         if B is not None:  # the integer sum acc + B, exact in float64, then one float32 rounding
             acc = acc.astype(np.float64)
             acc += B.astype(np.float64).reshape((1, -1) + (1,) * (acc.ndim - 2))
-        scale = (xp.asarray(x_scale, np.float32).reshape(()) * ws
-                 / xp.asarray(y_scale, np.float32).reshape(()))
         scale = scale.reshape((1, -1) + (1,) * (acc.ndim - 2)) if ws.size > 1 else scale[0]
         # onnxruntime's requantisation: float32(acc) times the float32 multiplier, rounded half
         # to even, plus the zero point, saturated

@@ -5,16 +5,26 @@ Resize is separable: for every resized axis we precompute, once per call, an (ou
 array of source indices and one of weights, then apply the axis with a few vectorised gathers.
 The plans depend on shapes and attributes only: they are made on the host (numpy) and the
 gathers run over the kernel's array namespace `xp`.
+
+With numba (ops/cpu/compiled.py), a float32 NCHW resize of H and W only (nearest, linear or
+cubic, every coordinate transformation but tf_crop_and_resize) runs compiled: one output row
+a step, the rows shared by the run's threads (`_resize_rows`, `_resize_nearest_rows`), with
+the numpy gathers' bits (the same plans, the same float32 products summed in the same order);
+a channels-last input (a convolution's result) is resized in its layout, and so handed on.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 from ember import limits
 from ember.ops import _xp
-from ember.ops.registry import OpImpl, register
+from ember.ops._layout import channels_last
+from ember.ops._lowering import compiled_rows, numba_serves
+from ember.ops.cpu import compiled as _compiled, tuning
+from ember.ops.registry import PORTABLE, Lowering, OpImpl, register
 
 # ----------------------------------------------------------------------------------------------
 # Resize / Upsample: per-axis plans
@@ -148,6 +158,271 @@ def _finish(xp, result, dt: np.dtype):
     return result.astype(dt)
 
 
+def _skips_axis(ct: str, in_len: int, out_len: int, scale: float, rs: float, re: float) -> bool:
+    """Whether resize_nd leaves an axis as it is (before making its plan)."""
+    return out_len == in_len and scale == 1.0 and ct != "tf_half_pixel_for_nn" and (
+        ct != "tf_crop_and_resize" or (rs == 0.0 and re == 1.0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Resize: the compiled NCHW kernels
+
+_RESIZE_COMPILED_WHY = "resize of H and W by output rows: numpy's plans and bits, threaded"
+_RESIZE_BY_GEOMETRY = Lowering("by geometry", "compiled output rows for float32 NCHW where only "
+                               "H and W are resized: the scales or the input are known in the run")
+
+
+def resize_compiled_route(x, mode: str, ct: str) -> bool:
+    """Whether `_resize_compiled` may serve an input like x (an array or a Sketch), leaving the
+    scales aside: float32 of rank 4 and a mode and transformation it runs."""
+    return x is not None and x.dtype == np.float32 and x.ndim == 4 \
+        and mode in ("nearest", "linear", "cubic") and ct != "tf_crop_and_resize"
+
+
+def resize_lowering(x, mode: str, ct: str, target) -> Lowering:
+    """The plan's choice for a resize of x (a Sketch): compiled where `resize_compiled_route`
+    holds and target(), the (output shape, scales) the plan can tell (None where only the run
+    knows them), leaves N and C as they are."""
+    if not numba_serves() or mode not in ("nearest", "linear", "cubic") \
+            or ct == "tf_crop_and_resize":
+        return PORTABLE
+    if x is None or x.dtype is None or x.ndim is None:
+        return _RESIZE_BY_GEOMETRY  # the graph does not declare them: the run tells
+    if not resize_compiled_route(x, mode, ct):
+        return PORTABLE
+    try:
+        known = target()
+    except Exception:  # a malformed node: the run reports it
+        known = None
+    if known is None:
+        return _RESIZE_BY_GEOMETRY
+    return compiled_rows(_RESIZE_COMPILED_WHY) if _keeps_planes(x.shape, *known) else PORTABLE
+
+
+def _keeps_planes(shape, out_shape, scales) -> bool:
+    """Whether a resize leaves N and C as they are (a dim of `shape` None where unknown)."""
+    return len(scales) == 4 and float(scales[0]) == 1.0 and float(scales[1]) == 1.0 \
+        and all(o is None or o == d for o, d in zip(out_shape[:2], shape[:2]))
+
+
+def _settle_resize(impl: OpImpl, x, out_shape, scales) -> None:
+    """On a run after a plan that could not choose (`_RESIZE_BY_GEOMETRY`): what it chose."""
+    if impl._lower_at_run:
+        impl._lower_at_run = False
+        served = resize_compiled_route(x, impl.mode, getattr(impl, "ct", "asymmetric")) \
+            and _keeps_planes(x.shape, out_shape, scales) and x.size > 0 \
+            and all(int(d) > 0 for d in out_shape)
+        impl._chosen = compiled_rows(_RESIZE_COMPILED_WHY) if served else PORTABLE
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_plan(mode: str, ct: str, in_len: int, out_len: int, scale: float,
+                   nearest_mode: str, cubic_a: float, exclude_outside: bool, antialias: bool):
+    """One axis' plan for the compiled kernels: C-ordered int64 indices (out_len, taps) and
+    float32 weights (None for nearest); an axis resize_nd skips is the identity (one tap of
+    weight 1, which gives x's own bits). Read-only arrays, kept for the next call."""
+    if _skips_axis(ct, in_len, out_len, scale, 0.0, 1.0):
+        idx, w = np.arange(in_len, dtype=np.int64)[:, None], np.ones((in_len, 1))
+    else:
+        coords = _source_coords(ct, in_len, out_len, scale, 0.0, 1.0)
+        idx, w = _axis_plan(mode, coords, in_len, scale, nearest_mode=nearest_mode,
+                            cubic_a=cubic_a, exclude_outside=exclude_outside,
+                            antialias=antialias)
+    idx = np.ascontiguousarray(idx, dtype=np.int64)
+    idx.flags.writeable = False
+    if mode == "nearest":
+        return idx, None
+    w = np.ascontiguousarray(w, dtype=np.float32)  # numpy's gathers multiply in float32 too
+    w.flags.writeable = False
+    return idx, w
+
+
+def _resize_compiled(x, out_shape, scales, *, mode: str, ct: str, nearest_mode: str,
+                     cubic_a: float, exclude_outside: bool, antialias: bool):
+    """The resize of float32 x (N, C, H, W) to out_shape by the compiled kernels, or None
+    where they do not serve (see `resize_compiled_route`; N and C resized; an empty axis)."""
+    if not resize_compiled_route(x, mode, ct) or not _keeps_planes(x.shape, out_shape, scales) \
+            or x.size == 0 or int(out_shape[2]) <= 0 or int(out_shape[3]) <= 0:
+        return None
+    nearest = mode == "nearest"
+    last = channels_last(x)
+    kernel = _compiled.jit(_RESIZE_KERNELS[nearest, last])
+    if kernel is None:
+        return None
+    n, c, h, w = x.shape
+    oh, ow = int(out_shape[2]), int(out_shape[3])
+    options = (nearest_mode, float(cubic_a), bool(exclude_outside), bool(antialias))
+    hidx, hw = _compiled_plan(mode, ct, h, oh, float(scales[2]), *options)
+    widx, ww = _compiled_plan(mode, ct, w, ow, float(scales[3]), *options)
+    if last:  # a convolution's channels-last image: resized in its layout, rows of C values
+        pixels = x.transpose(0, 2, 3, 1)
+        y = np.empty((n, oh, ow, c), np.float32)
+        if nearest:
+            _compiled.split_rows(kernel, n * oh, pixels, hidx[:, 0], widx[:, 0], y,
+                                 ns_per_row=tuning.RESIZE_NS_PER_TAP * ow * c,
+                                 piece=_resize_nearest_cl_piece)
+        else:
+            taps = (hidx.shape[1] * w + widx.shape[1] * ow) * c
+            _compiled.split_rows(kernel, n * oh, pixels, hidx, hw, widx, ww, y,
+                                 ns_per_row=tuning.RESIZE_NS_PER_TAP * taps,
+                                 piece=_resize_cl_piece)
+        return y.transpose(0, 3, 1, 2)
+    planes = np.ascontiguousarray(x).reshape(n * c, h, w)
+    y = np.empty((n * c, oh, ow), np.float32)
+    if nearest:
+        _compiled.split_rows(kernel, n * c * oh, planes, hidx[:, 0], widx[:, 0], y,
+                             ns_per_row=tuning.RESIZE_NS_PER_TAP * ow,
+                             piece=_resize_nearest_piece)
+    else:
+        taps = hidx.shape[1] * w + widx.shape[1] * ow  # a row's multiply-adds
+        _compiled.split_rows(kernel, n * c * oh, planes, hidx, hw, widx, ww, y,
+                             ns_per_row=tuning.RESIZE_NS_PER_TAP * taps, piece=_resize_piece)
+    return y.reshape(n, c, oh, ow)
+
+
+def _resize_piece(block, row0, row1):  # pragma: no cover - numba
+    """`_resize_rows`' piece function (ops/cpu/compiled.py), its arguments rebuilt from the
+    block `split_rows` made."""
+    v = _compiled.array_at(block, (20,), np.int64)
+    _resize_rows(_compiled.array_at(v[0], (v[1], v[2], v[3]), np.float32),
+                 _compiled.array_at(v[4], (v[5], v[6]), np.int64),
+                 _compiled.array_at(v[7], (v[8], v[9]), np.float32),
+                 _compiled.array_at(v[10], (v[11], v[12]), np.int64),
+                 _compiled.array_at(v[13], (v[14], v[15]), np.float32),
+                 _compiled.array_at(v[16], (v[17], v[18], v[19]), np.float32), row0, row1)
+
+
+def _resize_nearest_piece(block, row0, row1):  # pragma: no cover - numba
+    """`_resize_nearest_rows`' piece function."""
+    v = _compiled.array_at(block, (12,), np.int64)
+    _resize_nearest_rows(_compiled.array_at(v[0], (v[1], v[2], v[3]), np.float32),
+                         _compiled.array_at(v[4], (v[5],), np.int64),
+                         _compiled.array_at(v[6], (v[7],), np.int64),
+                         _compiled.array_at(v[8], (v[9], v[10], v[11]), np.float32),
+                         row0, row1)
+
+
+@_compiled.kernel_math
+def _resize_rows(x, hidx, hw, widx, ww, y, row0, row1):  # pragma: no cover - numba
+    """Output rows [row0, row1) of y (P, OH, OW), row r being row r % OH of plane r // OH:
+    the H taps' weighted input rows summed into one row of W values, then each output value
+    the W taps' weighted sum of it. resize_nd's order (H, then W, the taps in turn, each
+    product rounded to float32 before it is added): no fastmath, so no fused multiply-adds."""
+    oh, ow = y.shape[1], y.shape[2]
+    w = x.shape[2]
+    th, tw = hidx.shape[1], widx.shape[1]
+    row = np.empty(w, np.float32)
+    for r in range(row0, row1):
+        p = r // oh
+        oy = r - p * oh
+        src = x[p, hidx[oy, 0]]
+        wt = hw[oy, 0]
+        for j in range(w):
+            row[j] = src[j] * wt
+        for t in range(1, th):
+            src = x[p, hidx[oy, t]]
+            wt = hw[oy, t]
+            for j in range(w):
+                row[j] = row[j] + src[j] * wt
+        dst = y[p, oy]
+        if tw == 2:  # bilinear: one expression, which LLVM vectorises with gathers
+            for ox in range(ow):
+                dst[ox] = row[widx[ox, 0]] * ww[ox, 0] + row[widx[ox, 1]] * ww[ox, 1]
+        else:  # tap by tap over the whole row: loops LLVM vectorises, the same sums
+            for ox in range(ow):
+                dst[ox] = row[widx[ox, 0]] * ww[ox, 0]
+            for t in range(1, tw):
+                for ox in range(ow):
+                    dst[ox] = dst[ox] + row[widx[ox, t]] * ww[ox, t]
+
+
+@_compiled.kernel_math
+def _resize_nearest_rows(x, hidx, widx, y, row0, row1):  # pragma: no cover - numba
+    """Output rows [row0, row1) of a nearest resize: y[p, oy, ox] = x[p, hidx[oy], widx[ox]]."""
+    oh, ow = y.shape[1], y.shape[2]
+    for r in range(row0, row1):
+        p = r // oh
+        oy = r - p * oh
+        src, dst = x[p, hidx[oy]], y[p, oy]
+        for ox in range(ow):
+            dst[ox] = src[widx[ox]]
+
+
+def _resize_cl_piece(block, row0, row1):  # pragma: no cover - numba
+    """`_resize_channels_last_rows`' piece function."""
+    v = _compiled.array_at(block, (22,), np.int64)
+    _resize_channels_last_rows(
+        _compiled.array_at(v[0], (v[1], v[2], v[3], v[4]), np.float32),
+        _compiled.array_at(v[5], (v[6], v[7]), np.int64),
+        _compiled.array_at(v[8], (v[9], v[10]), np.float32),
+        _compiled.array_at(v[11], (v[12], v[13]), np.int64),
+        _compiled.array_at(v[14], (v[15], v[16]), np.float32),
+        _compiled.array_at(v[17], (v[18], v[19], v[20], v[21]), np.float32), row0, row1)
+
+
+def _resize_nearest_cl_piece(block, row0, row1):  # pragma: no cover - numba
+    """`_resize_nearest_channels_last_rows`' piece function."""
+    v = _compiled.array_at(block, (14,), np.int64)
+    _resize_nearest_channels_last_rows(
+        _compiled.array_at(v[0], (v[1], v[2], v[3], v[4]), np.float32),
+        _compiled.array_at(v[5], (v[6],), np.int64),
+        _compiled.array_at(v[7], (v[8],), np.int64),
+        _compiled.array_at(v[9], (v[10], v[11], v[12], v[13]), np.float32), row0, row1)
+
+
+@_compiled.kernel_math
+def _resize_channels_last_rows(x, hidx, hw, widx, ww, y, row0, row1):  # pragma: no cover
+    """`_resize_rows` over channels-last images, x (N, H, W, C) and y (N, OH, OW, C): output
+    row r is row r % OH of image r // OH, each pixel's C values computed together, with the
+    same expression per value as `_resize_rows` (so the same bits)."""
+    oh, ow = y.shape[1], y.shape[2]
+    w, c = x.shape[2], x.shape[3]
+    th, tw = hidx.shape[1], widx.shape[1]
+    row = np.empty((w, c), np.float32)
+    for r in range(row0, row1):
+        n = r // oh
+        oy = r - n * oh
+        src = x[n, hidx[oy, 0]]
+        wt = hw[oy, 0]
+        for j in range(w):
+            for ci in range(c):
+                row[j, ci] = src[j, ci] * wt
+        for t in range(1, th):
+            src = x[n, hidx[oy, t]]
+            wt = hw[oy, t]
+            for j in range(w):
+                for ci in range(c):
+                    row[j, ci] = row[j, ci] + src[j, ci] * wt
+        dst = y[n, oy]
+        for ox in range(ow):
+            first, wt = row[widx[ox, 0]], ww[ox, 0]
+            out = dst[ox]
+            for ci in range(c):
+                out[ci] = first[ci] * wt
+            for t in range(1, tw):
+                tap, wt = row[widx[ox, t]], ww[ox, t]
+                for ci in range(c):
+                    out[ci] = out[ci] + tap[ci] * wt
+
+
+@_compiled.kernel_math
+def _resize_nearest_channels_last_rows(x, hidx, widx, y, row0, row1):  # pragma: no cover
+    """`_resize_nearest_rows` over channels-last images: each output pixel's C values copied."""
+    oh, ow = y.shape[1], y.shape[2]
+    for r in range(row0, row1):
+        n = r // oh
+        oy = r - n * oh
+        src, dst = x[n, hidx[oy]], y[n, oy]
+        for ox in range(ow):
+            dst[ox, :] = src[widx[ox], :]
+
+
+# (nearest, channels-last) -> the kernel
+_RESIZE_KERNELS = {(False, False): _resize_rows, (True, False): _resize_nearest_rows,
+                   (False, True): _resize_channels_last_rows,
+                   (True, True): _resize_nearest_channels_last_rows}
+
+
 def resize_nd(xp, x, out_shape, scales, *, mode: str, ct: str, nearest_mode: str,
               cubic_a: float = -0.75, exclude_outside: bool = False,
               extrapolation_value: float = 0.0, antialias: bool = False, roi=None):
@@ -159,14 +434,18 @@ def resize_nd(xp, x, out_shape, scales, *, mode: str, ct: str, nearest_mode: str
                          "dimension")
     # scales and sizes are data: the result (in the working type) is checked before any axis
     limits.check_shape(out_shape, work_dt if np.dtype(work_dt).itemsize > dt.itemsize else dt)
+    if xp is np:
+        y = _resize_compiled(x, out_shape, scales, mode=mode, ct=ct, nearest_mode=nearest_mode,
+                             cubic_a=cubic_a, exclude_outside=exclude_outside,
+                             antialias=antialias)
+        if y is not None:
+            return y
     result = x
     masks = []
     for axis in range(x.ndim):
         in_len, out_len, scale = x.shape[axis], int(out_shape[axis]), float(scales[axis])
         rs, re = (0.0, 1.0) if roi is None else (float(roi[0][axis]), float(roi[1][axis]))
-        if out_len == in_len and scale == 1.0 and (ct != "tf_crop_and_resize"
-                                                   or (rs == 0.0 and re == 1.0)) \
-                and ct != "tf_half_pixel_for_nn":
+        if _skips_axis(ct, in_len, out_len, scale, rs, re):
             continue
         if in_len == 0 or out_len == 0:
             shape = list(result.shape)
@@ -276,6 +555,20 @@ class Resize11(_ResizeBase):
             roi_pair = (starts, ends)
         return out_shape, full_scales, roi_pair
 
+    def lower(self, inputs):
+        x = inputs[0]
+
+        def known():
+            values = [None if i >= len(inputs) or inputs[i] is None else inputs[i].value
+                      for i in (1, 2, 3)]
+            given = [v for v in values[1:] if v is not None and np.asarray(v).size]
+            if not given or x.shape is None or not all(isinstance(d, int) for d in x.shape):
+                return None  # the scales, the sizes or the input's shape come with the run
+            out_shape, scales, _ = self.target(x.shape, *values)
+            return out_shape, scales
+
+        return resize_lowering(x, self.mode, self.ct, known)
+
     def options(self, roi_pair) -> dict:
         """The keyword arguments of resize_nd that come from the attributes."""
         return dict(mode=self.mode, ct=self.ct, nearest_mode=self.nearest,
@@ -285,6 +578,7 @@ class Resize11(_ResizeBase):
 
     def run(self, x, roi=None, scales=None, sizes=None):
         out_shape, full_scales, roi_pair = self.target(x.shape, roi, scales, sizes)
+        _settle_resize(self, x, out_shape, full_scales)
         return resize_nd(self.xp, x, out_shape, full_scales, **self.options(roi_pair))
 
 
@@ -295,6 +589,7 @@ def _upsample(impl: _ResizeBase, x: np.ndarray, scales) -> np.ndarray:
     if any(s <= 0 for s in sc):
         raise impl.fail("scales must be positive")
     out_shape = [int(np.float64(s) * n) for s, n in zip(np.asarray(scales).reshape(-1), x.shape)]
+    _settle_resize(impl, x, out_shape, sc)
     return resize_nd(impl.xp, x, out_shape, sc, mode=impl.mode, ct="asymmetric",
                      nearest_mode="simple")
 
@@ -308,6 +603,21 @@ class Resize10(_ResizeBase):
         if self.mode == "cubic":
             raise self.fail("cubic mode needs Resize-11 or later")
 
+    def lower(self, inputs):
+        scales = inputs[1] if len(inputs) > 1 and inputs[1] is not None else None
+        return self.lower_for(inputs[0], None if scales is None else scales.value)
+
+    def lower_for(self, x, scales) -> Lowering:
+        """The plan's choice for x (a Sketch) and scales (None where the run gives them)."""
+        def known():
+            if scales is None or x.shape is None:
+                return None
+            sc = [float(v) for v in np.asarray(scales, dtype=np.float64).reshape(-1)]
+            return [None if not isinstance(d, int) else int(np.float64(s) * d)
+                    for s, d in zip(sc, x.shape)], sc
+
+        return resize_lowering(x, self.mode, "asymmetric", known)
+
     def run(self, x, scales):
         return _upsample(self, x, scales)
 
@@ -319,12 +629,19 @@ class Upsample9(Resize10):
 
 @register("Upsample", versions=[7])
 class Upsample7(Resize10):
+    def lower(self, inputs):
+        return self.lower_for(inputs[0], np.asarray(self.scales, dtype=np.float32))
+
     def run(self, x):
         return _upsample(self, x, np.asarray(self.scales, dtype=np.float32))
 
 
 @register("Upsample", versions=[1])
 class Upsample1(Resize10):
+    def lower(self, inputs):
+        return self.lower_for(inputs[0], np.array([1.0, 1.0, self.height_scale,
+                                                   self.width_scale], dtype=np.float32))
+
     def run(self, x):
         if x.ndim != 4:
             raise self.fail("Upsample-1 takes a 4-D input")

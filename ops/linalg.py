@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from ember.ops import _integer as _int
 from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles, tuning
 from ember.ops._dtypes import is_narrow_float, widen
 from ember.ops.registry import Lowering, OpImpl, Sketch, register
@@ -436,14 +437,12 @@ def _per_row(zp: np.ndarray, a: np.ndarray) -> np.ndarray:
 
 @register("MatMulInteger", versions=[10])
 class MatMulInteger(OpImpl):
+    def lower(self, inputs):
+        return _int.lowering(inputs[0], inputs[1])
+
     def run(self, a, b, a_zero_point=None, b_zero_point=None):
-        wa = a.astype(np.int32)
-        wb = b.astype(np.int32)
-        if a_zero_point is not None:
-            wa = wa - _per_row(a_zero_point.astype(np.int32), a)
-        if b_zero_point is not None:
-            wb = wb - b_zero_point.astype(np.int32)
-        return _int_matmul(self.xp, wa, wb).astype(np.int32)
+        za = None if a_zero_point is None else _per_row(a_zero_point, a)
+        return _int.product(self, a, za, b, b_zero_point).astype(np.int32, copy=False)
 
 
 def _saturate_cast(xp, x, dtype: np.dtype):
@@ -460,13 +459,15 @@ def _saturate_cast(xp, x, dtype: np.dtype):
 
 @register("QLinearMatMul", versions=[10, 21])
 class QLinearMatMul(OpImpl):
+    def lower(self, inputs):
+        return _int.lowering(inputs[0], inputs[3])
+
     def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point):
         xp = self.xp
         out_dtype = y_zero_point.dtype
         if a.dtype.kind in "iu" and b.dtype.kind in "iu":
-            wa = a.astype(np.int32) - _per_row(a_zero_point.astype(np.int32), a)
-            wb = b.astype(np.int32) - b_zero_point.astype(np.int32)
-            acc = _int_matmul(xp, wa, wb).astype(np.float64)
+            acc = _int.product(self, a, _per_row(a_zero_point, a), b, b_zero_point)
+            acc = acc.astype(np.float64, copy=False)
         else:
             wa = a.astype(np.float32) - _per_row(a_zero_point.astype(np.float32), a)
             wb = b.astype(np.float32) - b_zero_point.astype(np.float32)

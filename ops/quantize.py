@@ -6,11 +6,16 @@ index of `axis`) or blocked (same rank as the input, `block_size` consecutive el
 """
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 
 from ember.ops import _xp
-from ember.ops.registry import OpImpl, register
+from ember.ops._lowering import numba_serves
+from ember.ops.cpu import qlinear as _qlinear
+from ember.ops.cpu import tuning
+from ember.ops.registry import PORTABLE, Lowering, OpImpl, register
 from ember.ops.tensor import (SUBBYTE_INTS, cast_array, is_floatlike, is_intlike, onnx_dtype)
 
 
@@ -34,6 +39,39 @@ class _LinearQuantBase(OpImpl):
             self.q_output_dtype = onnx_dtype(code) if code else None
         except ValueError as exc:
             raise self.fail(f"attribute 'output_dtype': {exc}") from None
+
+    def lower(self, inputs):
+        """`compiled_axis`'s test at plan time, where the input's shape is known."""
+        x = inputs[0]
+        zero_point = inputs[2] if len(inputs) > 2 else None
+        if x is None or not self.compiled_types(x.dtype, inputs[1], zero_point) \
+                or not numba_serves():
+            return PORTABLE
+        if not x.static():
+            return _BY_SIZE
+        return _COMPILED if math.prod(x.shape) >= tuning.QLINEAR_COMPILED_MIN else PORTABLE
+
+    def compiled_types(self, x_dtype, scale, zero_point) -> bool:  # pragma: no cover
+        raise NotImplementedError
+
+    def compiled_axis(self, x, scale, zero_point, names):
+        """Where the compiled loop serves this call (numpy arrays, the types
+        `compiled_types` takes, large enough, not blocked): (axis, scale, zero point), the
+        parameters flat (one value, or one per index of axis; axis None per tensor), the
+        zero point float32 (0 if omitted). Else None. Sets the lowering the run chose;
+        `names` name the parameters in messages."""
+        self._chosen = PORTABLE
+        if self.xp is not np or self.q_block or not _qlinear.serves(x.size) \
+                or not self.compiled_types(x.dtype, scale, zero_point):
+            return None
+        scale = self._broadcast(scale, x.shape, names[0])   # checks the shapes
+        zero = np.zeros((), np.float32) if zero_point is None else \
+            self._broadcast(zero_point, x.shape, names[1]).astype(np.float32)
+        axis = None
+        if scale.ndim or zero.ndim:
+            axis = self.q_axis + x.ndim if self.q_axis < 0 else self.q_axis
+        self._chosen = _COMPILED
+        return axis, scale.reshape(-1), zero.reshape(-1)
 
     def _broadcast(self, p: np.ndarray, x_shape: tuple[int, ...], what: str) -> np.ndarray:
         """`p` (a scale or zero point) reshaped/repeated to broadcast against the input."""
@@ -71,6 +109,11 @@ class _LinearQuantBase(OpImpl):
         return full
 
 
+_COMPILED = Lowering("cpu.compiled", "8-bit (de)quantisation of float32 per tensor or axis, "
+                     "one compiled pass split among the threads, numpy's bits")
+_BY_SIZE = Lowering("by geometry", "a compiled pass where the tensor is large enough, else "
+                    "numpy: its size is known in the run")
+
 # --------------------------------------------------------------------------------------------
 # QuantizeLinear
 
@@ -96,6 +139,10 @@ class QuantizeLinear(_LinearQuantBase):
         else:
             out_dtype = self.q_output_dtype if self.q_output_dtype is not None \
                 else np.dtype(np.uint8)
+        fast = self.compiled_axis(x, y_scale, y_zero_point, ("y_scale", "y_zero_point")) \
+            if out_dtype in (np.int8, np.uint8) else None
+        if fast is not None:   # NaN gives 0, as below
+            return _qlinear.quantize(x, fast[1], fast[2], out_dtype, fast[0], False)
 
         prec = self.q_precision if self.q_precision is not None else y_scale.dtype
         if not is_floatlike(prec) or prec == ml_dtypes.float8_e8m0fnu:
@@ -126,6 +173,14 @@ class QuantizeLinear(_LinearQuantBase):
             if zp is not None:
                 q = q + zp
             return cast_array(xp, q, out_dtype, saturate=self.q_saturate)
+
+    def compiled_types(self, x_dtype, scale, zero_point) -> bool:
+        """float32 in, a float32 scale dividing in float32, int8 / uint8 out (the zero
+        point's type, or uint8 without one and without output_dtype)."""
+        out = zero_point.dtype if zero_point is not None else self.q_output_dtype
+        return x_dtype == np.float32 and scale is not None and scale.dtype == np.float32 \
+            and self.q_precision in (None, np.float32) and (out is None and zero_point is None
+                                                            or out in (np.int8, np.uint8))
 
 
 @register("QuantizeLinear", versions=[10, 13])
@@ -159,6 +214,9 @@ class DequantizeLinear(_LinearQuantBase):
             out_dtype = np.dtype(np.float32)
         if x_zero_point is not None and x_zero_point.dtype != x.dtype:
             raise self.fail(f"x_zero_point has type {x_zero_point.dtype}, x has {x.dtype}")
+        fast = self.compiled_axis(x, x_scale, x_zero_point, ("x_scale", "x_zero_point"))
+        if fast is not None:
+            return _qlinear.dequantize(x, fast[1], fast[2], fast[0])
         work = np.float64 if out_dtype == np.float64 else np.float32
         scale = self._broadcast(cast_array(xp, x_scale, work), x.shape, "x_scale")
         if is_intlike(x.dtype) and x.dtype.itemsize >= 4:
@@ -176,6 +234,11 @@ class DequantizeLinear(_LinearQuantBase):
         with np.errstate(all="ignore"):
             y = diff * scale
         return cast_array(xp, y, out_dtype)
+
+    def compiled_types(self, x_dtype, scale, zero_point) -> bool:
+        """int8 / uint8 in, float32 out by a float32 scale."""
+        return x_dtype in (np.int8, np.uint8) and scale is not None \
+            and scale.dtype == np.float32 and self.q_output_dtype in (None, np.float32)
 
 
 @register("DequantizeLinear", versions=[10, 13])
@@ -202,8 +265,18 @@ class DequantizeLinear21(DequantizeLinear):
 class DynamicQuantizeLinear(OpImpl):
     """uint8 quantisation with scale and zero point computed from the data range (0 included)."""
 
+    def lower(self, inputs):
+        x = inputs[0]
+        if x is None or x.dtype != np.float32 or not numba_serves():
+            return PORTABLE
+        if not x.static():
+            return _BY_SIZE
+        return _DYNAMIC_COMPILED if math.prod(x.shape) >= tuning.QLINEAR_COMPILED_MIN \
+            else PORTABLE
+
     def run(self, x):
         xp = self.xp
+        self._chosen = PORTABLE
         x = cast_array(xp, x, np.float32)
         if x.size:  # the range is read on the host: the scale and zero point are scalars
             lo, hi = _xp.to_host(xp, xp.stack([xp.min(x), xp.max(x)]))
@@ -219,6 +292,25 @@ class DynamicQuantizeLinear(OpImpl):
                 q = xp.zeros(x.shape, dtype=np.float32)
             else:
                 zero_point = np.clip(np.rint((np.float32(0) - x_min) / scale), 0, 255)
+                y = self.compiled(x, scale, zero_point)
+                if y is not None:
+                    return y, xp.array(scale, dtype=np.float32), \
+                        xp.array(zero_point, dtype=np.uint8)
                 q = xp.rint(x / scale) + zero_point
         y = xp.clip(q, 0, 255).astype(np.uint8)
         return y, xp.array(scale, dtype=np.float32), xp.array(zero_point, dtype=np.uint8)
+
+    def compiled(self, x, scale, zero_point):
+        """y by the compiled loop where it serves, else None. Its scale is finite and
+        positive, so x is finite (its range is) and no quotient is NaN: the loop's
+        saturation is numpy's clip."""
+        if self.xp is not np or not (scale > 0) or not np.isfinite(zero_point) \
+                or not _qlinear.serves(x.size):
+            return None
+        self._chosen = _DYNAMIC_COMPILED
+        return _qlinear.quantize(x, np.float32(scale), np.float32(zero_point), np.uint8, None,
+                                 False)
+
+
+_DYNAMIC_COMPILED = Lowering("cpu.compiled", "the range by numpy, the quantisation in one "
+                             "compiled pass split among the threads, numpy's bits")

@@ -84,6 +84,10 @@ RNN_TEAM_MIN_MACS = 1 << 16  # least multiply-adds of h R a thread for a step to
 
 LAYERNORM_NS = 0.5  # the compiled LayerNormalization's time per value of a row
 # history: docs/performance.md#layernorm_ns-opsnormalizationpy
+GROUPNORM_NS = 0.25  # the compiled Instance / GroupNormalization's time per value of a group
+# history: docs/performance.md#groupnorm_ns-channel_affine_ns-opsnormalizationpy
+CHANNEL_AFFINE_NS = 0.1  # the compiled BatchNormalization's time per value (one pass)
+# history: docs/performance.md#groupnorm_ns-channel_affine_ns-opsnormalizationpy
 SPATIAL_MEAN_NS_PER_VALUE = 1.0  # a global average pool's time per value, in a model
 # history: docs/performance.md#spatial_mean_ns_per_value-opsreductionpy
 SPATIAL_MEAN_MAX_PIXELS = 4096  # more rows summed in order lose what numpy's pairwise sums keep
@@ -95,6 +99,8 @@ SOFTMAX_NS_PER_VALUE = 1.3  # the compiled softmax's time per element
 
 MAXPOOL_NS = 0.15  # the compiled MaxPool's time per window tap
 # history: docs/performance.md#maxpool_ns-opspoolpy
+RESIZE_NS_PER_TAP = 0.35  # the compiled Resize's time per tap of an output row (a gather each)
+# history: docs/performance.md#resize_ns_per_tap-opsimagepy
 TRANSPOSE_BLOCK = 64  # rows per band: the band and its transposed image stay in L1/L2
 # history: docs/performance.md#transpose_block-opsshapepy
 CONCAT_NS_PER_VALUE = 0.3  # the compiled channels-last concatenation's time per value copied
@@ -167,3 +173,31 @@ TRIM_THRESHOLD = 256 << 20  # freed bytes glibc keeps at its heap's top for the 
 
 TREE_STEP_NS = 9.0  # a compiled tree walk's time per tree level of a row, for split_rows
 # history: docs/performance.md#tree_step_ns-opsmlpy
+
+# ---------------------------------------------------------------- ops/cpu/integer.py: 8-bit products
+
+INT_MAC_NS = 0.012  # the VNNI tile's time per multiply-add on one core, for split_rows
+# history: docs/performance.md#int_mac_ns-int_pack_ns-int_min_macs-opscpuintegerpy
+INT_PACK_NS = 0.5  # packing's time per activation byte (a patch's gather is most of it)
+# history: docs/performance.md#int_mac_ns-int_pack_ns-int_min_macs-opscpuintegerpy
+INT_MIN_MACS = 1 << 18  # below, the float64 BLAS product's one call beats packing's fixed cost
+# history: docs/performance.md#int_mac_ns-int_pack_ns-int_min_macs-opscpuintegerpy
+INT_GROUP_ROWS = 8  # a grouped 8-bit convolution's least output channels a group for the tiles
+# history: docs/performance.md#int_mac_ns-int_pack_ns-int_min_macs-opscpuintegerpy
+
+# ---------------------------------------------------------------- quantised element-wise ops
+
+QLINEAR_COMPILED_MIN = 1 << 14  # values below which numpy's passes are as fast as a call
+# history: docs/performance.md#the-quantised-element-wise-loops-opscpuqlinearpy
+QLINEAR_CHUNK = 1 << 14  # values of R a compiled row holds: a flat tensor still splits
+QLINEAR_ADD_NS = 1.2  # QLinearAdd's compiled time per value (two emulated fma)
+# history: docs/performance.md#the-quantised-element-wise-loops-opscpuqlinearpy
+QLINEAR_ADD_TABLE_MIN = 1 << 16  # from here a table of all code pairs: it costs as much once
+# history: docs/performance.md#the-quantised-element-wise-loops-opscpuqlinearpy
+PAIR_LOOKUP_NS = 0.3  # QLinearAdd's look-up in that table, per value
+QLINEAR_MUL_NS = 0.5  # QLinearMul's compiled time per value
+QUANTIZE_NS = 0.15  # a compiled QuantizeLinear's time per value (a float32 division)
+DEQUANTIZE_NS = 0.06  # a compiled DequantizeLinear's time per value
+LOOKUP_NS = 0.3  # QLinearSigmoid / LeakyRelu's table lookup, per value
+QLINEAR_POOL_NS = 0.05  # QLinearGlobalAveragePool's integer sum, per value
+# history: docs/performance.md#the-quantised-element-wise-loops-opscpuqlinearpy

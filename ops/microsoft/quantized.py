@@ -35,8 +35,12 @@ import math
 import ml_dtypes
 import numpy as np
 
-from ember.ops import _xp
-from ember.ops.registry import OpImpl, register
+from ember.ops import _integer as _int, _xp
+from ember.ops.registry import OpImpl, Sketch, register
+from ember.ops._lowering import numba_serves
+from ember.ops.cpu import qlinear as _qlinear
+from ember.ops.cpu import tuning
+from ember.ops.registry import PORTABLE, Lowering
 
 _MS = "com.microsoft"
 
@@ -111,6 +115,33 @@ class _QOp(OpImpl):
             raise self.fail(f"{what} must be int8 or uint8, got {x.dtype}")
 
 
+_COMPILED = Lowering("cpu.compiled", "8-bit element-wise loop compiled and split among the "
+                     "threads, numpy's bits")
+_BY_SIZE = Lowering("by geometry", "a compiled loop where the shapes suit it and the tensor is "
+                    "large enough, else numpy: the shapes are known in the run")
+
+
+def _compiled_lowering(x, types_ok: bool, size_ok=None) -> Lowering:
+    """Plan time: the compiled loop where numba serves, the types suit it and the tensor (the
+    Sketch x) is large enough; `size_ok(shape)` tests a known shape instead."""
+    if x is None or not types_ok or not numba_serves():
+        return PORTABLE
+    if not x.static():
+        return _BY_SIZE
+    if size_ok is None:
+        return _COMPILED if math.prod(x.shape) >= tuning.QLINEAR_COMPILED_MIN else PORTABLE
+    return _COMPILED if size_ok(x.shape) else PORTABLE
+
+
+def _compiled_serves(op, size: int, ok=True) -> bool:
+    """Run time: whether a compiled loop serves `op`'s call over `size` values (numpy arrays,
+    numba serving, large enough, and `ok`: its own conditions, a bool or a function asked
+    last, on numpy arrays only); kept as what the run chose."""
+    serves = op.xp is np and _qlinear.serves(size) and (ok() if callable(ok) else ok)
+    op._chosen = _COMPILED if serves else PORTABLE
+    return serves
+
+
 # --------------------------------------------------------------------------------------------
 # QuantizeLinear / DequantizeLinear (com.microsoft)
 
@@ -138,11 +169,20 @@ class _MsLinearQuant(_QOp):
         view[axis] = p.shape[0]
         return p.astype(dtype).reshape(view)
 
+    def parameter_axis(self, x, *params):
+        """The axis that `per_axis` parameters run along, None where all are per tensor."""
+        return int(self.axis) % x.ndim if any(p.ndim for p in params) else None
+
 
 @register("QuantizeLinear", versions=[1], domain=_MS)
 class MsQuantizeLinear(_MsLinearQuant):
     """y = saturate(round_half_even(x / y_scale) + y_zero_point); uint8 without a zero point.
     float16 inputs divide in float32."""
+
+    def lower(self, inputs):
+        x, zp = inputs[0], (inputs[2] if len(inputs) > 2 else None)
+        dtype = np.dtype(np.uint8) if zp is None else zp.dtype
+        return _compiled_lowering(x, x is not None and x.dtype == _F32 and dtype in _INT8)
 
     def run(self, x, y_scale, y_zero_point=None):
         xp = self.xp
@@ -152,6 +192,11 @@ class MsQuantizeLinear(_MsLinearQuant):
         scale = self.per_axis(xp, y_scale, x.shape, "y_scale", _F32)
         zp = None if y_zero_point is None else \
             self.per_axis(xp, y_zero_point, x.shape, "y_zero_point", np.int32)
+        if _compiled_serves(self, x.size, x.dtype == _F32 and dtype in _INT8):
+            # a NaN quotient gives the zero point: NaN is zeroed before it is added below
+            zero = np.zeros((), _F32) if zp is None else zp.astype(_F32)
+            return _qlinear.quantize(x, scale.reshape(-1), zero.reshape(-1), dtype,
+                                     self.parameter_axis(x, scale, zero), True)
         with np.errstate(all="ignore"):
             q = xp.rint(x.astype(_F32) / scale)
             q = xp.where(xp.isnan(q), 0, q)
@@ -165,12 +210,23 @@ class MsDequantizeLinear(_MsLinearQuant):
     """y = (x - x_zero_point) * x_scale, in the scale's type (float32 or float16, computed in
     float32); the subtraction is exact (int64 for int32 data)."""
 
+    def lower(self, inputs):
+        x, scale = inputs[0], inputs[1]
+        return _compiled_lowering(x, x is not None and x.dtype in _INT8
+                                  and scale is not None and scale.dtype == _F32)
+
     def run(self, x, x_scale, x_zero_point=None):
         xp = self.xp
         if x.dtype not in _QTYPES + (np.dtype(np.int32),):
             raise self.fail(f"unsupported quantised type {x.dtype}")
         if x_zero_point is not None and x_zero_point.dtype != x.dtype:
             raise self.fail(f"x_zero_point has type {x_zero_point.dtype}, x has {x.dtype}")
+        if _compiled_serves(self, x.size, x.dtype in _INT8 and x_scale.dtype == _F32):
+            zero = np.zeros((), _F32) if x_zero_point is None else \
+                self.per_axis(xp, x_zero_point, x.shape, "x_zero_point", _F32)
+            scale = self.per_axis(xp, x_scale, x.shape, "x_scale", _F32)
+            return _qlinear.dequantize(x, scale.reshape(-1), zero.reshape(-1),
+                                       self.parameter_axis(x, scale, zero))
         wide = np.int64 if x.dtype == np.int32 else np.int32
         diff = x.astype(wide)
         if x_zero_point is not None:
@@ -184,6 +240,13 @@ class MsDequantizeLinear(_MsLinearQuant):
 
 
 class _QLinearBinary(_QOp):
+    def lower(self, inputs):
+        a, b = inputs[0], inputs[3]
+        types_ok = a is not None and b is not None and a.dtype in _INT8 and b.dtype == a.dtype
+        if types_ok and not b.static():
+            return _BY_SIZE
+        return _compiled_lowering(a, types_ok, lambda shape: _blocks(shape, b.shape) is not None)
+
     def _parameters(self, a, b, a_scale, a_zero_point, b_scale, b_zero_point, c_scale,
                     c_zero_point):
         """The checked per-tensor scales (sa, sb, sc) and int32 zero points (za, zb, zc)."""
@@ -217,9 +280,36 @@ class QLinearAdd(_QLinearBinary):
         if _innermost_scalar(a, b):  # the kernel is called with the operands swapped
             a, b, ra, rb, za, zb = b, a, rb, ra, zb, za
         fixed = zc - _fma32(xp, ra, za, rb * zb)
+        plan = _blocks(a.shape, b.shape)
+        if _compiled_serves(self, _size(plan), lambda: np.isfinite([ra, rb, fixed]).all()):
+            table = self.pair_table(ra, rb, fixed, a.dtype) \
+                if _size(plan) >= tuning.QLINEAR_ADD_TABLE_MIN else None
+            return _qlinear.add(a, b, ra, rb, fixed, *_int_range(a.dtype), plan, table) \
+                .reshape(np.broadcast_shapes(a.shape, b.shape))
         with np.errstate(all="ignore"):
             total = _fma32(xp, a.astype(_F32), ra, _fma32(xp, b.astype(_F32), rb, fixed))
         return _saturate(xp, xp.rint(total), a.dtype)
+
+    def pair_table(self, ra, rb, fixed, dtype):
+        """The compiled loop's code for every pair of codes (qlinear.add_table), kept for the
+        next run with the same parameters (constants, in a quantised model)."""
+        key = (float(ra), float(rb), float(fixed), np.dtype(dtype))
+        kept = self.__dict__.get("_pair_table")
+        if kept is None or kept[0] != key:
+            kept = (key, _qlinear.add_table(ra, rb, fixed, *_int_range(dtype), dtype))
+            self._pair_table = kept   # one assignment: threads sharing the node see either
+        return kept[1]
+
+
+def _blocks(a_shape, b_shape):
+    """The compiled loops' (P, Q, R) blocks of A and B broadcast (qlinear.broadcast_blocks),
+    where those serve and the result is large enough; else None."""
+    plan = _qlinear.broadcast_blocks(a_shape, b_shape)
+    return plan if plan is not None and _size(plan) >= tuning.QLINEAR_COMPILED_MIN else None
+
+
+def _size(plan) -> int:
+    return 0 if plan is None else math.prod(plan[0])
 
 
 def _innermost_scalar(x, other) -> bool:
@@ -237,6 +327,12 @@ class QLinearMul(_QLinearBinary):
             c_zero_point=None):
         sa, sb, sc, za, zb, zc = self._parameters(a, b, a_scale, a_zero_point, b_scale,
                                                   b_zero_point, c_scale, c_zero_point)
+        plan = _blocks(a.shape, b.shape)
+        with np.errstate(all="ignore"):
+            multiplier = sa * sb / sc
+        if _compiled_serves(self, _size(plan), lambda: np.isfinite(multiplier)):
+            return _qlinear.mul(a, b, za, zb, zc, multiplier, *_int_range(a.dtype), plan) \
+                .reshape(np.broadcast_shapes(a.shape, b.shape))
         product = (a.astype(np.int32) - za) * (b.astype(np.int32) - zb)
         with np.errstate(all="ignore"):
             value = product.astype(_F32) * (sa * sb / sc)
@@ -262,7 +358,13 @@ class _QLinearLookup(_QOp):
         values = sx * (codes.astype(np.int32) - zx).astype(_F32)
         with np.errstate(all="ignore"):
             table = _quantize(xp, self.function(xp, values), sy, zy, x.dtype)
+        if _compiled_serves(self, x.size):
+            return _qlinear.lookup(x, table)
         return table[x.view(np.uint8)]
+
+    def lower(self, inputs):
+        x = inputs[0]
+        return _compiled_lowering(x, x is not None and x.dtype in _INT8)
 
 
 @register("QLinearSigmoid", versions=[1], domain=_MS)
@@ -355,10 +457,20 @@ class QLinearGlobalAveragePool(_QOp):
         sy = self.scalar(xp, y_scale, "y_scale")
         zx = self.zero_point(xp, x_zero_point, "x_zero_point", x.dtype)
         zy = self.zero_point(xp, y_zero_point, "y_zero_point", x.dtype)
-        acc = xp.sum(x.astype(np.int64), axis=axes, keepdims=True) - zx.astype(np.int64) * size
         with np.errstate(all="ignore"):
             scale = sx / (sy * _F32(size))
+        if _compiled_serves(self, x.size, lambda: np.isfinite(scale)):
+            kept = [1 if d in axes else n for d, n in enumerate(x.shape)]
+            return _qlinear.global_average(x, bool(self.channels_last), zx, scale, zy,
+                                           *_int_range(x.dtype)).reshape(kept)
+        acc = xp.sum(x.astype(np.int64), axis=axes, keepdims=True) - zx.astype(np.int64) * size
+        with np.errstate(all="ignore"):
             return _quantize(xp, acc.astype(_F32) * scale, 1, zy, x.dtype)
+
+    def lower(self, inputs):
+        x = inputs[0]
+        return _compiled_lowering(x, x is not None and x.dtype in _INT8
+                                  and (x.ndim is None or x.ndim >= 3))
 
 
 def _pool_geometry(op, in_sp, kernel, strides, pads, auto_pad, ceil_mode):
@@ -528,6 +640,9 @@ class QGemm(_QOp):
 
     defaults = {"alpha": 1.0, "transA": 0, "transB": 0}
 
+    def lower(self, inputs):
+        return _int.lowering(inputs[0], inputs[3])
+
     def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point=None, c=None,
             y_scale=None, y_zero_point=None):
         xp = self.xp
@@ -549,7 +664,7 @@ class QGemm(_QOp):
             self.column_param(xp, b_zero_point, n, "b_zero_point", np.int32)
         if b_zero_point is not None and b_zero_point.dtype != b.dtype:
             raise self.fail(f"b_zero_point has type {b_zero_point.dtype}, B has {b.dtype}")
-        acc = _exact_matmul(xp, a.astype(np.int32) - za, b.astype(np.int32) - zb)
+        acc = _int.product(self, a, za, b, zb)
         if c is not None:
             if c.dtype != np.int32:
                 raise self.fail(f"C must be int32, got {c.dtype}")
@@ -631,16 +746,17 @@ class _MatMulIntegerToFloatBase(_QOp):
         if ka != kb:
             raise self.fail(f"inner dimensions differ: A {a.shape}, B {b.shape}")
 
-    def b_operand(self, xp, b, b_zero_point):
+    def b_zero(self, xp, b, b_zero_point):
+        """B's zero point checked, shaped to broadcast against B (None if omitted)."""
         self.check_int8(b, "B")
         if b_zero_point is None:
-            return b.astype(np.int32)
+            return None
         if b_zero_point.dtype != b.dtype:
             raise self.fail(f"b_zero_point has type {b_zero_point.dtype}, B has {b.dtype}")
         zb = _quant_column_param(self, xp, b_zero_point, b.shape, "b_zero_point", np.int32)
         if b.ndim == 1 and zb.ndim:
             raise self.fail("a 1-D B takes a per-tensor b_zero_point")
-        return b.astype(np.int32) - zb
+        return zb
 
     def add_bias(self, xp, y, bias):
         if bias is None:
@@ -658,13 +774,16 @@ class DynamicQuantizeMatMul(_MatMulIntegerToFloatBase):
     (a_scale * b_scale) + bias, with numpy matmul broadcasting. A b_scale that is not per
     tensor or per column multiplies the biased result afterwards, as in onnxruntime."""
 
+    def lower(self, inputs):  # A is quantised to uint8 first
+        return _int.lowering(Sketch(inputs[0].shape, np.dtype(np.uint8)), inputs[1])
+
     def run(self, a, b, b_scale, b_zero_point=None, bias=None):
         xp = self.xp
         self.check_matmul(a, b)
         a = a.astype(_F32)
         scale, zp = _dynamic_uint8_params(xp, a)
         aq = _quantize(xp, a, scale, zp, np.uint8)
-        acc = _exact_matmul(xp, aq.astype(np.int32) - zp, self.b_operand(xp, b, b_zero_point))
+        acc = _int.product(self, aq, zp, b, self.b_zero(xp, b, b_zero_point))
         if _is_column_param(b_scale.shape, b.shape):
             sb = _quant_column_param(self, xp, b_scale, b.shape, "b_scale", _F32)
             return self.add_bias(xp, acc.astype(_F32) * (scale * sb), bias).astype(_F32)
@@ -681,6 +800,9 @@ class MatMulIntegerToFloat(_MatMulIntegerToFloatBase):
     (or a b_scale onnxruntime's matmul cannot apply per column) scales the biased result
     afterwards."""
 
+    def lower(self, inputs):
+        return _int.lowering(inputs[0], inputs[1])
+
     def run(self, a, b, a_scale, b_scale, a_zero_point=None, b_zero_point=None, bias=None):
         xp = self.xp
         self.check_int8(a, "A")
@@ -692,7 +814,7 @@ class MatMulIntegerToFloat(_MatMulIntegerToFloatBase):
         elif b_scale.size != 1 and b_scale.ndim > 1 and b_scale.shape[-2] != 1:
             a_scale, b_scale = b_scale, a_scale
         za = self.zero_point(xp, a_zero_point, "a_zero_point", a.dtype)
-        acc = _exact_matmul(xp, a.astype(np.int32) - za, self.b_operand(xp, b, b_zero_point))
+        acc = _int.product(self, a, za, b, self.b_zero(xp, b, b_zero_point))
         y = acc.astype(_F32)
         a_scalar = a_scale.size == 1
         b_inner = _is_column_param(b_scale.shape, b.shape)
@@ -743,6 +865,9 @@ class QAttention(_QOp):
         if self.do_rotary:
             raise self.fail("do_rotary is not supported")
 
+    def lower(self, inputs):
+        return _int.lowering(inputs[0], inputs[1])
+
     def run(self, x, weight, bias, input_scale, weight_scale, mask_index=None,
             input_zero_point=None, weight_zero_point=None, past=None):
         xp = self.xp
@@ -765,14 +890,14 @@ class QAttention(_QOp):
         si = self.scalar(xp, input_scale, "input_scale")
         sw = _quant_column_param(self, xp, weight_scale, weight.shape, "weight_scale", _F32)
         zi = self.zero_point(xp, input_zero_point, "input_zero_point", x.dtype)
-        w = weight.astype(np.int32)
+        zw = None
         if weight_zero_point is not None:
             if weight_zero_point.dtype != weight.dtype:
                 raise self.fail(f"weight_zero_point has type {weight_zero_point.dtype}, "
                                 f"weight has {weight.dtype}")
-            w = w - _quant_column_param(self, xp, weight_zero_point, weight.shape,
-                                        "weight_zero_point", np.int32)
-        acc = _exact_matmul(xp, x.astype(np.int32) - zi, w)
+            zw = _quant_column_param(self, xp, weight_zero_point, weight.shape,
+                                     "weight_zero_point", np.int32)
+        acc = _int.product(self, x, zi, weight, zw)
         qkv = acc.astype(_F32) * (sw * si) + bias.astype(_F32)
         qkv = qkv.reshape(batch, seq, 3, heads, head).transpose(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]

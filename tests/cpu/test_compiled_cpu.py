@@ -449,6 +449,8 @@ def test_steps_in_lockstep_take_each_chunk_once_and_see_the_last_step(monkeypatc
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: no helper thread")
     kernel = _compiled.jit(_prefix_steps_loops)
+    if kernel is None:
+        pytest.skip("compiled kernels are off (EMBER_NUMBA=0)")
     steps, units = 300, 64
     want = np.zeros((steps, units), np.int64)
     for i in range(steps):

@@ -42,6 +42,7 @@ from ember.simplifier.passes.fold_reshape_into_reduce import REDUCTIONS, fold_re
 from ember.simplifier.passes.fuse_activation import (adopt_onnxruntime_fused_conv,
                                                      fuse_activations, fuse_residual_add)
 from ember.simplifier.passes.fuse_attention import fuse_attention, fuse_attention_projections
+from ember.simplifier.passes.fuse_elementwise import fuse_elementwise
 from ember.simplifier.passes.fuse_gelu import fuse_gelu
 from ember.simplifier.passes.fuse_gemm import fold_scale_into_matmul, fuse_matmul_add
 from ember.simplifier.passes.fuse_layernorm import fuse_layernorm
@@ -87,6 +88,7 @@ PASSES: dict[str, Pass] = {
     "fuse_residual_add": fuse_residual_add,
     "fuse_activations": fuse_activations,
     "widen_output_cast": widen_output_cast,
+    "fuse_elementwise": fuse_elementwise,  # late: see LATE
     "expand_functions": expand_functions,
     "eliminate_dead_code": eliminate_dead_code,
 }
@@ -106,6 +108,10 @@ _TRIGGERS = {
 }
 # Passes that only look at the top-level graph (subgraphs keep their own scoping rules).
 _TOP_LEVEL_ONLY = {"infer_shapes"}
+# Passes that run only once a round of the others has changed nothing (then alone, and in every
+# round after): they take the elementwise nodes the pattern fusions above match, so those go
+# first.
+LATE = {"fuse_elementwise"}
 MAX_ROUNDS = 8
 
 
@@ -133,10 +139,16 @@ def simplify(model: Model, backend: str = "cpu", skip: Iterable[str] = (),
     strict = config.switch("EMBER_SIMPLIFY_STRICT", False)
     ctx = Context(model, backend, portable=portable)
     rounds = 0
+    settled = not LATE - skip
     for rounds in range(1, MAX_ROUNDS + 1):
-        changed = _round(model, ctx, skip)
+        changed = _round(model, ctx, skip if settled else skip | LATE)
         if not changed:
-            break
+            if settled:
+                break
+            settled = True  # the late passes now, alone, then in every round
+            changed = _round(model, ctx, skip | (PASSES.keys() - LATE))
+            if not changed:
+                break
         _check_round(ctx, rounds, changed, strict)
     sort_topologically(model.graph)
     if stats is not None:

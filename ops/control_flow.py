@@ -18,6 +18,8 @@ _ELEMENT_OVERHEAD = 120
 
 
 def _truth(op: OpImpl, value, what: str = "condition") -> bool:
+    if type(value) is np.ndarray and value.size == 1:  # the usual condition: asked each iteration
+        return bool(value)
     arr = np.asarray(value)
     if arr.size != 1:
         raise op.fail(f"the {what} must hold exactly one element, got shape {arr.shape}")
@@ -54,12 +56,13 @@ class _Accumulated:
         self.values: list = []
         self.nbytes = 0
         self.last = 0  # bytes of the latest slice
+        self.cap = limits.current()  # read once: the cap of the run that made this
 
     def append(self, value) -> None:
         self.values.append(value)
         self.last = getattr(value, "nbytes", 0)
         self.nbytes += self.last
-        if self.nbytes > limits.current():
+        if self.nbytes > self.cap:
             limits.check_bytes(self.nbytes, f"scan output '{self.name}' after "
                                             f"{len(self.values)} iterations")
 
@@ -67,7 +70,7 @@ class _Accumulated:
         """Fail now if `trips` iterations in all would stack past the cap: every slice of a
         scan output has the same shape, so the stacked size is known after one."""
         projected = self.nbytes + self.last * (trips - len(self.values))
-        if projected > limits.current():
+        if projected > self.cap:
             limits.check_bytes(projected, f"scan output '{self.name}' of {trips} iterations "
                                           f"({self.last} bytes each)")
 
@@ -263,8 +266,9 @@ class Loop(OpImpl):
         if trips is not None:
             for acc in scans:
                 acc.check_projected(trips)
-        for k, size in enumerate(sizes):
-            size.observe(state[k], i, trips)
+        if not i & (i - 1):  # the sizes are sampled at powers of two (`_Carried.observe`)
+            for k, size in enumerate(sizes):
+                size.observe(state[k], i, trips)
         if i == 1 and trips is not None and trips > limit:
             raise ResourceLimitError(
                 f"the trip count {trips} is the loop's only bound (its condition never "
@@ -290,11 +294,12 @@ class _ScanBase(OpImpl):
         n_scan_out = len(body.output_names) - n_states
         collected = [_Accumulated(body.output_names[n_states + k]) for k in range(n_scan_out)]
         state = list(states)
+        # each step's slices as views (kernels never write into their inputs): index tuples
+        # with the step at the scan axis; the trailing Ellipsis keeps a 0-d slice an array
+        leads = [(slice(None),) * a for a in in_axes]
         for t in range(length):
-            slices = []
-            for x, a, d in zip(scan_inputs, in_axes, in_dirs):
-                idx = length - 1 - t if d else t
-                slices.append(np.take(x, idx, axis=a))
+            slices = [x[lead + (length - 1 - t if d else t, ...)]
+                      for x, lead, d in zip(scan_inputs, leads, in_dirs)]
             outs = body.run(state + slices, scope)
             state = list(outs[:n_states])
             for k in range(n_scan_out):

@@ -47,15 +47,38 @@ def _norm_axes(op: OpImpl, axes, rank: int) -> list[int]:
 
 # ----------------------------------------------------------------------------- Reshape
 
-def _reshape(op: OpImpl, x: np.ndarray, shape: list[int], allowzero: int) -> np.ndarray:
+class _ViewOp(OpImpl):
+    """Reshape, Squeeze, Unsqueeze: the input as a view with other dims. When what says the
+    dims is an attribute, or an input (index 1) that is a constant of the plan, the dims
+    depend on the input's shape alone, so they are worked out once per shape and remembered."""
+
+    _MEMO_MAX = 64  # input shapes remembered; a dynamic axis may bring a new one every run
+    _dims_in_attributes = False  # the opset-1/11 forms: axes or shape as attributes
+
+    def _view(self, x, dims_of, param=None):
+        """x reshaped to `dims_of(x.shape, param)`, remembered per shape where the dims are
+        fixed for the plan. Racing threads at worst both work out the same dims."""
+        if not (self._dims_in_attributes or 1 in self.constant_inputs):
+            return x.reshape(dims_of(x.shape, param))
+        memo = self.__dict__.get("_memo")
+        if memo is None or len(memo) > self._MEMO_MAX:
+            memo = self._memo = {}
+        dims = memo.get(x.shape)
+        if dims is None:
+            dims = memo[x.shape] = tuple(dims_of(x.shape, param))
+        return x.reshape(dims)
+
+
+def _reshape_dims(op: OpImpl, in_shape: tuple, shape: list[int], allowzero: int) -> list[int]:
     new = list(shape)
+    rank, size = len(in_shape), math.prod(in_shape)
     if not allowzero:
         for i, d in enumerate(new):
             if d == 0:
-                if i >= x.ndim:
+                if i >= rank:
                     raise op.fail(f"shape {shape}: a 0 at position {i} copies a dimension the "
-                                  f"input (rank {x.ndim}) does not have")
-                new[i] = x.shape[i]
+                                  f"input (rank {rank}) does not have")
+                new[i] = in_shape[i]
     if new.count(-1) > 1:
         raise op.fail(f"shape {shape} has more than one -1")
     if any(d < -1 for d in new):
@@ -64,33 +87,41 @@ def _reshape(op: OpImpl, x: np.ndarray, shape: list[int], allowzero: int) -> np.
     # is -2) and would pass the checks
     if -1 in new:
         known = math.prod(d for d in new if d != -1)
-        if known == 0 or x.size % known:
-            raise op.fail(f"cannot reshape a tensor of shape {x.shape} to {shape}")
-        new[new.index(-1)] = x.size // known
-    if math.prod(new) != x.size:
-        raise op.fail(f"cannot reshape a tensor of shape {x.shape} to {shape}")
-    return x.reshape(new)
+        if known == 0 or size % known:
+            raise op.fail(f"cannot reshape a tensor of shape {in_shape} to {shape}")
+        new[new.index(-1)] = size // known
+    if math.prod(new) != size:
+        raise op.fail(f"cannot reshape a tensor of shape {in_shape} to {shape}")
+    return new
 
 
 @register("Reshape", versions=[1])
-class Reshape1(OpImpl):
+class Reshape1(_ViewOp):
+    _dims_in_attributes = True
+
     def setup(self):
         if self.shape is None:
             raise self.fail("Reshape-1 needs the 'shape' attribute")
 
     def run(self, x):
-        return _reshape(self, x, list(self.shape), 0)
+        return self._view(x, self._dims)
+
+    def _dims(self, in_shape, _):
+        return _reshape_dims(self, in_shape, list(self.shape), 0)
 
 
 @register("Reshape", versions=[5, 13, 14, 19, 21, 23, 24, 25])
-class Reshape5(OpImpl):
+class Reshape5(_ViewOp):
     shape_inputs = (1,)
 
     def setup(self):
         self._allowzero = int(getattr(self, "allowzero", 0) or 0)
 
     def run(self, x, shape):
-        return _reshape(self, x, _ints(shape), self._allowzero)
+        return self._view(x, self._dims, shape)
+
+    def _dims(self, in_shape, shape):
+        return _reshape_dims(self, in_shape, _ints(shape), self._allowzero)
 
 
 # ----------------------------------------------------------------------------- Flatten
@@ -110,49 +141,65 @@ class Flatten(OpImpl):
 
 # ----------------------------------------------------------------------------- Squeeze / Unsqueeze
 
-def _squeeze(op: OpImpl, x: np.ndarray, axes) -> np.ndarray:
+def _squeeze_dims(op: OpImpl, in_shape: tuple, axes) -> list[int]:
     if axes is None or len(axes) == 0:  # no axes (or an empty list): drop every 1-sized dim
-        return x.reshape([d for d in x.shape if d != 1])
-    axes = _norm_axes(op, axes, x.ndim)
+        return [d for d in in_shape if d != 1]
+    axes = _norm_axes(op, axes, len(in_shape))
     for a in axes:
-        if x.shape[a] != 1:
-            raise op.fail(f"cannot squeeze axis {a} of size {x.shape[a]}")
-    return x.reshape([d for i, d in enumerate(x.shape) if i not in axes])
+        if in_shape[a] != 1:
+            raise op.fail(f"cannot squeeze axis {a} of size {in_shape[a]}")
+    return [d for i, d in enumerate(in_shape) if i not in axes]
 
 
-def _unsqueeze(op: OpImpl, x: np.ndarray, axes) -> np.ndarray:
-    out_rank = x.ndim + len(axes)
+def _unsqueeze_dims(op: OpImpl, in_shape: tuple, axes) -> list[int]:
+    out_rank = len(in_shape) + len(axes)
     axes = set(_norm_axes(op, axes, out_rank))
-    dims = iter(x.shape)
-    return x.reshape([1 if i in axes else next(dims) for i in range(out_rank)])
+    dims = iter(in_shape)
+    return [1 if i in axes else next(dims) for i in range(out_rank)]
 
 
 @register("Squeeze", versions=[1, 11])
-class Squeeze1(OpImpl):
+class Squeeze1(_ViewOp):
+    _dims_in_attributes = True
+
     def run(self, x):
-        return _squeeze(self, x, self.axes)
+        return self._view(x, self._dims)
+
+    def _dims(self, in_shape, _):
+        return _squeeze_dims(self, in_shape, self.axes)
 
 
 @register("Squeeze", versions=[13, 21, 23, 24, 25])
-class Squeeze13(OpImpl):
+class Squeeze13(_ViewOp):
     shape_inputs = (1,)
 
     def run(self, x, axes=None):
-        return _squeeze(self, x, None if axes is None else _ints(axes))
+        return self._view(x, self._dims, axes)
+
+    def _dims(self, in_shape, axes):
+        return _squeeze_dims(self, in_shape, None if axes is None else _ints(axes))
 
 
 @register("Unsqueeze", versions=[1, 11])
-class Unsqueeze1(OpImpl):
+class Unsqueeze1(_ViewOp):
+    _dims_in_attributes = True
+
     def run(self, x):
-        return _unsqueeze(self, x, self.axes or [])
+        return self._view(x, self._dims)
+
+    def _dims(self, in_shape, _):
+        return _unsqueeze_dims(self, in_shape, self.axes or [])
 
 
 @register("Unsqueeze", versions=[13, 21, 23, 24, 25])
-class Unsqueeze13(OpImpl):
+class Unsqueeze13(_ViewOp):
     shape_inputs = (1,)
 
     def run(self, x, axes):
-        return _unsqueeze(self, x, _ints(axes))
+        return self._view(x, self._dims, axes)
+
+    def _dims(self, in_shape, axes):
+        return _unsqueeze_dims(self, in_shape, _ints(axes))
 
 
 # ----------------------------------------------------------------------------- Transpose

@@ -3,13 +3,16 @@
 A `Plan` is built once per graph: nodes in topological order, each bound to its kernel, every
 value given a slot in a flat list, and for each step the slots that die after it. `run` then is
 a single loop over precomputed steps; nothing walks the graph per run. Subgraphs (If, Loop,
-Scan bodies) are compiled into plans of their own when their node is bound; values they read
-from enclosing scopes are handed to them as a name -> value dict.
+Scan bodies) are compiled into plans of their own once, when their node is bound; a control
+flow node then enters one at the cost of a call. Values a body reads from enclosing scopes
+are handed to it as a name -> value dict, except the enclosing plan's constants, which the
+body's plan holds as constants of its own.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Collection, Iterator, Sequence
+from operator import itemgetter
+from typing import Any, Collection, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -58,6 +61,15 @@ class Transfer:
 _METADATA_OPS = {("", "Shape"), ("", "Size")}
 # Integer initialisers up to this size count as shape data, kept on the host.
 _SHAPE_CONSTANT_MAX = 1024
+# Ops a subgraph's plan runs once at plan time when all their inputs are constants: the shape
+# arithmetic exporters write (Shape -> Gather -> Concat -> Reshape...), cheap and pure.
+_FOLDABLE = frozenset({
+    "Constant", "Identity", "Shape", "Size", "Gather", "Unsqueeze", "Squeeze", "Reshape",
+    "Flatten", "Concat", "Slice", "Transpose", "Cast", "ConstantOfShape", "Range", "Expand",
+    "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Min", "Max", "Floor", "Ceil", "Sqrt",
+    "Equal", "Less", "Greater", "Not", "And", "Or", "Where"})
+# A folded value is kept only up to this size: the fold is for shape data, not weights.
+_FOLD_MAX_BYTES = 1 << 16
 
 
 def needed_nodes(graph: Graph, outputs: Sequence[str], available: set[str]) -> list[Node]:
@@ -82,12 +94,18 @@ class Plan:
     named in `device_inputs`, which it is given as the backend's device arrays, and, with
     `device_outputs`, the outputs computed on the device, which it leaves there. `uploads`
     (initialiser name -> device copy) lets plans of one graph share their uploaded weights.
+
+    A subgraph's plan is given `outer_constants`, the enclosing plan's constants among its
+    `outer_names`: it holds them as its own, and runs the nodes that compute shape data from
+    constants alone (`_FOLDABLE`) once, now. The simplifier cannot fold those: it sees a
+    subgraph's captures only as names.
     """
 
     def __init__(self, graph: Graph, backend: str | Backend = "cpu",
                  outer_names: Sequence[str] = (), wanted_outputs: Sequence[str] | None = None,
                  device_inputs: Collection[str] = (), device_outputs: bool = False,
-                 uploads: dict[str, Any] | None = None):
+                 uploads: dict[str, Any] | None = None,
+                 outer_constants: Mapping[str, Any] | None = None):
         self.graph = graph
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
         missing = missing_ops(graph, self.backend.name)
@@ -97,15 +115,26 @@ class Plan:
         self.input_names = [v.name for v in graph.inputs]
         self.output_names = list(wanted_outputs) if wanted_outputs is not None \
             else [v.name for v in graph.outputs]
-        self.outer_names = list(outer_names)
+        # subgraphs only: the top-level graph was folded by the simplifier, or is to run as
+        # imported; and on the CPU only, so that a device plan places shape work as before
+        fold = outer_constants is not None and self.backend.name == "cpu"
+        outer_constants = {} if outer_constants is None else dict(outer_constants)
+        self.outer_names = [n for n in outer_names if n not in outer_constants]
 
         self.slots: dict[str, int] = {}
-        available = set(self.input_names) | set(graph.initializers) | set(self.outer_names)
+        available = set(self.input_names) | set(graph.initializers) | set(outer_names)
         nodes = needed_nodes(graph, self.output_names, available)
         self._constants = {self._slot(name): value for name, value in graph.initializers.items()}
+        for name, value in outer_constants.items():
+            self._constants[self._slot(name)] = value
         for value in self._constants.values():
             if isinstance(value, np.ndarray) and value.flags.writeable:
                 value.setflags(write=False)  # kernels must never write into weights
+        # name -> value of everything fixed for the plan's life: initialisers no caller can
+        # override, the enclosing plan's constants, and what was folded from them
+        self._fixed: dict[str, Any] = {n: v for n, v in graph.initializers.items()
+                                       if n not in self.input_names}
+        self._fixed.update(outer_constants)
         self.input_slots = [self._slot(n) for n in self.input_names]
         self.outer_slots = [(n, self._slot(n)) for n in self.outer_names]
 
@@ -120,21 +149,53 @@ class Plan:
         dtypes = known_dtypes(graph)
         shape_like = shape_constants(graph)
         for node in nodes:
-            self._add_step(node, shape_like, dtypes)
+            if not (fold and self._fold(node)):
+                self._add_step(node, shape_like, dtypes)
         for name in self.output_names:
             if name not in self.slots and name not in available:
                 raise InvalidModelError(f"graph output '{name}' is never computed")
         self.output_slots = [self._slot(n if device_outputs else self._resident(n, False))
                              for n in self.output_names]
         self.steps = self._with_frees(self._steps, set(self.output_slots))
-        # what `run` reads per step, bound once: the kernel's run method and the slots
-        self._program = tuple((step.kernel.run, step.inputs, step.outputs, step.frees,
+        # what `run` reads per step, bound once: the kernel's run method, a getter of its
+        # arguments from the slots, and the slots it writes and frees
+        self._program = tuple((step.kernel.run, _getter(step.inputs), step.outputs, step.frees,
                                step.scope) for step in self.steps)
         self.initial_env: list[Any] = [None] * (_RESERVED_SLOTS + len(self.slots))
         for s, value in self._constants.items():
             self.initial_env[s] = value
         self.lowerings = self._lower(graph, dtypes)
-        del self._constants, self._on_device, self._moved, self._steps  # building only
+        del self._constants, self._on_device, self._moved, self._steps, self._fixed  # building
+
+    def _fold(self, node: Node) -> bool:
+        """Run `node` now if it is shape work (`_FOLDABLE`) on constants alone, its outputs
+        becoming constants of the plan; False when it is left to run with the plan. A fold
+        that fails, or makes more than shape data, leaves the node to the run, which reports
+        any error against it as it would have."""
+        if node.domain or node.op_type not in _FOLDABLE or node.subgraphs() or \
+                any(n and n not in self._fixed for n in node.inputs):
+            return False
+        if (node.domain, node.op_type) not in _METADATA_OPS and any(
+                getattr(self._fixed[n], "nbytes", 0) > _FOLD_MAX_BYTES for n in node.inputs if n):
+            return False  # work on a weight, not on shape data
+        impl = lookup(node.domain, node.op_type, node.version, "cpu")
+        try:
+            with limits.capped(_FOLD_MAX_BYTES):  # ops that make a shape check it first
+                result = bind(node, impl, dict(node.attrs)).run(
+                    *[self._fixed[n] if n else None for n in node.inputs])
+        except Exception:
+            return False
+        values = result if type(result) is tuple else (result,)
+        if len(values) < len(node.outputs) or not all(
+                isinstance(v, (np.ndarray, *_SCALARS)) and np.asarray(v).nbytes <= _FOLD_MAX_BYTES
+                for v in values):
+            return False
+        for name, value in zip(node.outputs, values):
+            if name:
+                value = np.asarray(value)
+                value.setflags(write=False)
+                self._fixed[name] = self._constants[self._slot(name)] = value
+        return True
 
     def _slot(self, name: str) -> int:
         if name not in self.slots:
@@ -186,13 +247,13 @@ class Plan:
         else:
             inputs = [self._resident(n, device and i not in host_inputs)
                       for i, n in enumerate(node.inputs)]
-        scope = tuple((n, self._slot(self._resident(n, False))) for n in node.implicit_inputs)
+        # the subgraphs hold the plan's constants as their own (`_bind`): not passed per run
+        scope = tuple((n, self._slot(self._resident(n, False))) for n in node.implicit_inputs
+                      if n not in self._fixed)
         kernel = self._bind(node, impl)
         # by resident name: a device kernel's input is an uploaded copy (another name),
         # and its CPU fallback gets a fresh host copy each run, nothing worth keeping
-        kernel.constant_inputs = frozenset(
-            i for i, n in enumerate(inputs)
-            if n in self.graph.initializers and n not in self.input_names)
+        kernel.constant_inputs = frozenset(i for i, n in enumerate(inputs) if n in self._fixed)
         self._steps.append(Step(
             node=node,
             kernel=kernel,
@@ -259,11 +320,18 @@ class Plan:
         attrs = {}
         for name, value in node.attrs.items():
             if isinstance(value, Graph):
-                value = Plan(value, self.backend, outer_names=value.free_names())
+                value = self._subplan(value)
             elif isinstance(value, list) and value and isinstance(value[0], Graph):
-                value = [Plan(g, self.backend, outer_names=g.free_names()) for g in value]
+                value = [self._subplan(g) for g in value]
             attrs[name] = value
         return bind(node, impl, attrs, self.backend if impl.backend != "cpu" else None)
+
+    def _subplan(self, graph: Graph) -> "Plan":
+        """The plan of a subgraph, made once here: its node runs it with `run(inputs, scope)`
+        for as many calls and iterations as it makes."""
+        free = graph.free_names()
+        return Plan(graph, self.backend, outer_names=free,
+                    outer_constants={n: self._fixed[n] for n in free if n in self._fixed})
 
     @staticmethod
     def _with_frees(steps: list[Step], keep: set[int]) -> list[Step]:
@@ -285,12 +353,11 @@ class Plan:
         cap = limits.current()  # the running session's max_tensor_bytes
         i = -1
         try:  # the hot loop: no generator, each step's bound kernel and slots fetched once
-            for i, (run, inputs, outputs, frees, scope_slots) in enumerate(self._program):
+            for i, (run, arguments, outputs, frees, scope_slots) in enumerate(self._program):
                 if scope_slots:
-                    result = run(*[env[s] for s in inputs],
-                                 scope={n: env[s] for n, s in scope_slots})
+                    result = run(*arguments(env), scope={n: env[s] for n, s in scope_slots})
                 else:
-                    result = run(*[env[s] for s in inputs])
+                    result = run(*arguments(env))
                 if type(result) is np.ndarray:
                     if result.nbytes > cap:
                         raise limits.too_big(result.nbytes, cap,
@@ -341,6 +408,15 @@ class Plan:
             for name, s in self.outer_slots:
                 env[s] = scope[name]
         return env
+
+
+def _getter(slots: tuple[int, ...]):
+    """A function of the slots list giving the values in `slots`, to be unpacked as a kernel's
+    arguments: an itemgetter (C code, no per-call list building). For one slot it takes a
+    one-item slice, since itemgetter of one index returns the item itself, not a sequence."""
+    if len(slots) == 1:
+        return itemgetter(slice(slots[0], slots[0] + 1))
+    return itemgetter(*slots) if slots else itemgetter(slice(0, 0))
 
 
 def _store(outputs: tuple[int, ...], result: Any, env: list[Any], cap: int, node: Node) -> None:

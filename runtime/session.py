@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -92,11 +92,14 @@ class Session:
         self._plans: dict[tuple, Plan] = {(None, False, frozenset()): self._plan}
         # Inputs backed by an initialiser are optional overrides, as in onnxruntime.
         self._required = [v for v in graph.inputs if v.name not in graph.initializers]
+        self._required_names = frozenset(v.name for v in self._required)
         self.inputs: list[IOInfo] = [io_info(v) for v in self._required]
         self.overridable_initializers: list[IOInfo] = [
             io_info(v) for v in graph.inputs if v.name in graph.initializers]
         self.outputs: list[IOInfo] = [io_info(v) for v in graph.outputs]
         self._input_types = {v.name: v.type for v in graph.inputs}
+        self._plain = {v.name: plain for v in graph.inputs
+                       if (plain := _plain_check(v.type)) is not None}
 
     @property
     def plan(self) -> Plan:
@@ -151,11 +154,14 @@ class Session:
         the backend's device is used where it is. With `device_outputs` the outputs come back as
         OrtValues, those computed on the device left there (no copy to the host)."""
         ordered = self._check_feeds(feeds, self._plan)
-        device_inputs = frozenset(
-            name for name, value in zip(self._plan.input_names, ordered)
-            if name in feeds and self.backend != "cpu" and self._backend.is_device_array(value))
-        plan = self._plan_for(None if outputs is None else tuple(outputs), device_outputs,
-                              device_inputs)
+        if outputs is None and not device_outputs and self.backend == "cpu":
+            plan = self._plan  # the common call: no plan to look up
+        else:
+            device_inputs = frozenset(
+                name for name, value in zip(self._plan.input_names, ordered) if name in feeds
+                and self.backend != "cpu" and self._backend.is_device_array(value))
+            plan = self._plan_for(None if outputs is None else tuple(outputs), device_outputs,
+                                  device_inputs)
         self._engine.enter(self.threads)
         cap = limits.enter(self.max_tensor_bytes)
         try:
@@ -206,29 +212,79 @@ class Session:
         return self._plans[key]
 
     def _check_feeds(self, feeds: Mapping[str, Any], plan: Plan) -> list[Any]:
-        if not isinstance(feeds, Mapping):
+        # a dict first: isinstance against typing's Mapping costs a microsecond a call
+        if type(feeds) is not dict and not isinstance(feeds, Mapping):
             raise InputError("feeds must be a dict of input name -> array")
         graph = self.model.graph
-        unknown = [k for k in feeds if k not in self._input_types]
+        # set comparisons of the key views first: the lists below only for the error message
+        known = self._input_types.keys() >= feeds.keys()
+        unknown = [] if known else [k for k in feeds if k not in self._input_types]
         if unknown:
             raise InputError(f"unknown input name(s) {', '.join(map(repr, unknown))}; the model's "
                              f"inputs are {', '.join(v.name for v in self._required) or 'none'}")
-        missing = [v.name for v in self._required if v.name not in feeds]
+        missing = [] if self._required_names <= feeds.keys() else \
+            [v.name for v in self._required if v.name not in feeds]
         if missing:
             raise InputError(f"missing input(s) {', '.join(map(repr, missing))}: "
                              + "; ".join(f"'{i.name}' expects {_describe(i)}"
                                          for i in self.inputs if i.name in missing))
         symbols: dict[str, tuple[int, str]] = {}
         ordered = []
+        plain = self._plain
         for name in plan.input_names:
             if name not in feeds:
                 ordered.append(graph.initializers[name])
                 continue
-            ordered.append(self._check_one(name, feeds[name], symbols))
+            value = feeds[name]
+            if name in plain and _passes(name, value, plain[name], symbols):
+                ordered.append(value)
+            else:
+                ordered.append(self._check_one(name, value, symbols))
         return ordered
 
     def _check_one(self, name: str, value: Any, symbols: dict[str, tuple[int, str]]) -> Any:
         return check_input(name, value, self._input_types[name], self._backend, symbols)
+
+
+class _Plain(NamedTuple):
+    """What `check_input` asks of a numpy array fed for a tensor input of a numeric dtype."""
+    dtype: np.dtype
+    rank: int | None  # None: any shape
+    fixed: tuple[tuple[int, int], ...]  # (axis, size) of each fixed dim
+    symbolic: tuple[tuple[int, str], ...]  # (axis, name) of each symbolic dim
+    exact: tuple[int, ...] | None  # the whole shape, where every dim is fixed
+
+
+def _plain_check(t: Any) -> _Plain | None:
+    """`t` summarised for `_passes`, or None where a feed for it takes the full check."""
+    if not isinstance(t, TensorType) or t.dtype is None or t.dtype.kind in "OUS":
+        return None
+    if t.shape is None:
+        return _Plain(t.dtype, None, (), (), None)
+    fixed = tuple((axis, d) for axis, d in enumerate(t.shape) if isinstance(d, int) and d > 0)
+    symbolic = tuple((axis, d) for axis, d in enumerate(t.shape) if isinstance(d, str) and d)
+    exact = tuple(d for _, d in fixed) if len(fixed) == len(t.shape) else None
+    return _Plain(t.dtype, len(t.shape), fixed, symbolic, exact)
+
+
+def _passes(name: str, value: Any, plain: _Plain, symbols: dict[str, tuple[int, str]]) -> bool:
+    """Whether a feed passes `check_input` as it is, by `_plain_check`'s summary, recording
+    its symbolic dims in `symbols` as `check_input` does: a cheap test for the common feed;
+    anything else takes the full check (and its error message)."""
+    dtype, rank, fixed, symbolic, exact = plain
+    if type(value) is not np.ndarray or value.dtype != dtype:
+        return False
+    shape = value.shape
+    if exact is not None:
+        return shape == exact
+    if rank is None:
+        return True
+    if len(shape) != rank or any(shape[a] != d for a, d in fixed):
+        return False
+    for axis, dim in symbolic:
+        if symbols.setdefault(dim, (shape[axis], name))[0] != shape[axis]:
+            return False
+    return True
 
 
 def check_input(name: str, value: Any, t: Any, backend: Backend,
@@ -363,8 +419,9 @@ def _owned(value: Any, feed_roots: set[int], returned: dict[int, list[np.ndarray
         return value  # a device array (fresh from its kernel), None, a map
     root = _root(value)
     siblings = returned.setdefault(id(root), [])
-    if not value.flags.c_contiguous or not value.flags.writeable or id(root) in feed_roots \
-            or any(np.may_share_memory(value, other) for other in siblings):
+    flags = value.flags
+    if not (flags.c_contiguous and flags.writeable) or id(root) in feed_roots \
+            or (siblings and any(np.may_share_memory(value, other) for other in siblings)):
         value = np.array(value, order="C")  # its own buffer
         siblings = returned.setdefault(id(value), [])
     siblings.append(value)

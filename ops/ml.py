@@ -356,6 +356,44 @@ def _walk_trees(x, feature, threshold, mode, true_step, false_step, missing_true
             out[r, t] = cur
 
 
+def _walk_and_sum(x, feature, threshold, mode, true_step, false_step, missing_true, is_leaf,
+                  roots, c_start, c_count, c_target, c_weight, out, cyclic, row0,
+                  row1):  # pragma: no cover - compiled
+    """out[r] += each leaf's weights, for the leaf row r reaches in each tree in turn, rows
+    [row0, row1) (out zeroed, in the weights' dtype): `_walk_trees` and the SUM of
+    `_Forest.scores` in one loop, the same additions in the same order (tree by tree)."""
+    nodes = mode.shape[0]
+    for r in range(row0, row1):
+        for t in range(roots.shape[0]):
+            cur = roots[t]
+            steps = 0
+            while not is_leaf[cur]:
+                v = x[r, feature[cur]]
+                th = threshold[cur]
+                m = mode[cur]
+                if m == 0:
+                    cond = v <= th
+                elif m == 1:
+                    cond = v < th
+                elif m == 2:
+                    cond = v >= th
+                elif m == 3:
+                    cond = v > th
+                elif m == 4:
+                    cond = v == th
+                else:
+                    cond = v != th
+                if v != v and missing_true[cur]:
+                    cond = True
+                cur = true_step[cur] if cond else false_step[cur]
+                steps += 1
+                if steps > nodes:
+                    cyclic[0] = 1
+                    return
+            for k in range(c_start[cur], c_start[cur] + c_count[cur]):
+                out[r, c_target[k]] += c_weight[k]
+
+
 _LEQ, _LT, _GTE, _GT, _EQ, _NEQ, _MEMBER, _LEAF = range(8)
 _COMPARE = {_LEQ: np.less_equal, _LT: np.less, _GTE: np.greater_equal, _GT: np.greater,
             _EQ: np.equal, _NEQ: np.not_equal}
@@ -400,6 +438,7 @@ class _Forest:
         # a tree's depth, as balanced trees of its size have it: the compiled walk's cost
         self.depth = max(1, math.ceil(math.log2(max(2, len(self.mode) / max(1, len(roots))))))
         self._thresholds: dict[np.dtype, np.ndarray] = {}  # by the rows' dtype
+        self._weights: dict[np.dtype, np.ndarray] = {}     # the leaf weights by the sums' dtype
         self.c_count = np.bincount(node, minlength=len(self.mode)).astype(np.int64)
         self.c_start = np.concatenate([[0], np.cumsum(self.c_count)[:-1]]).astype(np.int64)
 
@@ -465,11 +504,35 @@ class _Forest:
             raise ValueError("tree traversal did not terminate (cyclic tree)")
         return out
 
+    def _sum_compiled(self, x: np.ndarray, aggregate: str, dtype: np.dtype) -> np.ndarray:
+        """`scores`' SUM / AVERAGE by one compiled loop that walks each tree and adds its
+        leaf's weights as it goes (`_walk_and_sum`): the bits of the numpy aggregation (per
+        cell, in tree order, in `dtype`) without its dozen passes, most of a few rows' time."""
+        x = np.ascontiguousarray(x)
+        out = np.zeros((x.shape[0], self.n_targets), dtype)
+        cyclic = np.zeros(1, np.int64)
+        weights = self._weights.get(dtype)
+        if weights is None:
+            weights = self._weights[dtype] = self.c_weight.astype(dtype)
+        _compiled.split_rows(_compiled.jit(_walk_and_sum), x.shape[0], x, self.feature,
+                             self._threshold_as(x.dtype), self.mode, self.true_step,
+                             self.false_step, self.missing_true, self.is_leaf, self.roots,
+                             self.c_start, self.c_count, self.c_target, weights, out, cyclic,
+                             ns_per_row=tuning.TREE_STEP_NS * len(self.roots) * self.depth)
+        if cyclic[0]:
+            raise ValueError("tree traversal did not terminate (cyclic tree)")
+        if aggregate == "AVERAGE" and len(self.roots):
+            out = out / dtype.type(len(self.roots))
+        return out
+
     def scores(self, x: np.ndarray, aggregate: str, dtype=np.float64) -> np.ndarray:
         """[N, n_targets] aggregated leaf weights in `dtype`. In float32 the sums are
         accumulated in float32 tree by tree, as onnxruntime's float kernels do (a class
         probability summed in float64 can land just above a 0.5 decision threshold that the
         float32 sum meets exactly)."""
+        if aggregate in ("SUM", "AVERAGE") and x.shape[1] > self.max_feature \
+                and self.compiled_walk(x.dtype):
+            return self._sum_compiled(x, aggregate, np.dtype(dtype))
         leaves = self.leaves(x)
         n, n_trees = leaves.shape
         flat_leaves = leaves.reshape(-1)

@@ -81,3 +81,26 @@ def _numpy_leaves(forest, x):
         return forest.leaves(x)
     finally:
         del forest.compiled_walk
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("aggregate", ["SUM", "AVERAGE"])
+def test_compiled_sums_give_the_numpy_aggregations_bits(dtype, aggregate):
+    """The walk that adds each leaf's weights as it goes (`_walk_and_sum`): the same sums, in
+    the same order and dtype, as the numpy aggregation over the numpy walk's leaves."""
+    rng = np.random.default_rng(11)
+    model = _forest(rng, trees=40, depth=6, modes=MODES)
+    session = ember.load(model, "cpu")
+    forest = next(step.kernel.forest for step in session.plan.steps
+                  if hasattr(step.kernel, "forest"))
+    x = _rows(rng, 301).astype(dtype)
+    if not forest.compiled_walk(x.dtype):
+        pytest.skip("numba is not installed: only the numpy walk runs")
+    got = forest.scores(x, aggregate, dtype)
+    forest.compiled_walk = lambda dtype: False
+    try:
+        want = forest.scores(x, aggregate, dtype)
+    finally:
+        del forest.compiled_walk
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)

@@ -15,6 +15,7 @@
 | `EMBER_OPENCL_CHECK` | off | an OpenCL backend is made | guard bytes around device buffers, checked after each kernel |
 | `EMBER_CUDA_DEVICE` | 0 | the CUDA backend is made | which device |
 | `EMBER_SIMPLIFY_STRICT` | off | each `simplify` | on: the importer's check after every simplifier round that changed the graph (a debug mode; the tests turn it on) |
+| `EMBER_WIDEN_HALF` | on | each `simplify` for the CPU | off: float16 nodes compute in float16, as written, not in float32 (the simplifier's `compute_float16_in_float32`) |
 
 A switch is off for `0`, `false`, `no` or an empty value (any case) and on for anything else.
 Each setting is read when what it sets is made, as the table says, so a process may change a
@@ -26,7 +27,8 @@ import os
 VARIABLES = ("EMBER_BACKEND", "EMBER_CACHE_DIR", "EMBER_LOG", "EMBER_NUMBA",
              "EMBER_POOL_PRODUCTS", "EMBER_KEEP_MEMORY", "EMBER_RANDOM_SEED",
              "EMBER_MAX_TENSOR_BYTES", "EMBER_MAX_LOOP_ITERATIONS", "EMBER_OPENCL_DEVICE",
-             "EMBER_OPENCL_CHECK", "EMBER_CUDA_DEVICE", "EMBER_SIMPLIFY_STRICT")
+             "EMBER_OPENCL_CHECK", "EMBER_CUDA_DEVICE", "EMBER_SIMPLIFY_STRICT",
+             "EMBER_WIDEN_HALF")
 
 _OFF = ("0", "false", "no", "")
 

@@ -31,6 +31,7 @@ from ember.errors import EmberError, InvalidModelError
 from ember.ir import Graph, Model
 from ember.simplifier.context import Context, graphs_of
 from ember.simplifier.graph import check_structure, producers_first
+from ember.simplifier.passes.compute_float16_in_float32 import compute_float16_in_float32
 from ember.simplifier.passes.constant_folding import constants_to_initializers, fold_constants
 from ember.simplifier.passes.cse import eliminate_common_subexpressions
 from ember.simplifier.passes.dead_code import eliminate_dead_code
@@ -65,6 +66,8 @@ PASSES: dict[str, Pass] = {
     "infer_shapes": infer_shapes,
     "constants_to_initializers": constants_to_initializers,
     "fuse_qdq": fuse_qdq,  # before folding turns dequantised weights into float constants
+    # before folding and the fusions, which then see float32 (CPU target only)
+    "compute_float16_in_float32": compute_float16_in_float32,
     "fold_constants": fold_constants,
     "remove_noops": remove_noops,
     "fold_not_into_where": fold_not_into_where,

@@ -746,7 +746,7 @@ def test_ops_a_backend_lacks_expand_into_their_function_body(op, attrs, opset):
 def literal_float16(monkeypatch):
     """The float16 tests below check the passes that keep (or skip) the graph's float16
     roundings; compute_float16_in_float32 would compute their whole graphs in float32."""
-    monkeypatch.setenv("EMBER_FLOAT16_IN_FLOAT32", "0")
+    monkeypatch.setenv("EMBER_WIDEN_HALF", "0")
 
 
 def _float16_tail(shared_interior: bool):

@@ -16,10 +16,14 @@ Every convolution is N-D (1-D, 2-D, 3-D, ...) and reduces to one of three kernel
   channels-last memory" below);
 * shifted GEMMs, on the CPU, for 2-D stride-1 convolutions over large images with few
   channels (UNet's layers): one GEMM per kernel tap over the channels-last padded input, with
-  no patch matrix at all (see `_conv_shifted`).
+  no patch matrix at all (see `_conv_shifted`);
+* register tiles (ops/cpu/tiles.py), on the CPU, for 2-D float32 convolutions: one group
+  (`_TiledRoute`), or groups of GROUPED_MIN_WIDTH channels and more a block of neighbouring
+  groups at a time (`_GroupedRoute`).
 
 ConvTranspose and Col2Im share the reverse: a matmul producing columns, then a scatter-add over
-kernel taps (col2im). Integer convolutions run exactly through float64 BLAS (every int8/uint8
+kernel taps (col2im). On the CPU a 2-D ConvTranspose of one group is instead one ordinary
+convolution with a block of output channels per output phase (`_sub_pixel`). Integer convolutions run exactly through float64 BLAS (every int8/uint8
 product and any realistic sum of them is exactly representable), then round to integers.
 
 The geometry helpers here (padding, output sizes, padding an array) are shared with pool.py.
@@ -235,6 +239,9 @@ def conv_nd(xp, x, w, group, kernel, strides, dilations, begin, end, bias=None, 
         return _depthwise_cl(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp)
     if xp is np and _tiled_fits(x, w, group, begin, end):
         return _conv_tiled(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp)
+    if xp is np and _grouped_fits(x, w, group, begin, end):
+        return _GroupedRoute(x, w, group, kernel, strides, dilations, begin, outs, bias, cache,
+                             clamp, keep_image=False).run(x)
     assert clamp is None, "a clamp only where clamps_in_pass"
 
     if math.prod(kernel) == 1 and not any(begin) and not any(end):
@@ -370,7 +377,8 @@ def clamps_in_pass(xp, x, w, group, kernel, begin, end) -> bool:
     output: the depthwise kernels' and the tiles' (with bias, the whole of a ReLU6 block's
     Conv + Clip)."""
     return xp is np and (_depthwise_fast(x, w, group, kernel, begin, end)
-                         or _tiled_fits(x, w, group, begin, end))
+                         or _tiled_fits(x, w, group, begin, end)
+                         or _grouped_fits(x, w, group, begin, end))
 
 
 def _depthwise_fast(x, w, group, kernel, begin, end):
@@ -810,7 +818,8 @@ def pointwise_cl_fits(xp, x, w, group, kernel, begin, end) -> bool:
     channels-last x: one product, (pixels, C) @ pointwise_weights)."""
     return (xp is np and math.prod(kernel) == 1 and not any(begin) and not any(end)
             and channels_last(x) and not _depthwise_fast(x, w, group, kernel, begin, end)
-            and not _tiled_fits(x, w, group, begin, end))
+            and not _tiled_fits(x, w, group, begin, end)
+            and not _grouped_fits(x, w, group, begin, end))
 
 
 def pointwise_weights(w, cache):
@@ -876,7 +885,10 @@ def _pointwise_cl(x, w, group, strides, outs, bias, cache):
 
 
 def _tiled_fits(x, w, group, begin, end):
+    # (fewer output channels than TILES_MIN_OUTPUTS, an RGB image or a mask out, leave most
+    # of each tile's block of BLOCK channels unused: conv_nd's GEMMs are faster)
     return (x.ndim == 4 and group == 1 and x.dtype == np.float32
+            and w.shape[0] >= tuning.TILES_MIN_OUTPUTS
             and (w.shape[2] * w.shape[3] > 1 or _pointwise_tiles_fit(x, w))
             and (_tiles.WIDE or w.shape[1] * w.shape[2] * w.shape[3]
                  <= tuning.NARROW_TILES_MAX_K)
@@ -895,6 +907,16 @@ def _pointwise_tiles_fit(x, w):
     C, M = x.shape[1], w.shape[0]
     return (_tiles.WIDE and x.shape[0] == 1 and w.shape[2] * w.shape[3] == 1 and lo <= C < hi
             and x.shape[2] * x.shape[3] * C * M >= tuning.POINTWISE_TILE_MIN_MACS)
+
+
+def _strided_pointwise_fits(x, w, group, strides, begin, end):
+    """Whether a strided 1x1 convolution (a downsampling shortcut) runs as `_TiledRoute`:
+    the tiles read every stride-th pixel where it lies, where the product needs a strided
+    copy of the input first. As the 1x1 tiles in runs: AVX-512 (tiles_pointwise_size)."""
+    return (x.ndim == 4 and group == 1 and x.dtype == np.float32
+            and w.shape[2] * w.shape[3] == 1 and any(s > 1 for s in strides)
+            and w.shape[0] >= tuning.TILES_MIN_OUTPUTS and min(begin) >= 0 and min(end) >= 0 and _tiles.WIDE
+            and _tiles.kernel() is not None)
 
 
 def _conv_tiled(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp):
@@ -1027,6 +1049,107 @@ def _pad_rows_piece(block, row0, row1):  # pragma: no cover
     _pad_rows(_compiled.array_at(v[0], (v[1],), np.float32),
               _compiled.array_at(v[2], (v[3],), np.float32), v[4], v[5], v[6], v[7], v[8],
               row0, row1)
+
+
+# A grouped 2-D convolution (RegNet's, ResNeXt's: groups of GROUPED_MIN_WIDTH output channels
+# or more, float32) as the same register tiles, a run of them per span of neighbouring groups
+# that fill one block of BLOCK output channels: the span's weights are block-diagonal (zero
+# between groups), and its tiles read only the span's input channels, a contiguous run of
+# each pixel's channels in the channels-last padded image. Narrow groups thus cost up to
+# BLOCK / width times the multiply-adds, still far faster than im2col and one small GEMM
+# per group, whose products (8 output channels) BLAS runs well below its peak.
+
+
+def _grouped_fits(x, w, group, begin, end):
+    """Whether `_GroupedRoute` runs this convolution: 2-D float32, several groups of at least
+    GROUPED_MIN_WIDTH output channels (not depthwise), no negative pads, the tiles compiled,
+    and on AVX2 sums a block's tiles run well (NARROW_TILES_MAX_K)."""
+    if not (x.ndim == 4 and group > 1 and x.dtype == np.float32
+            and w.shape[0] // group >= tuning.GROUPED_MIN_WIDTH
+            and min(begin) >= 0 and min(end) >= 0):
+        return False
+    Mg, Cg = w.shape[0] // group, w.shape[1]
+    span_channels = Cg * max(1, min(group, _tiles.BLOCK // Mg))
+    return ((_tiles.WIDE or w.shape[2] * w.shape[3] * span_channels <= tuning.NARROW_TILES_MAX_K)
+            and _tiles.kernel() is not None)
+
+
+class _GroupedRoute(_TiledRoute):
+    """A grouped convolution (`_grouped_fits`) by the tiles, worked out once for an input
+    geometry (Conv.route): per span of groups its packed block-diagonal weights and bias; the
+    padded image and its copy as `_TiledRoute`'s (kept between calls likewise). Each span's
+    tiles write a (pixels, span's channels) block, copied into the channels-last result."""
+    lowering = Lowering("cpu.tiles-grouped", "groups as register tiles over the padded "
+                        "channels-last image, a block of neighbouring groups at a time with "
+                        "block-diagonal weights")
+
+    def __init__(self, x, w, group, kernel, strides, dilations, begin, outs, bias, cache, clamp,
+                 keep_image=True):
+        N, C, H, W = x.shape
+        M = w.shape[0]
+        Cg, Mg = C // group, M // group
+        (kh, kw), (sh, sw), (dh, dw), (Ho, Wo) = kernel, strides, dilations, outs
+        Hp = max(begin[0] + H, (Ho - 1) * sh + (kh - 1) * dh + 1)
+        Wp = max(begin[1] + W, (Wo - 1) * sw + (kw - 1) * dw + 1)
+        per = max(1, min(group, _tiles.BLOCK // Mg))   # groups a span
+        self.spans = []
+        for g0 in range(0, group, per):
+            g1 = min(group, g0 + per)
+
+            def packed(g0=g0, g1=g1):
+                # (kh, kw, span's inputs, span's outputs), zero where a group's inputs do
+                # not reach another group's outputs
+                dense = np.zeros((kh, kw, (g1 - g0) * Cg, (g1 - g0) * Mg), np.float32)
+                for g in range(g0, g1):
+                    i, o = (g - g0) * Cg, (g - g0) * Mg
+                    dense[:, :, i:i + Cg, o:o + Mg] = \
+                        w[g * Mg:(g + 1) * Mg].transpose(2, 3, 1, 0)
+                return _tiles.pack(dense.reshape(kh * kw * (g1 - g0) * Cg, -1),
+                                   None if bias is None else bias[g0 * Mg:g1 * Mg])
+            weights, span_bias = _remembered(cache, ("tiles-grouped", g0, g1), packed)
+            cut = _tiles.cut(N, Ho * Wo, Hp * Wp * C, (g1 - g0) * Cg, sh * sw, weights,
+                             4 * N * Ho * Wo * (g1 - g0) * Mg)
+            self.spans.append((g0 * Cg, (g1 - g0) * Cg, g0 * Mg, g1 * Mg, weights, span_bias,
+                               cut))
+
+        def offsets():
+            rows = np.arange(Ho, dtype=np.int64) * (sh * Wp)
+            pixels = (rows[:, None] + np.arange(Wo, dtype=np.int64) * sw).reshape(-1)
+            taps = (np.arange(kh, dtype=np.int64)[:, None] * (dh * Wp)
+                    + np.arange(kw, dtype=np.int64) * dw)
+            return pixels * C, taps.reshape(-1) * C
+        self.pixels, self.taps = _remembered(cache, ("grouped-offsets", Hp, Wp, C, Ho, Wo),
+                                             offsets)
+        self.planar, self.plane = False, Hp * Wp * C
+        self.begin, self.size, self.out_shape = begin, (H, W), (N, Ho, Wo, M)
+        self.image_shape = (N, Hp, Wp, C)
+        self.clamp = clamp
+        self.padded = (Hp, Wp) != (H, W)
+        self.keep_image = keep_image and 4 * math.prod(self.image_shape) <= tuning.KEEP_IMAGE_BYTES
+        self.images: list[np.ndarray] = []
+        self.pad_rows = (W * C, Wp * C, Hp * Wp * C, (begin[0] * Wp + begin[1]) * C)
+        self.pad_bounds = _compiled.row_bounds(N * H, self.pad_rows[0] * tuning.PAD_NS_PER_VALUE)
+
+    def run(self, x):
+        layout = x.transpose(0, 2, 3, 1)
+        if not self.padded and layout.flags.c_contiguous:
+            image = None   # x is the image: read where it lies
+        else:
+            image = self._padded(layout)
+        flat = (layout if image is None else image).reshape(-1)
+        N, Ho, Wo, M = self.out_shape
+        out = _tiles.empty((N * Ho * Wo, M))
+        whole = len(self.spans) == 1
+        for c0, channels, m0, m1, weights, span_bias, cut in self.spans:
+            # the span's input channels start c0 values into each pixel
+            target = out if whole else _tiles.empty((N * Ho * Wo, m1 - m0))
+            _tiles.run(_tiles.kernel(), flat[c0:], self.plane, self.pixels, self.taps,
+                       channels, weights, span_bias, self.clamp, target, N, *cut)
+            if not whole:
+                out[:, m0:m1] = target
+        if image is not None and self.keep_image:
+            self.images.append(image)
+        return out.reshape(N, Ho, Wo, M).transpose(0, 3, 1, 2)
 
 
 # A 2-D stride-1 convolution over a channels-last padded image P (Hp, Wp, C) is, with the
@@ -1298,6 +1421,8 @@ class Conv(_ConvBase):
             return _CONV_ND
         if _depthwise_fast(x, w.value, self.group, kernel, begin, end):
             return _DEPTHWISE_VECTOR if _depthwise_vector_fits(x, kernel) else _DEPTHWISE_LOOPS
+        if _grouped_fits(x, w.value, self.group, begin, end):
+            return _GroupedRoute.lowering
         if math.prod(kernel) > 1:
             return _TiledRoute.lowering if _tiled_fits(x, w.value, self.group, begin, end) \
                 else _CONV_ND
@@ -1328,6 +1453,11 @@ class Conv(_ConvBase):
             return _DepthwiseRoute.make(x, w, bias, clamp, kernel, strides, dilations, begin,
                                         outs, cache)
         if math.prod(kernel) > 1 and _tiled_fits(x, w, self.group, begin, end):
+            return _TiledRoute(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp)
+        if _grouped_fits(x, w, self.group, begin, end):
+            return _GroupedRoute(x, w, self.group, kernel, strides, dilations, begin, outs, bias,
+                                 cache, clamp)
+        if _strided_pointwise_fits(x, w, self.group, strides, begin, end):
             return _TiledRoute(x, w, kernel, strides, dilations, begin, outs, bias, cache, clamp)
         if _epilogue.tiles_pointwise_fits(x, w, b, self.group, strides, begin, end):
             route = _epilogue.tiles_pointwise_route(x, w, bias, None, clamp, "", [])
@@ -1419,8 +1549,8 @@ def _integer_conv(op, x, w, x_zp, w_zp, out_dtype, **epilogue):
     Mg, Cg = M // G, C // G
     zero = _int.columns(w_zp, M)
     if _depthwise(x, w, G):
-        _integer.depthwise(x, _int.scalar(x_zp), w, zero, strides, dilations, begin, out,
-                           **epilogue)
+        _integer.depthwise(x, _int.scalar(x_zp), w, zero, strides, dilations, begin, end,
+                           out, **epilogue)
         return out
     groups = _int.kept(op, "conv", (w, w_zp), lambda: [
         _integer.conv_weights(w[g * Mg:(g + 1) * Mg], zero[g * Mg:(g + 1) * Mg])
@@ -1564,6 +1694,10 @@ class ConvTranspose(_ConvBase):
         if xp is np and _tiles_without_overlap(x, G, kernel, strides, dilations, begin, end,
                                                out_sp):
             return self._tiles_channels_last(x, w, b, kernel, cache)
+        if xp is np and _sub_pixel_fits(x, G, dilations, begin, end):
+            self._chosen = _SUB_PIXEL
+            return _sub_pixel(x, w, b, kernel, strides, begin, out_sp, cache)
+        self._chosen = None
         K = math.prod(kernel)
         L = math.prod(in_sp)
         wt = _remembered(cache, "cols", lambda: xp.ascontiguousarray(
@@ -1594,6 +1728,72 @@ class ConvTranspose(_ConvBase):
         else:
             np.add(placed, b.astype(x.dtype, copy=False), out=out)
         return out.reshape(N, H * kh, W * kw, M).transpose(0, 3, 1, 2)
+
+
+# A ConvTranspose of stride s (2-D, one group, undilated) is s*s ordinary convolutions, one
+# per output phase (the output pixels (s*q + ry, s*q' + rx) before cropping the pads): the
+# phase's pixels take the kernel taps ry + s*j of each axis only, from input pixel q - j, so
+# the phase is a stride-1 convolution of the input by those taps, flipped, padded by their
+# count less one. The phases are stacked as the output channels of one such convolution (a
+# phase with fewer taps gets zero weights for the others), which runs on conv_nd's fast
+# kernels (the tiles) with its bias; each phase's pixels are then written once into the
+# channels-last result: no columns matrix and no scatter-add of overlapping taps (col2im).
+
+_SUB_PIXEL = Lowering("cpu.sub-pixel", "one stride-1 convolution (conv_nd's kernels) with "
+                      "an output channel block per output phase, interleaved into the "
+                      "channels-last result")
+
+
+def _sub_pixel_fits(x, group, dilations, begin, end):
+    return (x.ndim == 4 and group == 1 and all(d == 1 for d in dilations)
+            and min(begin) >= 0 and min(end) >= 0 and x.dtype in (np.float32, np.float64))
+
+
+def _sub_pixel(x, w, b, kernel, strides, begin, out_sp, cache):
+    """ConvTranspose of x (N, C, H, W) by w (C, M, kh, kw), `strides`, pads `begin` (and the
+    end's, through `out_sp`), as one convolution with s*s phases (see above); returns the
+    channels-last (N, M, *out_sp) view."""
+    N, C, H, W = x.shape
+    M = w.shape[1]
+    (sh, sw), dt = strides, compute_dtype(x.dtype)
+    phases = [(ry, rx) for ry in range(sh) for rx in range(sw)]
+    taps = [-(-k // s) for k, s in zip(kernel, strides)]   # the most taps a phase has
+
+    def stacked():
+        """(s*s*M, C, *taps): phase (ry, rx)'s block is w's taps (ry + sh*j, rx + sw*i),
+        flipped (the last tap first) and right-aligned, zero where a phase has fewer."""
+        ws = np.zeros((len(phases), M, C, *taps), dt)
+        for i, (ry, rx) in enumerate(phases):
+            part = w[:, :, ry::sh, rx::sw].astype(dt).transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
+            ws[i, :, :, taps[0] - part.shape[2]:, taps[1] - part.shape[3]:] = part
+        return ws.reshape(len(phases) * M, C, *taps)
+    weights = _remembered(cache, ("sub-pixel", dt), stacked)
+    # a constant bias rides in the convolution (kept with its packed weights); one computed
+    # in the run is added after
+    late_bias = b is not None and getattr(b.flags, "writeable", True)
+    bias = None if b is None else b.astype(dt, copy=False).reshape(M)
+    # each phase's output pixels p = s*q + r - begin, for q in [q0, q0 + count)
+    spans = []
+    for ry, rx in phases:
+        q0 = [-(-(bg - r) // s) for bg, r, s in zip(begin, (ry, rx), strides)]
+        p0 = [s * q + r - bg for q, r, s, bg in zip(q0, (ry, rx), strides, begin)]
+        count = [max(0, -(-(o - p) // s)) for o, p, s in zip(out_sp, p0, strides)]
+        spans.append((q0, p0, count))
+    last = [max([q[i] + c[i] for q, _, c in spans] + [1]) for i in range(2)]
+    y = conv_nd(np, x.astype(dt, copy=False), weights, 1, taps, [1, 1], [1, 1],
+                [t - 1 for t in taps], [max(0, n - i) for n, i in zip(last, (H, W))],
+                bias=None if late_bias or bias is None else np.tile(bias, len(phases)),
+                cache=cache.setdefault(("sub-pixel-cache", dt, None if late_bias else id(b)),
+                                       {}))
+    rows = y.transpose(0, 2, 3, 1)   # (N, Q, Q', s*s*M), channels-last: a view
+    out = np.empty((N, *out_sp, M), dt)
+    for i, (q0, p0, count) in enumerate(spans):
+        if 0 not in count:
+            out[:, p0[0]::sh, p0[1]::sw] = rows[:, q0[0]:q0[0] + count[0],
+                                               q0[1]:q0[1] + count[1], i * M:(i + 1) * M]
+    if late_bias:
+        out += bias
+    return out.astype(x.dtype, copy=False).transpose(0, 3, 1, 2)
 
 
 def _tiles_without_overlap(x, group, kernel, strides, dilations, begin, end, out_sp):

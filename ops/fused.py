@@ -75,8 +75,8 @@ class FusedConv(Conv, _Activated):
             # the epilogue adds the bias: the convolution then neither copies its input
             # beside a ones row nor makes a pass of its own over the output for it
             route = self._pointwise_route(x, w, b, z)
-            self._chosen = None if route is None else route.lowering
             if route is not None:
+                self._chosen = route.lowering
                 self._fused_routes.remember(x, w, b, z, route)
                 return route.run(x, z)
             return self.finish(super().run(x, w), z=z, channel_bias=b)

@@ -198,71 +198,135 @@ def pack_image_loops(image, image_sums, kh, kw, sh, sw, dh, dw, OW, P, packed, s
             sums[p] = t
 
 
-def depthwise_loops(x, x_zero, w, C, mode, bias, mult, y_zero, lo, hi, sh, sw, dh, dw, ph, pw,
+def depthwise_loops(image, x_zero, w, mode, bias, mult, y_zero, lo, hi, sh, sw, dh, dw, OW,
                     out, p0, p1):
+    """Output pixels [p0, p1) of a depthwise convolution (one input and one output channel a
+    group) of one image, from its padded channels-last copy (`pad_image_loops`: (Hp, Wp, Cp)
+    uint8, values and padding already flipped): w (kh, kw, C) int32 with the filters' zero
+    points taken, out (pixels, C). Each value is the exact int sum of (image - x_zero) * w
+    over the window (padding holds x_zero: nothing), through the epilogue `mode` (module
+    docstring). The channels are the vector lanes, so any stride runs at the same speed."""
+    kh, kw, C = w.shape
+    Wp, Cp = image.shape[1], image.shape[2]
+    flat, taps = image.reshape(-1), w.reshape(-1)
+    acc = np.empty(C, np.int32)   # exact: a window's sum is far below 2**31
+    for p in range(p0, p1):
+        oy, ox = p // OW, p % OW
+        acc[:] = 0
+        for i in range(kh):
+            for j in range(kw):
+                at = ((oy * sh + i * dh) * Wp + ox * sw + j * dw) * Cp
+                t = (i * kw + j) * C
+                row, tw = flat[at:at + C], taps[t:t + C]   # from 0: LLVM vectorises
+                for c in range(C):
+                    acc[c] += tw[c] * (np.int32(row[c]) - x_zero)
+        o = out[p]
+        if mode == INT32:
+            for c in range(C):
+                o[c] = acc[c]
+        elif mode == REQUANTIZE:
+            for c in range(C):
+                v = np.rint(np.float32(np.int64(acc[c]) + bias[c]) * mult[c])
+                o[c] = min(max(v + y_zero, lo), hi)
+        else:
+            for c in range(C):
+                o[c] = np.float32(acc[c]) * mult[c] + bias[c]
+
+
+def depthwise_planes_loops(x, x_zero, w, C, mode, bias, mult, y_zero, lo, hi, sh, sw, dh, dw,
+                           ph, pw, out, p0, p1):
     """Planes [p0, p1) of a depthwise convolution (one input and one output channel a
-    group): x (N * C, H, W) 8-bit, w (C, kh, kw) int64 with its zero point taken, out
+    group), plane by plane, vectorised along the output's rows (`depthwise`'s choice for
+    wide rows): x (N * C, H, W) 8-bit, w (C, kh, kw) int64 with its zero point taken, out
     (N * C, OH, OW). Each value is the exact int sum of (x - x_zero) * w over the window
-    (padding counts x_zero: nothing), through the epilogue `mode` (module docstring)."""
+    (padding counts x_zero: nothing), through the epilogue `mode` (module docstring). The
+    padded plane is held as `sw` phases (phase q: its columns q, q + sw, ...), so that a tap
+    reads one contiguous run of a phase whatever the stride."""
     H, W = x.shape[1], x.shape[2]
     kh, kw = w.shape[1], w.shape[2]
     OH, OW = out.shape[1], out.shape[2]
     Hp, Wp = (OH - 1) * sh + (kh - 1) * dh + 1, (OW - 1) * sw + (kw - 1) * dw + 1
-    plane = np.zeros((Hp, Wp), np.int32)   # x - x_zero, padded with zeros
+    phases = np.zeros((sw, Hp, (Wp + sw - 1) // sw), np.int32)   # x - x_zero, zero padding
     acc = np.empty(OW, np.int32)             # exact: a window's sum is far below 2**31
     rows = min(H, Hp - ph)
     cols = min(W, Wp - pw)
     for p in range(p0, p1):
         c = p % C
         for r in range(rows):   # the border stays zero: only the image's place is written
-            src, dst = x[p, r], plane[r + ph]
-            for col in range(cols):
-                dst[pw + col] = np.int32(src[col]) - x_zero
+            src = x[p, r]
+            if sw == 1:
+                dst = phases[0, r + ph, pw:pw + cols]
+                for col in range(cols):
+                    dst[col] = np.int32(src[col]) - x_zero
+                continue
+            for q in range(sw):   # phase q holds padded columns q + k * sw
+                dst = phases[q, r + ph]
+                k = max(0, (pw - q + sw - 1) // sw)
+                col = k * sw + q - pw
+                while col < cols:
+                    dst[k] = np.int32(src[col]) - x_zero
+                    k += 1
+                    col += sw
         for oy in range(OH):
             acc[:] = 0
             for i in range(kh):
-                line = plane[oy * sh + i * dh]
+                row = oy * sh + i * dh
                 for j in range(kw):
                     wv = np.int32(w[c, i, j])
-                    if sw == 1:   # contiguous: LLVM vectorises this one
-                        seg = line[j * dw:j * dw + OW]
-                        for ox in range(OW):
-                            acc[ox] += wv * seg[ox]
-                    else:
-                        for ox in range(OW):
-                            acc[ox] += wv * line[ox * sw + j * dw]
+                    at = j * dw
+                    seg = phases[at % sw, row, at // sw:at // sw + OW]   # from 0: vectorised
+                    for ox in range(OW):
+                        acc[ox] += wv * seg[ox]
+            o = out[p, oy]
             if mode == INT32:
                 for ox in range(OW):
-                    out[p, oy, ox] = acc[ox]
+                    o[ox] = acc[ox]
             elif mode == REQUANTIZE:
                 m, b = mult[c], bias[c]
                 for ox in range(OW):
                     v = np.rint(np.float32(acc[ox] + b) * m)
-                    out[p, oy, ox] = min(max(v + y_zero, lo), hi)
+                    o[ox] = min(max(v + y_zero, lo), hi)
             else:
                 m, fb = mult[c], bias[c]
                 for ox in range(OW):
-                    out[p, oy, ox] = np.float32(acc[ox]) * m + fb
+                    o[ox] = np.float32(acc[ox]) * m + fb
 
 
 def depthwise(x: np.ndarray, x_zero: int, w: np.ndarray, w_zero, strides, dilations, begin,
-              out: np.ndarray, mode: int = INT32, bias=None, mult=None, y_zero: float = 0.0,
-              lo: float = 0.0, hi: float = 0.0) -> None:
+              end, out: np.ndarray, mode: int = INT32, bias=None, mult=None,
+              y_zero: float = 0.0, lo: float = 0.0, hi: float = 0.0) -> None:
     """A depthwise 2-D convolution of x (N, C, H, W) by w (C, 1, kh, kw) into out (N, C, OH,
-    OW), 8-bit with zero points (w_zero one or per channel), through the epilogue, the
-    planes shared among the run's threads."""
+    OW), 8-bit with zero points (w_zero one or per channel), through the epilogue. Rows of at
+    least INT_DEPTHWISE_PLANE_WIDTH go plane by plane, vectorised along the rows; shorter
+    ones channels-last, vectorised along the channels: each image
+    padded channels-last once, its output pixels shared among the run's threads, the result
+    put back in out's planes."""
     N, C = x.shape[:2]
-    taps = w.reshape(C, w.shape[2], w.shape[3]).astype(np.int64) \
-        - np.asarray(w_zero, np.int64).reshape(-1, 1, 1)
+    kh, kw = w.shape[2:]
+    taps = np.ascontiguousarray((w.reshape(C, kh * kw).astype(np.int32)
+                                 - np.asarray(w_zero, np.int32).reshape(-1, 1)).T
+                                ).reshape(kh, kw, C)
     bias = np.zeros(C, np.int64) if bias is None else bias
     mult = np.ones(C, np.float32) if mult is None else mult
-    kernel = _kernels()[4]
     OH, OW = out.shape[2:]
-    _compiled.split_rows(
-        kernel, N * C, x.reshape(N * C, *x.shape[2:]), np.int32(x_zero), taps, C, mode, bias,
-        mult, np.float32(y_zero), np.float32(lo), np.float32(hi), *strides, *dilations,
-        *begin, out.reshape(N * C, OH, OW),
-        ns_per_row=OH * OW * taps[0].size * tuning.DEPTHWISE_TAP_NS)
+    if OW >= tuning.INT_DEPTHWISE_PLANE_WIDTH:
+        _compiled.split_rows(
+            _kernels()[5], N * C, x.reshape(N * C, *x.shape[2:]), np.int32(x_zero),
+            taps.transpose(2, 0, 1).astype(np.int64), C, mode, bias, mult, np.float32(y_zero),
+            np.float32(lo), np.float32(hi), *strides, *dilations, *begin,
+            out.reshape(N * C, OH, OW), ns_per_row=OH * OW * kh * kw * tuning.INT_DEPTHWISE_NS)
+        return
+    kernel = _kernels()[4]
+    flip = 0x80 if x.dtype == np.int8 else 0
+    pixels = np.empty((OH * OW, C), out.dtype)
+    for n in range(N):
+        image, _ = padded_image(x[n], x_zero, (kh, kw), strides, dilations, begin, end,
+                                (OH, OW))
+        _compiled.split_rows(
+            kernel, OH * OW, image, np.int32(x_zero + flip), taps, mode, bias, mult,
+            np.float32(y_zero), np.float32(lo), np.float32(hi), *strides, *dilations, OW,
+            pixels, ns_per_row=C * kh * kw * tuning.INT_DEPTHWISE_NS)
+        out[n] = pixels.T.reshape(C, OH, OW)
 
 
 def enabled() -> bool:
@@ -272,15 +336,15 @@ def enabled() -> bool:
 
 @_compiled.Once
 def _kernels():
-    """(gemm, pack_rows, pad_image, pack_image, depthwise) compiled, or None without
-    numba."""
+    """(gemm, pack_rows, pad_image, pack_image, depthwise, depthwise_planes) compiled, or
+    None without numba."""
     numba = _compiled._numba() if _compiled.enabled() else None
     if numba is None:
         return None
     _register(numba)
     return (_compiled.jit(int_gemm_loops), _compiled.jit(pack_rows_loops),
             _compiled.jit(pad_image_loops), _compiled.jit(pack_image_loops),
-            _compiled.jit(depthwise_loops))
+            _compiled.jit(depthwise_loops), _compiled.jit(depthwise_planes_loops))
 
 
 class Weights:
@@ -329,11 +393,11 @@ def conv_weights(w: np.ndarray, zero) -> Weights:
     return Weights(rows.reshape(M, -1), zero, K=C * kh * kw)
 
 
-def pack_patches(x: np.ndarray, zero: int, kernel, strides, dilations, begin, end, outs):
-    """One image's (C, H, W) patches for a 2-D convolution (one group), packed for weights
-    from conv_weights: (packed, sums, shift) as pack_rows. The image is padded once,
-    channels-last, so that each window's C channels are whole words read in a row."""
-    pad_image, pack_image = _kernels()[2:4]
+def padded_image(x: np.ndarray, zero: int, kernel, strides, dilations, begin, end, outs):
+    """One image x (C, H, W) made channels-last and padded for a 2-D convolution of that
+    geometry: (Hp, Wp, Cp) uint8 (int8 flipped to uint8), the padding the zero point and the
+    channels rounded up to whole 4-byte words; and each pixel's channel sum (Hp, Wp)."""
+    pad_image = _kernels()[2]
     C, H, W = x.shape
     (kh, kw), (OH, OW) = kernel, outs
     (sh, sw), (dh, dw) = strides, dilations
@@ -343,9 +407,22 @@ def pack_patches(x: np.ndarray, zero: int, kernel, strides, dilations, begin, en
     flip = 0x80 if x.dtype == np.int8 else 0
     pad = np.uint8((int(zero) + flip) & 0xFF)
     image = np.empty((Hp, Wp, Cp), np.uint8)
-    image_sums = np.empty((Hp, Wp), np.int64)
+    sums = np.empty((Hp, Wp), np.int64)
     _compiled.split_rows(pad_image, Hp, x.view(np.uint8), np.uint8(flip), pad, begin[0],
-                         begin[1], image, image_sums, ns_per_row=Wp * Cp * tuning.INT_PACK_NS)
+                         begin[1], image, sums, ns_per_row=Wp * Cp * tuning.INT_PACK_NS)
+    return image, sums
+
+
+def pack_patches(x: np.ndarray, zero: int, kernel, strides, dilations, begin, end, outs):
+    """One image's (C, H, W) patches for a 2-D convolution (one group), packed for weights
+    from conv_weights: (packed, sums, shift) as pack_rows. The image is padded once,
+    channels-last (`padded_image`), so that each window's C channels are whole words read
+    in a row."""
+    pack_image = _kernels()[3]
+    (kh, kw), (OH, OW) = kernel, outs
+    (sh, sw), (dh, dw) = strides, dilations
+    image, image_sums = padded_image(x, zero, kernel, strides, dilations, begin, end, outs)
+    Hp, Wp, Cp = image.shape
     P, K = OH * OW, kh * kw * Cp
     blocks = -(-P // COLS)
     packed = np.empty((blocks, K // 4, COLS, 4), np.uint8)
@@ -354,7 +431,7 @@ def pack_patches(x: np.ndarray, zero: int, kernel, strides, dilations, begin, en
                          image_sums, kh, kw, sh, sw, dh, dw, OW, P,
                          packed.view(np.uint32).reshape(blocks, K // 4, COLS), sums,
                          ns_per_row=COLS * K * tuning.INT_PACK_NS)
-    return packed, sums, flip
+    return packed, sums, 0x80 if x.dtype == np.int8 else 0
 
 
 def product(weights: Weights, packed, sums, x_zero: int, out: np.ndarray,

@@ -31,10 +31,12 @@ from ember.ops.cpu import tuning
 _INF = np.float64(np.inf)
 
 
-def serves(size: int) -> bool:
+def serves(size: int, minimum: int | None = None) -> bool:
     """Whether a compiled loop runs for a tensor of `size` values: numba serves (compiled
-    kernels on, numba installed) and the tensor is large enough to repay a call."""
-    return size >= tuning.QLINEAR_COMPILED_MIN and _compiled.enabled() \
+    kernels on, numba installed) and the tensor is large enough (`minimum`, by default
+    QLINEAR_COMPILED_MIN) to repay a call."""
+    least = tuning.QLINEAR_COMPILED_MIN if minimum is None else minimum
+    return size >= least and _compiled.enabled() \
         and _compiled.jit(_lookup_rows) is not None
 
 

@@ -36,6 +36,10 @@ POINTWISE_TILE_CHANNELS = (512, 2049)  # a 1x1 conv's input channels [lo, hi) wh
 # history: docs/performance.md#pointwise_tile_channels-pointwise_tile_min_macs-opsconvpy
 POINTWISE_TILE_MIN_MACS = 1 << 24  # and its least pixels x input x output channels for them
 # history: docs/performance.md#pointwise_tile_channels-pointwise_tile_min_macs-opsconvpy
+GROUPED_MIN_WIDTH = 8  # output channels a group from which groups run as block-diagonal tiles
+# history: docs/performance.md#grouped_min_width-opsconvpy
+TILES_MIN_OUTPUTS = 8  # output channels from which the tiles run a conv: fewer waste a block
+# history: docs/performance.md#tiles_min_outputs-opsconvpy
 KEEP_IMAGE_BYTES = 8 << 20  # a tiled route keeps a padded image this small: border zeroed once
 # history: docs/performance.md#keep_image_bytes-opsconvpy
 PAD_NS_PER_VALUE = 0.4  # a padded image's row copy: time per value read and written
@@ -74,6 +78,13 @@ TILE_WIDE_N = 16384  # a wider weight (a vocabulary) spreads a tile's stores far
 # history: docs/performance.md#tile_wide_n-tile_wide_n_rows-opslinalgpy
 TILE_WIDE_N_ROWS = range(2, 49)  # so it is tiled for these rows only
 # history: docs/performance.md#tile_wide_n-tile_wide_n_rows-opslinalgpy
+
+# ---------------------------------------------------------------- ops/microsoft/lowbit.py
+
+NBITS_GEMV_ROWS = 16  # MatMulNBits rows up to which the 4-bit GEMV beats BLAS on a float copy
+# history: docs/performance.md#nbits_gemv_rows-nbits_gemv_ns_per_byte-opsmicrosoftlowbitpy
+NBITS_GEMV_NS_PER_BYTE = 0.13  # the 4-bit GEMV's time per byte of codes and row, for the split
+# history: docs/performance.md#nbits_gemv_rows-nbits_gemv_ns_per_byte-opsmicrosoftlowbitpy
 
 # ---------------------------------------------------------------- ops/rnn.py: recurrences
 
@@ -192,6 +203,8 @@ QLINEAR_COMPILED_MIN = 1 << 14  # values below which numpy's passes are as fast 
 QLINEAR_CHUNK = 1 << 14  # values of R a compiled row holds: a flat tensor still splits
 QLINEAR_ADD_NS = 1.2  # QLinearAdd's compiled time per value (two emulated fma)
 # history: docs/performance.md#the-quantised-element-wise-loops-opscpuqlinearpy
+QLINEAR_ADD_COMPILED_MIN = 1 << 11  # QLinearAdd's: numpy's emulated fma take ~11 ns a value
+# history: docs/performance.md#the-quantised-element-wise-loops-opscpuqlinearpy
 QLINEAR_ADD_TABLE_MIN = 1 << 16  # from here a table of all code pairs: it costs as much once
 # history: docs/performance.md#the-quantised-element-wise-loops-opscpuqlinearpy
 PAIR_LOOKUP_NS = 0.3  # QLinearAdd's look-up in that table, per value
@@ -201,3 +214,7 @@ DEQUANTIZE_NS = 0.06  # a compiled DequantizeLinear's time per value
 LOOKUP_NS = 0.3  # QLinearSigmoid / LeakyRelu's table lookup, per value
 QLINEAR_POOL_NS = 0.05  # QLinearGlobalAveragePool's integer sum, per value
 # history: docs/performance.md#the-quantised-element-wise-loops-opscpuqlinearpy
+INT_DEPTHWISE_NS = 0.1  # the 8-bit depthwise loop's time per tap of a channel, for split_rows
+# history: docs/performance.md#int_mac_ns-int_pack_ns-int_min_macs-opscpuintegerpy
+INT_DEPTHWISE_PLANE_WIDTH = 16  # output rows this wide at stride 1 vectorise along the row
+# history: docs/performance.md#int_mac_ns-int_pack_ns-int_min_macs-opscpuintegerpy

@@ -29,16 +29,28 @@ by the same constant weights once per token): one entry, keyed by the identity o
 inputs and made only for constant ones (initialisers, which plans freeze read-only); threads
 sharing the instance wait for the one that makes it. It costs 4 bytes per weight (float32, what
 the matmul needs); the dequantisation itself runs in row chunks, so its temporaries stay small.
+
+On the CPU engine, 4-bit constant weights in float32 arithmetic (not accuracy_level 4, no g_idx)
+take two routes, chosen per call by A's rows (`lower` names them): up to NBITS_GEMV_ROWS rows
+(ops/cpu/tuning.py: a decoder step) a compiled GEMV that reads the packed codes themselves
+(ops/cpu/lowbit.py), split by columns among the run's threads, which keeps no float32 copy of
+the weight: only the zero points unpacked to float32 (4 bytes a block), the scales too where
+they are not float32 already, and for blocks of 16 codes in odd number a copy of B padded to
+whole chunks; more rows (a prefill) multiply the float32 copy above with BLAS, cut on the
+pool's board during runs, made at the first such call. Each route gives the same bits on any
+thread count.
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import ml_dtypes
 import numpy as np
 
 from ember.ops import _xp
-from ember.ops.registry import OpImpl, register
+from ember.ops.cpu import blas as _blas, lowbit as _lowbit, tuning
+from ember.ops.registry import PORTABLE, Lowering, OpImpl, register
 
 # Elements per chunk of host-side dequantisation / int8 block products, bounding temporaries.
 _CHUNK_ELEMENTS = 1 << 22
@@ -115,6 +127,28 @@ class MatMulNBits(OpImpl):
         self.a_block = min(self.block, 256)
         self._lock = threading.Lock()
         self._cached = None  # (B, scales, zero_points, g_idx, dequantised weight)
+        self._gemv_cached = None  # (B, scales, zero_points, (codes, scales, zero points))
+
+    # -- plan ---------------------------------------------------------------------------------
+
+    def _gemv_kind(self) -> bool:
+        """Whether the compiled 4-bit GEMV can compute this node's products: 4 bits, float32
+        arithmetic (accuracy_level 4 quantises A, which it does not), numba serving."""
+        return self.nbits == 4 and not self.int8 and _lowbit.serves()
+
+    def _gemv_kernel(self):
+        """The compiled 4-bit GEMV for this node, or None where it cannot serve."""
+        return _lowbit.kernel() if self.nbits == 4 and not self.int8 else None
+
+    def lower(self, inputs):
+        a, b = inputs[0], inputs[1]
+        g_idx = inputs[4] if len(inputs) > 4 else None
+        if not self._gemv_kind() or b is None or b.value is None or g_idx is not None:
+            return PORTABLE
+        if a is None or not a.static() or a.ndim < 1:
+            return _NBITS_BY_ROWS
+        rows = math.prod(a.shape[:-1])
+        return _NBITS_GEMV if rows <= tuning.NBITS_GEMV_ROWS else _NBITS_BLAS
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -207,6 +241,48 @@ class MatMulNBits(OpImpl):
             self._cached = (b, scales, zero_points, g_idx, weight)
             return weight
 
+    def _gemv_weights(self, b, scales, zero_points):
+        """The 4-bit GEMV's operands, kept while the inputs are the same constants: B's rows
+        as whole chunks (a view, or a padded copy for odd 16-code blocks), and float32 (N,
+        k_blocks) scales and zero points (2^(bits-1) where absent)."""
+        entry = self._gemv_cached
+        if entry is not None and entry[0] is b and entry[1] is scales \
+                and entry[2] is zero_points:
+            return entry[3]
+        with self._lock:  # one thread prepares them; the others wait for its result
+            entry = self._gemv_cached
+            if entry is not None and entry[0] is b and entry[1] is scales \
+                    and entry[2] is zero_points:
+                return entry[3]
+            self._check_weights(b, scales, zero_points, None)
+            sc, zp = self._block_params(np, scales, zero_points)
+            if zp is None:
+                zp = np.full(sc.shape, 1 << (self.nbits - 1), np.float32)
+            prepared = (_lowbit.chunked_codes(b), np.ascontiguousarray(sc, np.float32),
+                        np.ascontiguousarray(zp, np.float32))
+            self._gemv_cached = (b, scales, zero_points, prepared)
+            return prepared
+
+    def _compiled_product(self, a2, b, scales, zero_points, g_idx, bias):
+        """a2 @ W.T (+ bias) on the CPU engine where it serves, else None: few rows by the
+        compiled 4-bit GEMV, more rows by BLAS on the dequantised copy (cut on the pool's
+        board during runs). Records the kernel the call took, for `sess.kernels`."""
+        compiled = self._gemv_kernel() if self.xp is np and g_idx is None else None
+        if compiled is None or not (_is_constant(np, b) and _is_constant(np, scales) and (
+                zero_points is None or _is_constant(np, zero_points))):
+            self._chosen = PORTABLE
+            return None
+        if a2.shape[0] > tuning.NBITS_GEMV_ROWS:
+            self._chosen = _NBITS_BLAS
+            y = _blas.matmul(a2, self._weight(np, b, scales, zero_points, None).T)
+            if bias is not None:
+                y += _float32(bias)
+            return y
+        self._chosen = _NBITS_GEMV
+        codes, sc, zp = self._gemv_weights(b, scales, zero_points)
+        return _lowbit.gemv(compiled, np.ascontiguousarray(a2), codes, sc, zp, self.block,
+                            None if bias is None else np.ascontiguousarray(_float32(bias)))
+
     # -- products -----------------------------------------------------------------------------
 
     def _int8_activations(self, xp, a):
@@ -241,6 +317,8 @@ class MatMulNBits(OpImpl):
         if b.size == 0 or a2.shape[0] == 0:
             # an omitted projection (a zero-sized B): zeros, or the broadcast bias
             y = xp.zeros((a2.shape[0], self.n), dtype=np.float32)
+        elif (y := self._compiled_product(a2, b, scales, zero_points, g_idx, bias)) is not None:
+            return y.reshape(lead + (self.n,)).astype(out_dtype, copy=False)
         else:
             if self.int8 and g_idx is None and _is_constant(xp, b) and \
                     (zero_points is None or zero_points.dtype == np.uint8):
@@ -249,6 +327,14 @@ class MatMulNBits(OpImpl):
         if bias is not None:
             y += _float32(bias)
         return y.reshape(lead + (self.n,)).astype(out_dtype, copy=False)
+
+
+_NBITS_GEMV = Lowering("cpu.nbits-gemv", "few rows by constant 4-bit weights: a compiled GEMV "
+                      "reading the packed codes, split by columns among the threads")
+_NBITS_BLAS = Lowering("cpu.board-gemm", "many rows: BLAS on the weight dequantised once to "
+                       "float32, cut in pieces on the pool's board")
+_NBITS_BY_ROWS = Lowering("by geometry", "the compiled 4-bit GEMV for few rows, else BLAS on "
+                          "the dequantised weight: the rows are known in the run")
 
 
 # --------------------------------------------------------------------------------------------

@@ -133,11 +133,11 @@ def _compiled_lowering(x, types_ok: bool, size_ok=None) -> Lowering:
     return _COMPILED if size_ok(x.shape) else PORTABLE
 
 
-def _compiled_serves(op, size: int, ok=True) -> bool:
+def _compiled_serves(op, size: int, ok=True, minimum: int | None = None) -> bool:
     """Run time: whether a compiled loop serves `op`'s call over `size` values (numpy arrays,
-    numba serving, large enough, and `ok`: its own conditions, a bool or a function asked
-    last, on numpy arrays only); kept as what the run chose."""
-    serves = op.xp is np and _qlinear.serves(size) and (ok() if callable(ok) else ok)
+    numba serving, at least `minimum`, and `ok`: its own conditions, a bool or a function
+    asked last, on numpy arrays only); kept as what the run chose."""
+    serves = op.xp is np and _qlinear.serves(size, minimum) and (ok() if callable(ok) else ok)
     op._chosen = _COMPILED if serves else PORTABLE
     return serves
 
@@ -240,12 +240,18 @@ class MsDequantizeLinear(_MsLinearQuant):
 
 
 class _QLinearBinary(_QOp):
+    threshold = "QLINEAR_COMPILED_MIN"   # the tuning value from which the compiled loop runs
+
+    @property
+    def compiled_min(self) -> int:
+        return getattr(tuning, self.threshold)
     def lower(self, inputs):
         a, b = inputs[0], inputs[3]
         types_ok = a is not None and b is not None and a.dtype in _INT8 and b.dtype == a.dtype
         if types_ok and not b.static():
             return _BY_SIZE
-        return _compiled_lowering(a, types_ok, lambda shape: _blocks(shape, b.shape) is not None)
+        return _compiled_lowering(a, types_ok, lambda shape: _blocks(
+            shape, b.shape, self.compiled_min) is not None)
 
     def _parameters(self, a, b, a_scale, a_zero_point, b_scale, b_zero_point, c_scale,
                     c_zero_point):
@@ -270,6 +276,9 @@ class QLinearAdd(_QLinearBinary):
     is one value along the innermost axis, the kernel is called with A and B swapped. The sum
     in another order moves about one value in 2e5 near a half to the neighbouring code."""
 
+    # numpy's emulated fused multiply-adds take many passes: the loop pays from fewer values
+    threshold = "QLINEAR_ADD_COMPILED_MIN"
+
     def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale,
             c_zero_point=None):
         xp = self.xp
@@ -280,8 +289,9 @@ class QLinearAdd(_QLinearBinary):
         if _innermost_scalar(a, b):  # the kernel is called with the operands swapped
             a, b, ra, rb, za, zb = b, a, rb, ra, zb, za
         fixed = zc - _fma32(xp, ra, za, rb * zb)
-        plan = _blocks(a.shape, b.shape)
-        if _compiled_serves(self, _size(plan), lambda: np.isfinite([ra, rb, fixed]).all()):
+        plan = _blocks(a.shape, b.shape, self.compiled_min)
+        if _compiled_serves(self, _size(plan), lambda: np.isfinite([ra, rb, fixed]).all(),
+                            self.compiled_min):
             table = self.pair_table(ra, rb, fixed, a.dtype) \
                 if _size(plan) >= tuning.QLINEAR_ADD_TABLE_MIN else None
             return _qlinear.add(a, b, ra, rb, fixed, *_int_range(a.dtype), plan, table) \
@@ -301,11 +311,11 @@ class QLinearAdd(_QLinearBinary):
         return kept[1]
 
 
-def _blocks(a_shape, b_shape):
+def _blocks(a_shape, b_shape, minimum: int):
     """The compiled loops' (P, Q, R) blocks of A and B broadcast (qlinear.broadcast_blocks),
-    where those serve and the result is large enough; else None."""
+    where those serve and the result has at least `minimum` values; else None."""
     plan = _qlinear.broadcast_blocks(a_shape, b_shape)
-    return plan if plan is not None and _size(plan) >= tuning.QLINEAR_COMPILED_MIN else None
+    return plan if plan is not None and _size(plan) >= minimum else None
 
 
 def _size(plan) -> int:
@@ -327,10 +337,11 @@ class QLinearMul(_QLinearBinary):
             c_zero_point=None):
         sa, sb, sc, za, zb, zc = self._parameters(a, b, a_scale, a_zero_point, b_scale,
                                                   b_zero_point, c_scale, c_zero_point)
-        plan = _blocks(a.shape, b.shape)
+        plan = _blocks(a.shape, b.shape, self.compiled_min)
         with np.errstate(all="ignore"):
             multiplier = sa * sb / sc
-        if _compiled_serves(self, _size(plan), lambda: np.isfinite(multiplier)):
+        if _compiled_serves(self, _size(plan), lambda: np.isfinite(multiplier),
+                            self.compiled_min):
             return _qlinear.mul(a, b, za, zb, zc, multiplier, *_int_range(a.dtype), plan) \
                 .reshape(np.broadcast_shapes(a.shape, b.shape))
         product = (a.astype(np.int32) - za) * (b.astype(np.int32) - zb)

@@ -1371,9 +1371,10 @@ def test_conv_matches_onnxruntime_as_tiles_and_on_numpy(tiles, case, activation,
 
 def test_tiles_run_the_convolutions_they_fit(monkeypatch):
     """The tiles do run where `_tiled_fits` says (a spy on their entry, _tiles.run): every
-    window but 1x1, and the 1x1 convolutions of one image with 512-2048 input channels and a
-    large product (ResNet-50's); BLAS keeps the other 1x1 ones. The rule is AVX-512's here
-    (the tiles themselves are this CPU's); AVX2's is below."""
+    window but 1x1 with at least TILES_MIN_OUTPUTS output channels, the 1x1 convolutions of
+    one image with 512-2048 input channels and a large product (ResNet-50's), and in runs the
+    strided 1x1 ones (`_strided_pointwise_fits`); BLAS keeps the other 1x1 ones. The rule is AVX-512's here (the tiles themselves are this
+    CPU's); AVX2's is below."""
     _tiles_or_skip()
     monkeypatch.setattr(_tiles, "WIDE", True)
     calls = []
@@ -1383,7 +1384,10 @@ def test_tiles_run_the_convolutions_they_fit(monkeypatch):
         proto, feeds = _conv_model(case, "relu", False)
         calls.clear()
         ember.load(proto).run(feeds)
-        assert bool(calls) == (case[4] != [1, 1] or case[:4] in POINTWISE_AS_TILES), case
+        strided_pointwise = case[4] == [1, 1] and case[5] != [1, 1] and not any(case[7])
+        window = case[4] != [1, 1] and case[3] >= tuning.TILES_MIN_OUTPUTS
+        assert bool(calls) == (window or case[:4] in POINTWISE_AS_TILES
+                               or strided_pointwise), case
     for x_shape, fits in [((1, 512, 28, 28), True),                         # 103M multiply-adds
                           ((2, 512, 28, 28), False),                        # a batch: BLAS
                           ((1, 512, 7, 7), False),                          # 6.4M: BLAS

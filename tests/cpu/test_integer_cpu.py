@@ -197,3 +197,23 @@ def test_shared_session_threads_same_bits():
         t.join()
     for got, want in zip(results, sequential):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("adt", [np.uint8, np.int8])
+@pytest.mark.parametrize("stride,dilation,pad,k", [(1, 1, 1, 3), (2, 1, 1, 3), (3, 2, 2, 3),
+                                                   (2, 1, 2, 5), (1, 2, 0, 3)])
+def test_depthwise_by_planes_against_onnxruntime(adt, stride, dilation, pad, k):
+    """Wide rows: the plane-by-plane depthwise loop (its stride phases), not the
+    channels-last one the short rows above take."""
+    rng = np.random.default_rng(6)
+    C, f32 = 8, np.float32
+    w = _ints(rng, np.int8, (C, 1, k, k), bits=7)
+    inputs = [("x", _ints(rng, adt, (2, C, 41, 77)), False), ("xs", f32(0.02), True),
+              ("xz", _ints(rng, adt, ()), True), ("w", w, True),
+              ("ws", rng.uniform(0.001, 0.01, C).astype(f32), True),
+              ("wz", np.zeros(C, np.int8), True), ("ys", f32(0.05), True),
+              ("yz", _ints(rng, adt, ()), True),
+              ("B", rng.integers(-500, 500, C).astype(np.int32), True)]
+    model, feeds = _model("QLinearConv", inputs, adt, group=C, strides=[stride] * 2,
+                          dilations=[dilation] * 2, pads=[pad] * 4)
+    _check(model, feeds)

@@ -44,6 +44,12 @@ class Const:
         self.value = np.asarray(value)
 
 
+def set_thresholds(monkeypatch, least):
+    """The compiled loops' thresholds (QLinearAdd's own too) all at `least`."""
+    for name in ("QLINEAR_COMPILED_MIN", "QLINEAR_ADD_COMPILED_MIN"):
+        monkeypatch.setattr(tuning, name, least)
+
+
 def node_model(op, inputs, out_types, domain=MS, opset=21, **attrs):
     """(model, feeds) of one node; inputs are (name, array or Const), out_types the outputs'
     dtypes."""
@@ -72,7 +78,7 @@ def compiled_and_numpy(monkeypatch, model, feeds):
     session = ember.load(model, "cpu")
     results = []
     for least, kernel in ((1, "cpu.compiled"), (NUMPY, "numpy")):
-        monkeypatch.setattr(tuning, "QLINEAR_COMPILED_MIN", least)
+        set_thresholds(monkeypatch, least)
         results.append(session.run(feeds))
         assert [k for _, _, k, _ in session.kernels] == [kernel], session.kernels
     return results
@@ -94,7 +100,7 @@ def bits(x):
 def against_onnxruntime(monkeypatch, model, feeds, steps=0):
     """The compiled loop's outputs against onnxruntime's: integers within `steps` codes, 97%
     of them equal; floats equal."""
-    monkeypatch.setattr(tuning, "QLINEAR_COMPILED_MIN", 1)
+    set_thresholds(monkeypatch, 1)
     session = ember.load(model, "cpu")
     got = session.run(feeds)
     assert [k for _, _, k, _ in session.kernels] == ["cpu.compiled"], session.kernels
@@ -219,7 +225,7 @@ def test_binary_same_bits_as_numpy(monkeypatch, op, dtype, shapes):
         session = ember.load(model, "cpu")
         plan = qlinear.broadcast_blocks(a.shape, b.shape)
         if plan is None:   # more than three runs: numpy whatever the threshold
-            monkeypatch.setattr(tuning, "QLINEAR_COMPILED_MIN", 1)
+            set_thresholds(monkeypatch, 1)
             session.run(feeds)
             assert [k for _, _, k, _ in session.kernels] == ["numpy"]
             continue
@@ -249,11 +255,11 @@ def test_binary_scales_as_feeds_and_unfinite_ratios(monkeypatch):
         feeds["sc"] = f32(sc)
         results = []
         for least in (1, NUMPY):
-            monkeypatch.setattr(tuning, "QLINEAR_COMPILED_MIN", least)
+            set_thresholds(monkeypatch, least)
             results.append(session.run(feeds)["y0"])
         np.testing.assert_array_equal(*results)
     feeds["sc"] = f32(0)
-    monkeypatch.setattr(tuning, "QLINEAR_COMPILED_MIN", 1)
+    set_thresholds(monkeypatch, 1)
     session = ember.load(model, "cpu")
     session.run(feeds)
     assert [k for _, _, k, _ in session.kernels] == ["numpy"]
@@ -368,7 +374,7 @@ def compiled_and_numpy_any(monkeypatch, model, feeds, compiled_route):
     session = ember.load(model, "cpu")
     results = []
     for least in (1, NUMPY):
-        monkeypatch.setattr(tuning, "QLINEAR_COMPILED_MIN", least)
+        set_thresholds(monkeypatch, least)
         results.append(session.run(feeds))
         assert [k for _, _, k, _ in session.kernels] == ["numpy"]
     return results

@@ -320,40 +320,50 @@ def _tree_lowering(forest: "_Forest", dtype: np.dtype | None) -> Lowering:
     return Lowering("numpy", "the trees walked a level at a time for all rows at once")
 
 
+@_compiled.kernel_math
+def _leaf(x, r, cur, feature, threshold, mode, true_step, false_step, missing_true,
+          is_leaf):  # pragma: no cover - compiled
+    """The leaf row r of x reaches from node `cur`: the comparison of each node's mode (a NaN
+    takes the true branch where the node says so, as it does in `_Forest.leaves`); -1 where
+    the walk outlasts the node count (a cyclic tree)."""
+    steps = 0
+    while not is_leaf[cur]:
+        v = x[r, feature[cur]]
+        th = threshold[cur]
+        m = mode[cur]
+        if m == 0:
+            cond = v <= th
+        elif m == 1:
+            cond = v < th
+        elif m == 2:
+            cond = v >= th
+        elif m == 3:
+            cond = v > th
+        elif m == 4:
+            cond = v == th
+        else:
+            cond = v != th
+        if v != v and missing_true[cur]:
+            cond = True
+        cur = true_step[cur] if cond else false_step[cur]
+        steps += 1
+        if steps > mode.shape[0]:
+            return -1
+    return cur
+
+
 def _walk_trees(x, feature, threshold, mode, true_step, false_step, missing_true, is_leaf,
                 roots, out, cyclic, row0, row1):  # pragma: no cover - compiled
-    """out[r, t] = the leaf row r reaches in tree t, for rows [row0, row1): the comparison
-    of each node's mode (a NaN takes the true branch where the node says so, as it does in
-    `_Forest.leaves`); cyclic[0] = 1 where a walk outlasts the node count."""
-    nodes = mode.shape[0]
+    """out[r, t] = the leaf row r reaches in tree t (`_leaf`), for rows [row0, row1);
+    cyclic[0] = 1 where a walk outlasts the node count."""
     for r in range(row0, row1):
         for t in range(roots.shape[0]):
-            cur = roots[t]
-            steps = 0
-            while not is_leaf[cur]:
-                v = x[r, feature[cur]]
-                th = threshold[cur]
-                m = mode[cur]
-                if m == 0:
-                    cond = v <= th
-                elif m == 1:
-                    cond = v < th
-                elif m == 2:
-                    cond = v >= th
-                elif m == 3:
-                    cond = v > th
-                elif m == 4:
-                    cond = v == th
-                else:
-                    cond = v != th
-                if v != v and missing_true[cur]:
-                    cond = True
-                cur = true_step[cur] if cond else false_step[cur]
-                steps += 1
-                if steps > nodes:
-                    cyclic[0] = 1
-                    break
-            out[r, t] = cur
+            leaf = _leaf(x, r, roots[t], feature, threshold, mode, true_step, false_step,
+                         missing_true, is_leaf)
+            if leaf < 0:
+                cyclic[0] = 1
+                return
+            out[r, t] = leaf
 
 
 def _walk_and_sum(x, feature, threshold, mode, true_step, false_step, missing_true, is_leaf,
@@ -362,35 +372,14 @@ def _walk_and_sum(x, feature, threshold, mode, true_step, false_step, missing_tr
     """out[r] += each leaf's weights, for the leaf row r reaches in each tree in turn, rows
     [row0, row1) (out zeroed, in the weights' dtype): `_walk_trees` and the SUM of
     `_Forest.scores` in one loop, the same additions in the same order (tree by tree)."""
-    nodes = mode.shape[0]
     for r in range(row0, row1):
         for t in range(roots.shape[0]):
-            cur = roots[t]
-            steps = 0
-            while not is_leaf[cur]:
-                v = x[r, feature[cur]]
-                th = threshold[cur]
-                m = mode[cur]
-                if m == 0:
-                    cond = v <= th
-                elif m == 1:
-                    cond = v < th
-                elif m == 2:
-                    cond = v >= th
-                elif m == 3:
-                    cond = v > th
-                elif m == 4:
-                    cond = v == th
-                else:
-                    cond = v != th
-                if v != v and missing_true[cur]:
-                    cond = True
-                cur = true_step[cur] if cond else false_step[cur]
-                steps += 1
-                if steps > nodes:
-                    cyclic[0] = 1
-                    return
-            for k in range(c_start[cur], c_start[cur] + c_count[cur]):
+            leaf = _leaf(x, r, roots[t], feature, threshold, mode, true_step, false_step,
+                         missing_true, is_leaf)
+            if leaf < 0:
+                cyclic[0] = 1
+                return
+            for k in range(c_start[leaf], c_start[leaf] + c_count[leaf]):
                 out[r, c_target[k]] += c_weight[k]
 
 

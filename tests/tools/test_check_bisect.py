@@ -31,6 +31,15 @@ ort = pytest.importorskip("onnxruntime")
 float16 = pytest.importorskip("onnxconverter_common.float16")
 onnx = pytest.importorskip("onnx")
 
+@pytest.fixture(scope="module", autouse=True)
+def literal_float16():
+    """The graph computed as written, in float16: these tests bisect its float16 roundings,
+    which compute_float16_in_float32 (the CPU's default) would replace by float32 ones."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EMBER_WIDEN_HALF", "0")
+        yield
+
+
 LAYERNORM = "/norm1/Div"  # the fused LayerNormalization keeps the name of the Div it ends in
 CONV = "/patch/Conv"
 TIGHT = {"atol": 0.0, "rtol": 1e-4}  # every ulp-level difference counts as a divergence

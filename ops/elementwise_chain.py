@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 import sys
 import threading
@@ -35,11 +36,11 @@ import numpy as np
 from ember import config
 from ember.ops import activations as _act, elementwise as _elementwise
 from ember.ops._lowering import compiled_rows
-from ember.ops.cpu import compiled as _compiled
+from ember.ops.cpu import compiled as _compiled, tuning
 from ember.ops.cpu.compiled import exp_float32, tanh_float32
 from ember.ops.elementwise import _ERF32_P, _ERF32_Q, erf
 from ember.ops.fused import DOMAIN
-from ember.ops.registry import PORTABLE, OpImpl, register
+from ember.ops.registry import PORTABLE, Lowering, OpImpl, register
 
 OP_TYPE = "ElementwiseChain"
 
@@ -269,6 +270,17 @@ def kernel_source(ops: tuple[str, ...], args: tuple[int, ...], modes: tuple[str,
     return "\n".join(lines) + "\n"
 
 
+_SMALL = Lowering("numpy", "small tensors: numpy's operations one by one cost less than "
+                  "the compiled loop's call")
+
+
+def _small(inputs) -> bool:
+    """Whether every input is below CHAIN_COMPILED_MIN values (a decoding step's vectors),
+    where the compiled loop's fixed cost a call is more than numpy's passes."""
+    least = tuning.CHAIN_COMPILED_MIN
+    return all(getattr(x, "size", 1) < least for x in inputs)
+
+
 class ChainKernels:
     """Compiled loops by (program, read modes): one compilation serves every node of the same
     program (a YOLO's 58 SiLUs share one), so the op class holds one of these for the process,
@@ -452,7 +464,9 @@ class ElementwiseChain(OpImpl):
         self._layouts: dict[tuple, Layout | None] = {}  # by the inputs' shapes
 
     def run(self, *inputs):
-        if self.xp is np:
+        small = _small(inputs)
+        self._chosen = _SMALL if small else None   # what this run took, for sess.kernels
+        if self.xp is np and not small:
             y = self._compiled(inputs)
             if y is not None:
                 return y
@@ -511,6 +525,9 @@ class ElementwiseChain(OpImpl):
                                  "among the threads")
         if lowering is PORTABLE:
             return lowering
+        if all(s is not None and s.static() for s in inputs) and all(
+                math.prod(s.shape) < tuning.CHAIN_COMPILED_MIN for s in inputs):
+            return _SMALL
         kinds = [None if s is None else kind_of(s.dtype) for s in inputs]
         if all(s is not None and s.dtype is not None for s in inputs) and \
                 (None in kinds or result_kinds(self.steps, self.slots, kinds) is None):

@@ -218,3 +218,8 @@ INT_DEPTHWISE_NS = 0.1  # the 8-bit depthwise loop's time per tap of a channel, 
 # history: docs/performance.md#int_mac_ns-int_pack_ns-int_min_macs-opscpuintegerpy
 INT_DEPTHWISE_PLANE_WIDTH = 16  # output rows this wide at stride 1 vectorise along the row
 # history: docs/performance.md#int_mac_ns-int_pack_ns-int_min_macs-opscpuintegerpy
+
+# ---------------------------------------------------------------- ops/elementwise_chain.py
+
+CHAIN_COMPILED_MIN = 1 << 12  # inputs all below this many values: numpy's ops, not the loop
+# history: docs/performance.md#chain_compiled_min-opselementwise_chainpy

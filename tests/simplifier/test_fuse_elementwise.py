@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 import ember
 from ember.importer import import_model
 from ember.ir import Node
+from ember.ops.cpu import tuning
 from ember.ops.elementwise_chain import OP_TYPE, layout
 from ember.ops.registry import bind, lookup
 from ember.simplifier import simplify
@@ -20,6 +21,14 @@ from ember.simplifier import simplify
 ort = pytest.importorskip("onnxruntime")
 F, B, I64 = TensorProto.FLOAT, TensorProto.BOOL, TensorProto.INT64
 RNG = np.random.default_rng(7)
+DEFAULT_MIN = tuning.CHAIN_COMPILED_MIN
+
+
+@pytest.fixture(autouse=True)
+def compiled_at_any_size(monkeypatch):
+    """The compiled loop for tensors of every size: these tests check it on small ones,
+    which by default run numpy's operations (test_small_tensors_run_numpys_operations)."""
+    monkeypatch.setattr(tuning, "CHAIN_COMPILED_MIN", 0)
 
 
 @pytest.fixture(autouse=True)
@@ -320,3 +329,19 @@ def test_a_channels_last_input_gives_a_channels_last_result():
     got, want = kernel.run(x, b), kernel.portable([x, b])
     assert got.strides == want.strides and not got.flags.c_contiguous
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_small_tensors_run_numpys_operations(monkeypatch):
+    """Below CHAIN_COMPILED_MIN values an input (a decoding step's vectors) the chain runs
+    numpy's operations one by one, chosen at plan time for static shapes; above, the loop."""
+    monkeypatch.setattr(tuning, "CHAIN_COMPILED_MIN", DEFAULT_MIN)
+    for shape, kernel in (((4, 8), "numpy"), ((64, 256), "cpu.compiled")):
+        proto = _silu_session(shape)
+        session = ember.load(proto)
+        if kernel == "cpu.compiled" and session.kernels[0][2] == "numpy":
+            pytest.skip("numba is not installed: numpy's operations serve every size")
+        assert [k[2] for k in session.kernels] == [kernel]
+        x = RNG.standard_normal(shape).astype(np.float32)
+        got = session.run({"x": x})["y"]
+        np.testing.assert_allclose(got, x / (1 + np.exp(-x)), rtol=1e-6, atol=1e-7)
+        assert [k[2] for k in session.kernels] == [kernel]

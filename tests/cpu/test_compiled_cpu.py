@@ -38,6 +38,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ember
+from board import pieces_on_the_board_give_one_threads_bits
 from ember.ops import (_epilogue, _layout, activations, conv, fused, linalg, normalization, pool,
                        reduction, rnn)
 from ember.ops.cpu import compiled as _compiled, tiles as _tiles, tuning
@@ -1671,32 +1672,13 @@ def test_split_kernels_run_their_pieces_on_the_board(case, monkeypatch):
     tiles) put their pieces on the products' board, where the helpers take them without
     Python: one thread's bits, and some pieces taken by a helper."""
     pytest.importorskip("numba")
-    from ember.ops.cpu import blas as _blas
-    if not _blas.enabled():
-        pytest.skip("no board here (products stay with np.matmul)")
     if case == "tiles":
         _tiles_or_skip()
     if case == "depthwise-vector":
         if _tiles.depthwise_kernel(conv._depthwise_vector_rows) is None:
             pytest.skip("no AVX-512 or AVX2 here: the vector kernel is off")
         monkeypatch.setattr(_tiles, "WIDE", True)  # AVX2 keeps the numba loops: run it anyway
-    compute = _split_kernel_cases()[case]()
-    taken = []
-    run_pieces = _blas.run_pieces
-    monkeypatch.setattr(_blas, "run_pieces", lambda piece, block, bounds: (
-        taken.append((n := run_pieces(piece, block, bounds), len(bounds) - 1)), n)[1])
-    engine.current().enter(2)
-    try:
-        monkeypatch.setattr(tuning, "MIN_PIECE_NS", 10 ** 12)   # one thread
-        want = compute()
-        assert not taken
-        monkeypatch.setattr(tuning, "MIN_PIECE_NS", 1)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any(n < of for n, of in taken):
-            np.testing.assert_array_equal(compute(), want)
-    finally:
-        engine.current().leave()
-    assert taken and any(n < of for n, of in taken)
+    pieces_on_the_board_give_one_threads_bits(_split_kernel_cases()[case](), monkeypatch)
 
 
 @pytest.mark.parametrize("in_run", [False, True])

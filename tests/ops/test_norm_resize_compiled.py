@@ -8,7 +8,6 @@ and the same bits however the rows are split, on the board, or from threads shar
 session."""
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ember
+from board import pieces_on_the_board_give_one_threads_bits
 from ember.ops import image, normalization
 from ember.ops.cpu import engine, tuning
 
@@ -370,26 +370,7 @@ def _board_cases():
 def test_split_kernels_run_their_pieces_on_the_board(case, monkeypatch):
     """Each kernel's piece function rebuilds its arguments right: one thread's bits, with some
     pieces taken by a helper."""
-    from ember.ops.cpu import blas as _blas
-    if not _blas.enabled():
-        pytest.skip("no board here (products stay with np.matmul)")
-    compute = _board_cases()[case]
-    taken = []
-    run_pieces = _blas.run_pieces
-    monkeypatch.setattr(_blas, "run_pieces", lambda piece, block, bounds: (
-        taken.append((n := run_pieces(piece, block, bounds), len(bounds) - 1)), n)[1])
-    engine.current().enter(2)
-    try:
-        monkeypatch.setattr(tuning, "MIN_PIECE_NS", 10 ** 12)   # one thread
-        want = compute()
-        assert not taken
-        monkeypatch.setattr(tuning, "MIN_PIECE_NS", 1)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any(n < of for n, of in taken):
-            np.testing.assert_array_equal(compute(), want)
-    finally:
-        engine.current().leave()
-    assert taken and any(n < of for n, of in taken)
+    pieces_on_the_board_give_one_threads_bits(_board_cases()[case], monkeypatch)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from ember.ops._lowering import numba_serves
-from ember.ops.cpu import integer as _integer, tuning
+from ember.ops.cpu import compiled as _compiled, integer as _integer, integer_tiles as _integer_tiles, tuning
 from ember.ops.registry import PORTABLE, Lowering
 
 BYTES = (np.dtype(np.int8), np.dtype(np.uint8))
@@ -90,15 +90,29 @@ def kept(op, name: str, key: tuple, make, zero=None, where=None):
     return value
 
 
-def packed_weights(op, b, zb) -> _integer.Weights:
-    """The columns of a 2-D `b` packed as the integer product's weight rows, with their
-    zero points; kept per constant. A transposed view (QGemm's transB) is keyed by the array
-    it views, as each run makes a new view."""
+def _pixel_product(op, rows, za: int, b, zb, out) -> None:
+    """out (M, N) = (rows - za) @ (b - zb) as a 1x1 convolution of M pixels of K channels on
+    the pixel tiles (ops/cpu/integer_tiles.py), b's columns its filters, packed once per
+    constant: the rows are read where they lie (uint8, K a multiple of 4), with no blocks of
+    columns to pad, so that one row costs a row's work."""
+    (M, K), N = rows.shape, b.shape[1]
     origin = b if b.base is None else b.base
-    zero = columns(zb, b.shape[1])
-    return kept(op, "matmul", (origin,), lambda: _integer.Weights(np.ascontiguousarray(b.T),
-                                                                  zero),
-                zero, (b.__array_interface__["data"][0], b.shape, b.strides))
+    zero = columns(zb, N)
+    weights = kept(op, "matmul", (origin,), lambda: _integer_tiles.ConvWeights(
+        np.ascontiguousarray(b.T).reshape(N, K, 1, 1), zero), zero,
+        (b.__array_interface__["data"][0], b.shape, b.strides))
+    image = rows.reshape(1, 1, M, K).transpose(0, 3, 1, 2)
+    # the plan of the last call, for the next of the same rows (a model's run after run);
+    # one tuple, replaced whole: threads sharing the node read the old or the new
+    signature = (M, rows.dtype, _compiled.run_threads())
+    last = op.__dict__.get("_pixel_plan")
+    if last is None or last[0] != signature or last[1] is not weights:
+        last = op._pixel_plan = (signature, weights,
+                                 _integer_tiles.Plan(weights, image, _POINTWISE, (1, M)))
+    last[2].run(image, za, out.reshape(1, 1, M, N))
+
+
+_POINTWISE = ((1, 1), (1, 1), (1, 1), (0, 0), (0, 0))   # a 1x1 convolution's geometry
 
 
 def product(op, a, za, b, zb):
@@ -113,8 +127,8 @@ def product(op, a, za, b, zb):
         K, N = b.shape
         M = math.prod(a.shape[:-1])
         out = np.empty(a.shape[:-1] + (N,), np.int32)
-        _integer.matmul(np.ascontiguousarray(a).reshape(M, K), scalar(za),
-                        packed_weights(op, b, zb), out.reshape(M, N))
+        _pixel_product(op, np.ascontiguousarray(a).reshape(M, K), scalar(za), b, zb,
+                       out.reshape(M, N))
         return out
     wa = a.astype(np.float64)
     if za is not None:

@@ -1,6 +1,8 @@
 """Memory layouts of images that the CPU kernels hand each other."""
 from __future__ import annotations
 
+import numpy as np
+
 
 def channels_last(x) -> bool:
     """Whether x (N, C, *spatial) is a view of C-contiguous (N, *spatial, C) memory (and not
@@ -16,3 +18,24 @@ def pixel_rows(x):
         return None
     rows = x.transpose(0, *range(2, x.ndim), 1)
     return rows.reshape(-1, x.shape[1]) if rows.flags.c_contiguous else None
+
+
+def in_memory_order(inputs: tuple) -> tuple[list, tuple[int, ...] | None]:
+    """The inputs with their axes in the memory order of the first one of the result's shape
+    (a channels-last image between convolutions: its (N, H, W, C) view), and the transpose
+    that takes a result computed in that order back to the inputs' axes (None: no change).
+    The result then has that input's layout, as numpy's ufuncs give it, and no input of that
+    layout is copied to C order for the loop."""
+    try:
+        shape = np.broadcast_shapes(*(x.shape for x in inputs))
+    except ValueError:   # not broadcastable: the portable kernel raises numpy's error
+        return list(inputs), None
+    first = next((x for x in inputs if x.shape == shape), None)
+    if first is None or first.flags.c_contiguous or first.ndim < 2:
+        return list(inputs), None
+    order = tuple(sorted(range(first.ndim), key=lambda axis: -first.strides[axis]))
+    if not first.transpose(order).flags.c_contiguous:
+        return list(inputs), None   # not a permutation of C order (a strided view)
+    rank = len(shape)
+    moved = [x.reshape((1,) * (rank - x.ndim) + x.shape).transpose(order) for x in inputs]
+    return moved, tuple(int(axis) for axis in np.argsort(order))

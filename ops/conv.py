@@ -41,7 +41,7 @@ from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles,
 from ember.ops.cpu.tuning import (IM2COL_CHUNK as _IM2COL_CHUNK,
                                   IMAGE_CHANNELS as _IMAGE_CHANNELS, DEPTHWISE_BAND_BYTES)
 from ember.ops import _epilogue, _integer as _int, _xp
-from ember.ops.cpu import integer as _integer
+from ember.ops.cpu import integer as _integer, integer_tiles as _integer_tiles
 from ember.ops._layout import channels_last
 from ember.ops.linalg import check_numeric
 from ember.ops.registry import Lowering, OpImpl, register
@@ -1533,50 +1533,122 @@ def _depthwise(x, w, group) -> bool:
     return group == x.shape[1] == w.shape[0] and w.shape[1] == 1
 
 
-def _integer_conv(op, x, w, x_zp, w_zp, out_dtype, **epilogue):
-    """The convolution of 8-bit x by w, zero points taken, by the integer product (see
-    ops/cpu/integer.py): each image's patches packed group by group, the product finished
-    by `epilogue` (integer.product's) into a fresh (N, M, OH, OW) array of out_dtype."""
-    kernel, strides, dilations, begin, end = op.geometry(x, w)
-    N, C, H, W = x.shape
-    M, G = w.shape[0], op.group
-    outs = out_size((H, W), kernel, strides, dilations, begin, end)
-    limits.check_shape((N, M, *outs), out_dtype)
-    P = math.prod(outs)
-    out = np.empty((N, M, *outs), out_dtype)
-    if 0 in out.shape:
+_INT_TILES = Lowering("cpu.integer-tiles", "8-bit products in int32 on channels-last pixel "
+                      "tiles (AVX-512 VNNI, or compiled loops): the input read where it lies, "
+                      "the output channels-last for the next 8-bit op, weights packed once")
+_INT_DEPTHWISE = Lowering("cpu.integer-depthwise", "by layout: a channels-last image (or narrow "
+                          "rows) on channels-last vectors of 16 channels, output "
+                          "channels-last; a planar one plane by plane")
+
+
+def _integer_lowering(op, x, w) -> Lowering:
+    """The plan's kernel for ConvInteger / QLinearConv of x by the filters w (sketches)."""
+    chosen = _int.lowering(x, w, 4, op.group_rows(w))
+    if chosen is not _int.INTEGER or op.group_rows(w) is not None:
+        return chosen
+    return _INT_TILES if op.group == 1 else _INT_DEPTHWISE
+
+
+class _IntegerRoute:
+    """An 8-bit convolution (ConvInteger, QLinearConv) by the CPU engine's integer products,
+    worked out once for an input geometry and its constant parameters: the weights packed,
+    the plan of the kernel (ops/cpu/integer_tiles.py's Plan), the epilogue's arrays
+    (integer.product's). A call allocates the output and runs the kernel.
+
+    One group, and a depthwise convolution of a channels-last image or of narrow rows, run
+    on the channels-last kernels: the input read in either layout, the result channels-last
+    (a view of (N, OH, OW, M) memory), as the next 8-bit op reads it with no copy. A planar
+    depthwise image of wide rows goes plane by plane, grouped convolutions on the packed
+    GEMM group by group, both planar."""
+
+    def __init__(self, op, x, w, x_zp, w_zp, out_dtype, epilogue):
+        geometry = op.geometry(x, w)
+        kernel, strides, dilations, begin, end = geometry
+        N, C, H, W = x.shape
+        M, G = w.shape[0], op.group
+        outs = out_size((H, W), kernel, strides, dilations, begin, end)
+        limits.check_shape((N, M, *outs), out_dtype)
+        zero = _int.columns(w_zp, M)
+        self.x_zero, self.epilogue, self.dtype = _int.scalar(x_zp), epilogue, out_dtype
+        self.planar_shape, self.cl_shape = (N, M, *outs), (N, *outs, M)
+        self.plan = self.grouped = self.planes = None
+        self.lowering = _INT_TILES if G == 1 else _int.INTEGER
+        if 0 in self.planar_shape:
+            return
+        if _depthwise(x, w, G):
+            self.lowering = _INT_DEPTHWISE
+            taps = _int.kept(op, "depthwise", (w, w_zp),
+                             lambda: _integer_tiles.DepthwiseWeights(w, zero))
+            if taps.serves and (channels_last(x) or outs[1] < tuning.INT_DEPTHWISE_PLANE_WIDTH):
+                self.plan = _integer_tiles.Plan(taps, x, geometry, outs)
+            else:
+                self.planes = (w, zero, strides, dilations, begin)
+        elif G == 1:
+            weights = _int.kept(op, "pixels", (w, w_zp),
+                                lambda: _integer_tiles.ConvWeights(w, zero))
+            self.plan = _integer_tiles.Plan(weights, x, geometry, outs)
+        else:
+            Mg = M // G
+            self.grouped = (geometry, outs, G, _int.kept(op, "conv", (w, w_zp), lambda: [
+                _integer.conv_weights(w[g * Mg:(g + 1) * Mg], zero[g * Mg:(g + 1) * Mg])
+                for g in range(G)]))
+
+    def __call__(self, x):
+        if self.plan is not None:
+            out = np.empty(self.cl_shape, self.dtype)
+            self.plan.run(x, self.x_zero, out, **self.epilogue)
+            return out.transpose(0, 3, 1, 2)
+        out = np.empty(self.planar_shape, self.dtype)
+        if self.planes is not None:
+            _integer.depthwise(x, self.x_zero, *self.planes, out, **self.epilogue)
+        elif self.grouped is not None:
+            self._grouped(x, out)
         return out
-    Mg, Cg = M // G, C // G
-    zero = _int.columns(w_zp, M)
-    if _depthwise(x, w, G):
-        _integer.depthwise(x, _int.scalar(x_zp), w, zero, strides, dilations, begin, end,
-                           out, **epilogue)
-        return out
-    groups = _int.kept(op, "conv", (w, w_zp), lambda: [
-        _integer.conv_weights(w[g * Mg:(g + 1) * Mg], zero[g * Mg:(g + 1) * Mg])
-        for g in range(G)])
-    x_zero = _int.scalar(x_zp)
-    for n in range(N):
-        for g in range(G):
-            packed, sums, shift = _integer.pack_patches(
-                x[n, g * Cg:(g + 1) * Cg], x_zero, kernel, strides, dilations, begin, end,
-                outs)
-            part = {k: v[g * Mg:(g + 1) * Mg] if isinstance(v, np.ndarray) else v
-                    for k, v in epilogue.items()}
-            _integer.product(groups[g], packed, sums, x_zero + shift,
-                             out[n, g * Mg:(g + 1) * Mg].reshape(Mg, P), **part)
-    return out
+
+    def _grouped(self, x, out):
+        (kernel, strides, dilations, begin, end), outs, G, groups = self.grouped
+        N, M = out.shape[:2]
+        Mg, Cg, P = M // G, x.shape[1] // G, math.prod(outs)
+        for n in range(N):
+            for g in range(G):
+                packed, sums, shift = _integer.pack_patches(
+                    x[n, g * Cg:(g + 1) * Cg], self.x_zero, kernel, strides, dilations, begin,
+                    end, outs)
+                part = {k: v[g * Mg:(g + 1) * Mg] if isinstance(v, np.ndarray) else v
+                        for k, v in self.epilogue.items()}
+                _integer.product(groups[g], packed, sums, self.x_zero + shift,
+                                 out[n, g * Mg:(g + 1) * Mg].reshape(Mg, P), **part)
+
+
+def _integer_route(op, x, params, make):
+    """The op's _IntegerRoute for x and its other inputs `params`, remembered while x's
+    shape, strides and type, the run's threads and every parameter (by identity: read-only
+    constants) stay the same; `make()` builds one (None where the integer kernels do not
+    serve). One tuple replaced whole: threads sharing a session read the old or the new."""
+    signature = (x.shape, x.strides, x.dtype, _compiled.run_threads())
+    last = op.__dict__.get("_int_route")
+    if last is not None and last[0] == signature and len(last[1]) == len(params) \
+            and all(a is b for a, b in zip(last[1], params)):
+        return last[2]
+    route = make()
+    if route is not None and all(p is None or isinstance(p, np.ndarray) and not p.flags.writeable
+                                 for p in params):
+        op._int_route = (signature, params, route)
+    return route
 
 
 @register("ConvInteger", versions=[10])
 class ConvInteger(_ConvBase):
     def lower(self, inputs):
-        return _int.lowering(inputs[0], inputs[1], 4, self.group_rows(inputs[1]))
+        return _integer_lowering(self, inputs[0], inputs[1])
 
     def run(self, x, w, x_zero_point=None, w_zero_point=None):
-        if _integer_conv_serves(self, x, w, x_zero_point, w_zero_point):
-            self._chosen = _int.INTEGER
-            return _integer_conv(self, x, w, x_zero_point, w_zero_point, np.int32)
+        route = _integer_route(self, x, (w, x_zero_point, w_zero_point), lambda: _IntegerRoute(
+            self, x, w, x_zero_point, w_zero_point, np.int32, {})
+            if _integer_conv_serves(self, x, w, x_zero_point, w_zero_point) else None)
+        if route is not None:
+            self._chosen = route.lowering
+            return route(x)
         self._chosen = _int.EXACT_FLOAT
         acc = _exact_int_conv(self.xp, self, x, w, x_zero_point, w_zero_point)
         # the accumulation wraps in 32 bits, as the spec allows
@@ -1586,33 +1658,23 @@ class ConvInteger(_ConvBase):
 @register("QLinearConv", versions=[10])
 class QLinearConv(_ConvBase):
     def lower(self, inputs):
-        return _int.lowering(inputs[0], inputs[3], 4, self.group_rows(inputs[3]))
+        return _integer_lowering(self, inputs[0], inputs[3])
 
     def run(self, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point,
             B=None):
+        params = (x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, B)
+        route = _integer_route(self, x, params, lambda: self._route(x, *params))
+        if route is not None:
+            self._chosen = route.lowering
+            return route(x)
         xp = self.xp
-        ws = xp.asarray(w_scale, np.float32).reshape(-1)
-        if ws.size not in (1, w.shape[0]):
-            raise self.fail(f"w_scale has {ws.size} values for {w.shape[0]} channels")
-        scale = (xp.asarray(x_scale, np.float32).reshape(()) * ws
-                 / xp.asarray(y_scale, np.float32).reshape(()))
-        yzp = xp.asarray(y_zero_point)
-        if _integer_conv_serves(self, x, w, x_zero_point, w_zero_point) \
-                and yzp.dtype in _int.BYTES and yzp.size == 1:
-            M = w.shape[0]
-            bias = np.zeros(M, np.int64) if B is None else B.astype(np.int64).reshape(M)
-            info = np.iinfo(yzp.dtype)
-            self._chosen = _int.INTEGER
-            return _integer_conv(self, x, w, x_zero_point, w_zero_point, yzp.dtype,
-                                 mode=_integer.REQUANTIZE, bias=bias,
-                                 mult=np.broadcast_to(scale, (M,)).astype(np.float32),
-                                 y_zero=float(yzp.reshape(())), lo=info.min, hi=info.max)
+        scale = self._scale(x_scale, w, w_scale, y_scale)
         self._chosen = _int.EXACT_FLOAT
         acc = _exact_int_conv(xp, self, x, w, x_zero_point, w_zero_point)
         if B is not None:  # the integer sum acc + B, exact in float64, then one float32 rounding
             acc = acc.astype(np.float64)
             acc += B.astype(np.float64).reshape((1, -1) + (1,) * (acc.ndim - 2))
-        scale = scale.reshape((1, -1) + (1,) * (acc.ndim - 2)) if ws.size > 1 else scale[0]
+        scale = scale.reshape((1, -1) + (1,) * (acc.ndim - 2)) if scale.size > 1 else scale[0]
         # onnxruntime's requantisation: float32(acc) times the float32 multiplier, rounded half
         # to even, plus the zero point, saturated
         y = acc.astype(np.float32, copy=False)  # conv_nd's result is fresh: written in place
@@ -1623,6 +1685,33 @@ class QLinearConv(_ConvBase):
         info = np.iinfo(yzp.dtype)
         xp.clip(y, info.min, info.max, out=y)
         return y.astype(yzp.dtype)
+
+    def _scale(self, x_scale, w, w_scale, y_scale):
+        """The requantisation's multipliers x_scale * w_scale / y_scale, float32: one, or one
+        per output channel."""
+        xp = self.xp
+        ws = xp.asarray(w_scale, np.float32).reshape(-1)
+        if ws.size not in (1, w.shape[0]):
+            raise self.fail(f"w_scale has {ws.size} values for {w.shape[0]} channels")
+        return (xp.asarray(x_scale, np.float32).reshape(()) * ws
+                / xp.asarray(y_scale, np.float32).reshape(()))
+
+    def _route(self, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point,
+               B):
+        """The integer kernels' route (_IntegerRoute), requantising as onnxruntime does;
+        None where they do not serve."""
+        scale = self._scale(x_scale, w, w_scale, y_scale)
+        yzp = self.xp.asarray(y_zero_point)
+        if not (_integer_conv_serves(self, x, w, x_zero_point, w_zero_point)
+                and yzp.dtype in _int.BYTES and yzp.size == 1):
+            return None
+        M = w.shape[0]
+        info = np.iinfo(yzp.dtype)
+        epilogue = dict(mode=_integer.REQUANTIZE,
+                        bias=np.zeros(M, np.int64) if B is None else B.astype(np.int64).reshape(M),
+                        mult=np.broadcast_to(scale, (M,)).astype(np.float32),
+                        y_zero=float(yzp.reshape(())), lo=info.min, hi=info.max)
+        return _IntegerRoute(self, x, w, x_zero_point, w_zero_point, yzp.dtype, epilogue)
 
 
 # ----------------------------------------------------------------------------------------------

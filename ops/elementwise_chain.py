@@ -35,6 +35,7 @@ import numpy as np
 
 from ember import config
 from ember.ops import activations as _act, elementwise as _elementwise
+from ember.ops._layout import in_memory_order
 from ember.ops._lowering import compiled_rows
 from ember.ops.cpu import compiled as _compiled, tuning
 from ember.ops.cpu.compiled import exp_float32, tanh_float32
@@ -414,27 +415,6 @@ def layout(shapes: list[tuple[int, ...]]) -> Layout | None:
                 step *= size
     return Layout(out, tuple(modes), inner,
                   np.array([size for size, _ in outer], np.int64), strides)
-
-
-def in_memory_order(inputs: tuple) -> tuple[list, tuple[int, ...] | None]:
-    """The inputs with their axes in the memory order of the first one of the result's shape
-    (a channels-last image between convolutions: its (N, H, W, C) view), and the transpose
-    that takes a result computed in that order back to the inputs' axes (None: no change).
-    The result then has that input's layout, as numpy's ufuncs give it, and no input of that
-    layout is copied to C order for the loop."""
-    try:
-        shape = np.broadcast_shapes(*(x.shape for x in inputs))
-    except ValueError:   # not broadcastable: the portable kernel raises numpy's error
-        return list(inputs), None
-    first = next((x for x in inputs if x.shape == shape), None)
-    if first is None or first.flags.c_contiguous or first.ndim < 2:
-        return list(inputs), None
-    order = tuple(sorted(range(first.ndim), key=lambda axis: -first.strides[axis]))
-    if not first.transpose(order).flags.c_contiguous:
-        return list(inputs), None   # not a permutation of C order (a strided view)
-    rank = len(shape)
-    moved = [x.reshape((1,) * (rank - x.ndim) + x.shape).transpose(order) for x in inputs]
-    return moved, tuple(int(axis) for axis in np.argsort(order))
 
 
 @register(OP_TYPE, versions=[1], domain=DOMAIN)

@@ -199,10 +199,10 @@ _MAXPOOL_COMPILED = Lowering("cpu.compiled", "compiled 2-D max pool by rows of o
 class MaxPool(_WindowPool):
     def lower(self, inputs):
         x = inputs[0]
-        if x is not None and x.ndim == 4 and x.dtype in (np.float32, np.float64) \
+        if x is not None and x.ndim == 4 and x.dtype in _COMPILED_TYPES \
                 and self.n_outputs == 1 and numba_serves():
             return Lowering("by layout", "compiled 2-D max pool: rows of a channels-last "
-                            "input, or planes at stride 2 (seen in the run); else numpy")
+                            "input, or float planes at stride 2 (seen in the run); else numpy")
         return PORTABLE
 
     def run(self, x):
@@ -211,7 +211,7 @@ class MaxPool(_WindowPool):
         N, C = x.shape[:2]
         in_sp = x.shape[2:]
         want_idx = self.n_outputs > 1
-        if xp is np and not want_idx and x.ndim == 4 and x.dtype in (np.float32, np.float64):
+        if xp is np and not want_idx and x.ndim == 4 and x.dtype in _COMPILED_TYPES:
             out = _maxpool2d(x, kernel, strides, dilations, begin, outs)
             self._chosen = PORTABLE if out is None else _MAXPOOL_COMPILED
             if out is not None:
@@ -266,10 +266,14 @@ class MaxPool(_WindowPool):
 # NaN running max stays. Windows wholly in the padding give -inf, as the numpy kernel's fill.
 
 
+# the types of the compiled 2-D MaxPool: floats, and the 8-bit images of quantised CNNs
+_COMPILED_TYPES = tuple(np.dtype(t) for t in (np.float32, np.float64, np.uint8, np.int8))
+
+
 def _maxpool2d(x, kernel, strides, dilations, begin, outs):
-    """The compiled 2-D MaxPool of float x (N, C, H, W), or None without numba. A
-    channels-last input gives a channels-last result (a (N, C, Oh, Ow) view); any other
-    layout is read as contiguous planes."""
+    """The compiled 2-D MaxPool of x (N, C, H, W), or None without numba (or for an 8-bit x
+    not channels-last). A channels-last input gives a channels-last result (a (N, C, Oh, Ow)
+    view); a float input of any other layout is read as contiguous planes."""
     N, C = x.shape[:2]
     (oh, ow), taps = outs, kernel[0] * kernel[1]
     geometry = (*kernel, *strides, *begin, *dilations)
@@ -279,12 +283,13 @@ def _maxpool2d(x, kernel, strides, dilations, begin, outs):
             return None
         out = np.empty((N, oh, ow, C), x.dtype)
         _compiled.split_rows(rows_kernel, N * oh, x.transpose(0, 2, 3, 1), out, *geometry,
-                             ns_per_row=tuning.MAXPOOL_NS * ow * C * taps,
+                             _lowest(x.dtype), ns_per_row=tuning.MAXPOOL_NS * ow * C * taps,
                              piece=_CHANNELS_LAST_PIECES.get(x.dtype.type))
         return out.transpose(0, 3, 1, 2)
     # planes: only stride 2 along the rows (CNNs' downsampling pools); at stride 1 numpy's
     # flat passes (_reduce_last_flat) are faster than this
-    rows_kernel = _compiled.jit(_maxpool2d_plane_rows) if strides[1] == 2 else None
+    rows_kernel = _compiled.jit(_maxpool2d_plane_rows) \
+        if strides[1] == 2 and x.dtype.kind == "f" else None
     if rows_kernel is None:
         return None
     planes = np.ascontiguousarray(x).reshape(N * C, *x.shape[2:])
@@ -302,10 +307,11 @@ def _max_or_nan(a, m):
 
 
 @_compiled.kernel_math
-def _maxpool2d_channels_last_rows(x4, out4, kh, kw, sh, sw, ph, pw, dh, dw, row0, row1
+def _maxpool2d_channels_last_rows(x4, out4, kh, kw, sh, sw, ph, pw, dh, dw, lowest, row0, row1
                                   ):  # pragma: no cover - numba
     """Rows [row0, row1) of out (N, Oh, Ow, C), n = row // Oh: the max over each window of
-    x (N, H, W, C), the channel loop innermost (contiguous, vectorised). A 3x3 or 2x2 window
+    x (N, H, W, C), `lowest` where a window lies wholly in the padding, the channel loop
+    innermost (contiguous, vectorised). A 3x3 or 2x2 window
     wholly inside x is one expression over its taps' flat offsets (much faster than a running
     max per tap over row views, which LLVM leaves scalar); the other windows take their valid
     taps one at a time."""
@@ -342,7 +348,7 @@ def _maxpool2d_channels_last_rows(x4, out4, kh, kw, sh, sw, ph, pw, dh, dw, row0
                     out[o + c] = _max_or_nan(x[m1 + c], m)
                 continue
             for c in range(uC):
-                out[o + c] = -np.inf
+                out[o + c] = lowest
             for i in range(kh):
                 r = r0 + i * dh
                 if r < 0 or r >= H:
@@ -365,7 +371,7 @@ def _channels_last_piece(block, row0, row1, dtype):  # pragma: no cover - numba
     _maxpool2d_channels_last_rows(
         _compiled.array_at(v[0], (v[1], v[2], v[3], v[4]), dtype),
         _compiled.array_at(v[5], (v[6], v[7], v[8], v[9]), dtype),
-        v[10], v[11], v[12], v[13], v[14], v[15], v[16], v[17], row0, row1)
+        v[10], v[11], v[12], v[13], v[14], v[15], v[16], v[17], dtype(-np.inf), row0, row1)
 
 
 def _channels_last_piece32(block, row0, row1):  # pragma: no cover - numba

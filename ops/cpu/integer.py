@@ -4,6 +4,11 @@ ConvInteger and QLinearConv compute, on AVX-512 VNNI's byte dot products where t
 them (`vpdpbusd`: 64 multiply-adds of unsigned by signed bytes an instruction, four times a
 float32 FMA's), and in plain compiled loops elsewhere.
 
+This module holds what the integer kernels share (the signedness shifts, the weights' rows,
+the epilogue modes) and two of them: a GEMM on packed patches, for grouped convolutions, and
+a planar depthwise loop. Products and one-group convolutions run on the channels-last pixel
+tiles of ops/cpu/integer_tiles.py.
+
 The product is C[i, j] = sum_k (W[i, k] - zw[i]) (X[j, k] - zx), for a constant operand W
 (the weights: a matmul's B transposed, a convolution's filters), int8, one row per output
 channel, and a per-call operand X (the activations: a matmul's rows of A, a convolution's
@@ -18,7 +23,7 @@ W - zw and X - zx, and so C, are unchanged. Every sum is an exact integer (int32
 K * 255 * 128 for K below 65,000), so C is the same whatever the order, the kernel or the
 thread count: bit for bit the integer product the ops define.
 
-Layouts (`Weights.pack`, `pack_rows`, `pack_patches`):
+Layouts (`Weights`, `pack_patches`):
 * the weights (rows, Kp) int8, Kp = K rounded up to 4, zero-padded;
 * the activations packed in blocks of COLS = 32 columns: (blocks, Kp / 4, 32, 4) uint8, the
   4 bytes of consecutive k of a column side by side, as vpdpbusd reads them, zero-padded.
@@ -70,15 +75,15 @@ def dot_tile(rows, weights, w_at, w_stride, packed, p_at, quads, scratch):
 
 
 def int_gemm_loops(weights, w_stride, w_sum, w_zero, rows, packed, x_sum, x_zero, K, mode,
-                   bias, mult, fbias, y_zero, lo, hi, out, transposed, rows_outer, u0, u1):
+                   bias, mult, fbias, y_zero, lo, hi, out, rows_outer, u0, u1):
     """Units [u0, u1) of C = (W - w_zero)(X - x_zero)^T: a unit is a tile of ROWS weight rows
     by one block of COLS packed columns, numbered tile-major (`rows_outer`: each tile's
     weights stay in cache across the blocks) or block-major. Each unit's C[i, j] goes to
-    out[i, j] (out[j, i] if `transposed`) through the epilogue `mode` (module docstring)."""
+    out[i, j] through the epilogue `mode` (module docstring)."""
     blocks = packed.shape[0]
     quads = packed.shape[1]
     flat = packed.reshape(-1)
-    columns = out.shape[0] if transposed else out.shape[1]
+    columns = out.shape[1]
     tiles = (rows + ROWS - 1) // ROWS
     scratch = np.empty(ROWS * COLS, np.int32)
     for u in range(u0, u1):
@@ -105,10 +110,7 @@ def int_gemm_loops(weights, w_stride, w_sum, w_zero, rows, packed, x_sum, x_zero
             # one loop per case, the branches outside it, over slices from 0, so that LLVM
             # vectorises each
             sc, xs = scratch[s0:s0 + nc], x_sum[c0:c0 + nc]
-            if transposed:
-                o = out[c0:c0 + nc, i]
-            else:
-                o = out[i, c0:c0 + nc]
+            o = out[i, c0:c0 + nc]
             if mode == INT32:
                 for j in range(nc):
                     o[j] = sc[j] + fixed - zw * xs[j]
@@ -121,20 +123,6 @@ def int_gemm_loops(weights, w_stride, w_sum, w_zero, rows, packed, x_sum, x_zero
                 m, fb = mult[i], fbias[i]
                 for j in range(nc):
                     o[j] = np.float32(sc[j] + fixed - zw * xs[j]) * m + fb
-
-
-def pack_rows_loops(x, flip, packed, sums, m0, m1):
-    """Rows [m0, m1) of x (M, K) uint8 into packed (blocks, Kp / 4, COLS, 4), each byte
-    XOR `flip` (0x80 turns int8 into uint8 + 128), and each row's sum into sums."""
-    K = x.shape[1]
-    for m in range(m0, m1):
-        b, lane = m // COLS, m % COLS
-        s = 0
-        for k in range(K):
-            v = x[m, k] ^ flip
-            packed[b, k >> 2, lane, k & 3] = v
-            s += v
-        sums[m] = s
 
 
 def pad_image_loops(x, flip, pad, top, left, image, sums, r0, r1):
@@ -198,41 +186,6 @@ def pack_image_loops(image, image_sums, kh, kw, sh, sw, dh, dw, OW, P, packed, s
             sums[p] = t
 
 
-def depthwise_loops(image, x_zero, w, mode, bias, mult, y_zero, lo, hi, sh, sw, dh, dw, OW,
-                    out, p0, p1):
-    """Output pixels [p0, p1) of a depthwise convolution (one input and one output channel a
-    group) of one image, from its padded channels-last copy (`pad_image_loops`: (Hp, Wp, Cp)
-    uint8, values and padding already flipped): w (kh, kw, C) int32 with the filters' zero
-    points taken, out (pixels, C). Each value is the exact int sum of (image - x_zero) * w
-    over the window (padding holds x_zero: nothing), through the epilogue `mode` (module
-    docstring). The channels are the vector lanes, so any stride runs at the same speed."""
-    kh, kw, C = w.shape
-    Wp, Cp = image.shape[1], image.shape[2]
-    flat, taps = image.reshape(-1), w.reshape(-1)
-    acc = np.empty(C, np.int32)   # exact: a window's sum is far below 2**31
-    for p in range(p0, p1):
-        oy, ox = p // OW, p % OW
-        acc[:] = 0
-        for i in range(kh):
-            for j in range(kw):
-                at = ((oy * sh + i * dh) * Wp + ox * sw + j * dw) * Cp
-                t = (i * kw + j) * C
-                row, tw = flat[at:at + C], taps[t:t + C]   # from 0: LLVM vectorises
-                for c in range(C):
-                    acc[c] += tw[c] * (np.int32(row[c]) - x_zero)
-        o = out[p]
-        if mode == INT32:
-            for c in range(C):
-                o[c] = acc[c]
-        elif mode == REQUANTIZE:
-            for c in range(C):
-                v = np.rint(np.float32(np.int64(acc[c]) + bias[c]) * mult[c])
-                o[c] = min(max(v + y_zero, lo), hi)
-        else:
-            for c in range(C):
-                o[c] = np.float32(acc[c]) * mult[c] + bias[c]
-
-
 def depthwise_planes_loops(x, x_zero, w, C, mode, bias, mult, y_zero, lo, hi, sh, sw, dh, dw,
                            ph, pw, out, p0, p1):
     """Planes [p0, p1) of a depthwise convolution (one input and one output channel a
@@ -293,40 +246,24 @@ def depthwise_planes_loops(x, x_zero, w, C, mode, bias, mult, y_zero, lo, hi, sh
 
 
 def depthwise(x: np.ndarray, x_zero: int, w: np.ndarray, w_zero, strides, dilations, begin,
-              end, out: np.ndarray, mode: int = INT32, bias=None, mult=None,
+              out: np.ndarray, mode: int = INT32, bias=None, mult=None,
               y_zero: float = 0.0, lo: float = 0.0, hi: float = 0.0) -> None:
-    """A depthwise 2-D convolution of x (N, C, H, W) by w (C, 1, kh, kw) into out (N, C, OH,
-    OW), 8-bit with zero points (w_zero one or per channel), through the epilogue. Rows of at
-    least INT_DEPTHWISE_PLANE_WIDTH go plane by plane, vectorised along the rows; shorter
-    ones channels-last, vectorised along the channels: each image
-    padded channels-last once, its output pixels shared among the run's threads, the result
-    put back in out's planes."""
+    """A depthwise 2-D convolution of planar x (N, C, H, W) by w (C, 1, kh, kw) into planar
+    out (N, C, OH, OW), 8-bit with zero points (w_zero one or per channel), through the
+    epilogue: plane by plane, vectorised along the output's rows, the planes shared among the
+    run's threads (ops/conv.py takes rows of at least INT_DEPTHWISE_PLANE_WIDTH here; a
+    channels-last image, or narrower rows, to integer_tiles.depthwise)."""
     N, C = x.shape[:2]
     kh, kw = w.shape[2:]
-    taps = np.ascontiguousarray((w.reshape(C, kh * kw).astype(np.int32)
-                                 - np.asarray(w_zero, np.int32).reshape(-1, 1)).T
-                                ).reshape(kh, kw, C)
+    taps = (w.reshape(C, kh, kw).astype(np.int64)
+            - np.asarray(w_zero, np.int64).reshape(-1, 1, 1))
     bias = np.zeros(C, np.int64) if bias is None else bias
     mult = np.ones(C, np.float32) if mult is None else mult
     OH, OW = out.shape[2:]
-    if OW >= tuning.INT_DEPTHWISE_PLANE_WIDTH:
-        _compiled.split_rows(
-            _kernels()[5], N * C, x.reshape(N * C, *x.shape[2:]), np.int32(x_zero),
-            taps.transpose(2, 0, 1).astype(np.int64), C, mode, bias, mult, np.float32(y_zero),
-            np.float32(lo), np.float32(hi), *strides, *dilations, *begin,
-            out.reshape(N * C, OH, OW), ns_per_row=OH * OW * kh * kw * tuning.INT_DEPTHWISE_NS)
-        return
-    kernel = _kernels()[4]
-    flip = 0x80 if x.dtype == np.int8 else 0
-    pixels = np.empty((OH * OW, C), out.dtype)
-    for n in range(N):
-        image, _ = padded_image(x[n], x_zero, (kh, kw), strides, dilations, begin, end,
-                                (OH, OW))
-        _compiled.split_rows(
-            kernel, OH * OW, image, np.int32(x_zero + flip), taps, mode, bias, mult,
-            np.float32(y_zero), np.float32(lo), np.float32(hi), *strides, *dilations, OW,
-            pixels, ns_per_row=C * kh * kw * tuning.INT_DEPTHWISE_NS)
-        out[n] = pixels.T.reshape(C, OH, OW)
+    _compiled.split_rows(
+        _kernels()[3], N * C, x.reshape(N * C, *x.shape[2:]), np.int32(x_zero), taps, C, mode,
+        bias, mult, np.float32(y_zero), np.float32(lo), np.float32(hi), *strides, *dilations,
+        *begin, out.reshape(N * C, OH, OW), ns_per_row=OH * OW * kh * kw * tuning.INT_DEPTHWISE_NS)
 
 
 def enabled() -> bool:
@@ -336,15 +273,13 @@ def enabled() -> bool:
 
 @_compiled.Once
 def _kernels():
-    """(gemm, pack_rows, pad_image, pack_image, depthwise, depthwise_planes) compiled, or
-    None without numba."""
+    """(gemm, pad_image, pack_image, depthwise_planes) compiled, or None without numba."""
     numba = _compiled._numba() if _compiled.enabled() else None
     if numba is None:
         return None
     _register(numba)
-    return (_compiled.jit(int_gemm_loops), _compiled.jit(pack_rows_loops),
-            _compiled.jit(pad_image_loops), _compiled.jit(pack_image_loops),
-            _compiled.jit(depthwise_loops), _compiled.jit(depthwise_planes_loops))
+    return (_compiled.jit(int_gemm_loops), _compiled.jit(pad_image_loops),
+            _compiled.jit(pack_image_loops), _compiled.jit(depthwise_planes_loops))
 
 
 class Weights:
@@ -368,19 +303,6 @@ class Weights:
         self.zero = np.ascontiguousarray(zero, np.int64)
 
 
-def pack_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """Activation rows x (M, K) uint8 or int8 packed: (packed, sums, shift), shift 128 for
-    int8 (added to the zero point)."""
-    pack = _kernels()[1]
-    M, K = x.shape
-    packed = np.zeros((-(-M // COLS), -(-K // 4), COLS, 4), np.uint8)
-    sums = np.empty(M, np.int64)
-    flip = 0x80 if x.dtype == np.int8 else 0
-    _compiled.split_rows(pack, M, x.view(np.uint8), np.uint8(flip), packed, sums,
-                         ns_per_row=K * tuning.INT_PACK_NS)
-    return packed, sums, flip
-
-
 def conv_weights(w: np.ndarray, zero) -> Weights:
     """A 2-D convolution's filters (M, C, kh, kw) as weight rows in pack_patches' order of k
     (tap-major, channels padded to whole 4-byte words with zero weights)."""
@@ -397,7 +319,7 @@ def padded_image(x: np.ndarray, zero: int, kernel, strides, dilations, begin, en
     """One image x (C, H, W) made channels-last and padded for a 2-D convolution of that
     geometry: (Hp, Wp, Cp) uint8 (int8 flipped to uint8), the padding the zero point and the
     channels rounded up to whole 4-byte words; and each pixel's channel sum (Hp, Wp)."""
-    pad_image = _kernels()[2]
+    pad_image = _kernels()[1]
     C, H, W = x.shape
     (kh, kw), (OH, OW) = kernel, outs
     (sh, sw), (dh, dw) = strides, dilations
@@ -415,10 +337,11 @@ def padded_image(x: np.ndarray, zero: int, kernel, strides, dilations, begin, en
 
 def pack_patches(x: np.ndarray, zero: int, kernel, strides, dilations, begin, end, outs):
     """One image's (C, H, W) patches for a 2-D convolution (one group), packed for weights
-    from conv_weights: (packed, sums, shift) as pack_rows. The image is padded once,
+    from conv_weights: (packed, sums, shift), shift 128 for int8 (added to the zero point).
+    The image is padded once,
     channels-last (`padded_image`), so that each window's C channels are whole words read
     in a row."""
-    pack_image = _kernels()[3]
+    pack_image = _kernels()[2]
     (kh, kw), (OH, OW) = kernel, outs
     (sh, sw), (dh, dw) = strides, dilations
     image, image_sums = padded_image(x, zero, kernel, strides, dilations, begin, end, outs)
@@ -434,12 +357,12 @@ def pack_patches(x: np.ndarray, zero: int, kernel, strides, dilations, begin, en
     return packed, sums, 0x80 if x.dtype == np.int8 else 0
 
 
-def product(weights: Weights, packed, sums, x_zero: int, out: np.ndarray,
-            transposed: bool = False, mode: int = INT32, bias=None, mult=None, fbias=None,
-            y_zero: float = 0.0, lo: float = 0.0, hi: float = 0.0) -> None:
-    """out[i, j] (out[j, i] if `transposed`; out C-contiguous) = the epilogue of C[i, j]
-    (module docstring) for the packed activations (`pack_rows` / `pack_patches`; x_zero
-    already shifted), on the run's threads. bias int64 (rows,), mult and fbias float32."""
+def product(weights: Weights, packed, sums, x_zero: int, out: np.ndarray, mode: int = INT32,
+            bias=None, mult=None, fbias=None, y_zero: float = 0.0, lo: float = 0.0,
+            hi: float = 0.0) -> None:
+    """out[i, j] (C-contiguous rows) = the epilogue of C[i, j] (module docstring) for the
+    packed patches (`pack_patches`; x_zero already shifted), on the run's threads. bias
+    int64 (rows,), mult and fbias float32."""
     gemm = _kernels()[0]
     rows = weights.rows
     if bias is None:
@@ -454,14 +377,8 @@ def product(weights: Weights, packed, sums, x_zero: int, out: np.ndarray,
     _compiled.split_rows(
         gemm, blocks * tiles, weights.w.reshape(-1), weights.w.shape[1], weights.sums,
         weights.zero, rows, packed, sums, np.int64(x_zero), weights.K, mode, bias, mult,
-        fbias, np.float32(y_zero), np.float32(lo), np.float32(hi), out, transposed,
+        fbias, np.float32(y_zero), np.float32(lo), np.float32(hi), out,
         rows_outer, ns_per_row=unit_ns)
-
-
-def matmul(x: np.ndarray, x_zero: int, weights: Weights, out: np.ndarray, **epilogue) -> None:
-    """out (M, N) = epilogue of (x - x_zero) @ (W - zw)^T for activations x (M, K), 8-bit."""
-    packed, sums, shift = pack_rows(x)
-    product(weights, packed, sums, int(x_zero) + shift, out, transposed=True, **epilogue)
 
 
 def worth(M: int, N: int, K: int) -> bool:

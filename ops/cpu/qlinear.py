@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ember.ops._layout import in_memory_order
 from ember.ops.cpu import compiled as _compiled
 from ember.ops.cpu import tuning
 
@@ -242,11 +243,27 @@ def axis_blocks(shape, axis):
             int(np.prod(shape[axis + 1:], dtype=np.int64)))
 
 
+def in_memory_layout(x, axis):
+    """x (per tensor: axis None) as its memory in C order where x is a permutation of a
+    C-contiguous array (a channels-last image), and that permutation's inverse, as
+    in_memory_order gives them: an element-wise op then reads x where it lies and its result
+    keeps x's layout for the next op. Otherwise x itself and None."""
+    if axis is not None or x.flags.c_contiguous:
+        return x, None
+    (moved,), back = in_memory_order((x,))
+    return (x, None) if back is None else (moved, back)
+
+
+def _restored(out, back):
+    return out if back is None else out.transpose(back)
+
+
 def quantize(x, scale, zero_point, dtype, axis, nan_at_zero_point):
     """rint(x / scale) (float32) plus the zero point (float32), saturated to int8 / uint8,
     per tensor (axis None: scale and zero_point one value) or along `axis`. A NaN quotient
     gives 0 (ONNX's kernel) or the zero point (com.microsoft's: NaN is zeroed before the zero
-    point is added)."""
+    point is added). A per-tensor result has x's layout (in_memory_layout)."""
+    x, back = in_memory_layout(x, axis)
     blocks = axis_blocks(x.shape, axis)
     out = np.empty(blocks, dtype)
     info = np.iinfo(dtype)
@@ -256,7 +273,7 @@ def quantize(x, scale, zero_point, dtype, axis, nan_at_zero_point):
                          np.ascontiguousarray(zero_point, np.float32).reshape(-1), out,
                          nan_at_zero_point, chunk, np.float32(info.min), np.float32(info.max),
                          ns_per_row=ns)
-    return out.reshape(x.shape)
+    return _restored(out.reshape(x.shape), back)
 
 
 def _quantize_rows(x, scale, zp, out, nan_at_zero_point, chunk, lo, hi,
@@ -276,7 +293,9 @@ def _quantize_rows(x, scale, zp, out, nan_at_zero_point, chunk, lo, hi,
 
 
 def dequantize(x, scale, zero_point, axis):
-    """(float32(x) - zero_point) * scale in float32, per tensor or along `axis`."""
+    """(float32(x) - zero_point) * scale in float32, per tensor or along `axis`; a
+    per-tensor result has x's layout (in_memory_layout)."""
+    x, back = in_memory_layout(x, axis)
     blocks = axis_blocks(x.shape, axis)
     out = np.empty(blocks, np.float32)
     rows, chunk, ns = chunked_rows(blocks, tuning.DEQUANTIZE_NS)
@@ -284,7 +303,7 @@ def dequantize(x, scale, zero_point, axis):
                          np.ascontiguousarray(scale, np.float32).reshape(-1),
                          np.ascontiguousarray(zero_point, np.float32).reshape(-1), out, chunk,
                          ns_per_row=ns)
-    return out.reshape(x.shape)
+    return _restored(out.reshape(x.shape), back)
 
 
 def _dequantize_rows(x, scale, zp, out, chunk, row0, row1):  # pragma: no cover

@@ -36,6 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from ember.ops import _integer as _int, _xp
+from ember.ops._layout import channels_last, in_memory_order
 from ember.ops.registry import OpImpl, Sketch, register
 from ember.ops._lowering import numba_serves
 from ember.ops.cpu import qlinear as _qlinear
@@ -289,16 +290,17 @@ class QLinearAdd(_QLinearBinary):
         if _innermost_scalar(a, b):  # the kernel is called with the operands swapped
             a, b, ra, rb, za, zb = b, a, rb, ra, zb, za
         fixed = zc - _fma32(xp, ra, za, rb * zb)
+        (a, b), back = _in_memory_order(xp, a, b)
         plan = _blocks(a.shape, b.shape, self.compiled_min)
         if _compiled_serves(self, _size(plan), lambda: np.isfinite([ra, rb, fixed]).all(),
                             self.compiled_min):
             table = self.pair_table(ra, rb, fixed, a.dtype) \
                 if _size(plan) >= tuning.QLINEAR_ADD_TABLE_MIN else None
-            return _qlinear.add(a, b, ra, rb, fixed, *_int_range(a.dtype), plan, table) \
-                .reshape(np.broadcast_shapes(a.shape, b.shape))
+            return _restored(_qlinear.add(a, b, ra, rb, fixed, *_int_range(a.dtype), plan, table)
+                             .reshape(np.broadcast_shapes(a.shape, b.shape)), back)
         with np.errstate(all="ignore"):
             total = _fma32(xp, a.astype(_F32), ra, _fma32(xp, b.astype(_F32), rb, fixed))
-        return _saturate(xp, xp.rint(total), a.dtype)
+        return _restored(_saturate(xp, xp.rint(total), a.dtype), back)
 
     def pair_table(self, ra, rb, fixed, dtype):
         """The compiled loop's code for every pair of codes (qlinear.add_table), kept for the
@@ -309,6 +311,19 @@ class QLinearAdd(_QLinearBinary):
             kept = (key, _qlinear.add_table(ra, rb, fixed, *_int_range(dtype), dtype))
             self._pair_table = kept   # one assignment: threads sharing the node see either
         return kept[1]
+
+
+def _in_memory_order(xp, a, b):
+    """a and b with their axes in the memory order of a channels-last image among them
+    (ops/_layout.py), and the transpose back: the compiled loops read such an image where it
+    lies, and the result keeps its layout for the next 8-bit op."""
+    if xp is not np:
+        return (a, b), None
+    return in_memory_order((a, b))
+
+
+def _restored(out, back):
+    return out if back is None else out.transpose(back)
 
 
 def _blocks(a_shape, b_shape, minimum: int):
@@ -337,17 +352,19 @@ class QLinearMul(_QLinearBinary):
             c_zero_point=None):
         sa, sb, sc, za, zb, zc = self._parameters(a, b, a_scale, a_zero_point, b_scale,
                                                   b_zero_point, c_scale, c_zero_point)
+        (a, b), back = _in_memory_order(self.xp, a, b)
         plan = _blocks(a.shape, b.shape, self.compiled_min)
         with np.errstate(all="ignore"):
             multiplier = sa * sb / sc
         if _compiled_serves(self, _size(plan), lambda: np.isfinite(multiplier),
                             self.compiled_min):
-            return _qlinear.mul(a, b, za, zb, zc, multiplier, *_int_range(a.dtype), plan) \
-                .reshape(np.broadcast_shapes(a.shape, b.shape))
+            return _restored(_qlinear.mul(a, b, za, zb, zc, multiplier, *_int_range(a.dtype),
+                                          plan).reshape(np.broadcast_shapes(a.shape, b.shape)),
+                             back)
         product = (a.astype(np.int32) - za) * (b.astype(np.int32) - zb)
         with np.errstate(all="ignore"):
             value = product.astype(_F32) * (sa * sb / sc)
-        return _quantize(self.xp, value, 1, zc, a.dtype)
+        return _restored(_quantize(self.xp, value, 1, zc, a.dtype), back)
 
 
 # --------------------------------------------------------------------------------------------
@@ -472,7 +489,10 @@ class QLinearGlobalAveragePool(_QOp):
             scale = sx / (sy * _F32(size))
         if _compiled_serves(self, x.size, lambda: np.isfinite(scale)):
             kept = [1 if d in axes else n for d, n in enumerate(x.shape)]
-            return _qlinear.global_average(x, bool(self.channels_last), zx, scale, zy,
+            last = bool(self.channels_last)
+            if not last and xp is np and channels_last(x):   # read where it lies
+                x, last = np.moveaxis(x, 1, -1), True
+            return _qlinear.global_average(x, last, zx, scale, zy,
                                            *_int_range(x.dtype)).reshape(kept)
         acc = xp.sum(x.astype(np.int64), axis=axes, keepdims=True) - zx.astype(np.int64) * size
         with np.errstate(all="ignore"):

@@ -1,4 +1,5 @@
-"""The CPU engine's integer product (ops/cpu/integer.py): exact int32 sums of 8-bit products.
+"""The CPU engine's integer products (ops/cpu/integer.py, integer_tiles.py): exact int32 sums
+of 8-bit products.
 
 The kernel itself against numpy's int64 matmul and torch's float64 convolution of the shifted
 values (exact for these sizes), over the shapes that leave partial tiles, blocks and words
@@ -17,7 +18,7 @@ from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 import ember
-from ember.ops.cpu import integer
+from ember.ops.cpu import integer, integer_tiles
 
 ort = pytest.importorskip("onnxruntime")
 pytestmark = pytest.mark.skipif(not integer.enabled(), reason="numba is not installed")
@@ -40,10 +41,13 @@ def test_matmul_kernel_exact(adt, wdt, M, K, N):
     x, w = _ints(rng, adt, (M, K)), _ints(rng, wdt, (K, N))
     zx = int(_ints(rng, adt, ()))
     zw = _ints(rng, wdt, (N,)).astype(np.int64)
-    out = np.empty((M, N), np.int32)
-    integer.matmul(x, zx, integer.Weights(np.ascontiguousarray(w.T), zw), out)
+    out = np.empty((1, 1, M, N), np.int32)
+    weights = integer_tiles.ConvWeights(np.ascontiguousarray(w.T).reshape(N, K, 1, 1), zw)
+    image = x.reshape(1, 1, M, K).transpose(0, 3, 1, 2)   # the rows as M pixels
+    pointwise = ((1, 1), (1, 1), (1, 1), (0, 0), (0, 0))
+    integer_tiles.Plan(weights, image, pointwise, (1, M)).run(image, zx, out)
     expected = (x.astype(np.int64) - zx) @ (w.astype(np.int64) - zw)
-    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(out.reshape(M, N), expected)
 
 
 @pytest.mark.parametrize("adt", [np.uint8, np.int8])
@@ -90,12 +94,12 @@ def _model(op, inputs, out_dtype, domain="", **attrs):
     return helper.make_model(graph, opset_imports=opsets, ir_version=8), feeds
 
 
-def _check(model, feeds, exact=True):
+def _check(model, feeds, exact=True, kernel="cpu.integer"):
     expected = ort.InferenceSession(model.SerializeToString(),
                                     providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     sess = ember.load(model, backend="cpu")
     got = sess.run(feeds)["y"]
-    assert [k for _, _, k, _ in sess.kernels] == ["cpu.integer"]
+    assert [k for _, _, k, _ in sess.kernels] == [kernel]
     if exact:
         np.testing.assert_array_equal(got, expected)
     else:
@@ -133,7 +137,12 @@ def test_qlinearconv_against_onnxruntime(adt, group, stride, dilation, pad):
               ("yz", _ints(rng, adt, ()), True), ("B", bias, True)]
     model, feeds = _model("QLinearConv", inputs, adt, group=group, strides=[stride] * 2,
                           dilations=[dilation] * 2, pads=[pad] * 4)
-    _check(model, feeds)
+    _check(model, feeds, kernel=_CONV_KERNELS[group])
+
+
+# the kernels by group: one (the pixel tiles), depthwise (12 and 9 channels), two (the GEMM)
+_CONV_KERNELS = {1: "cpu.integer-tiles", 12: "cpu.integer-depthwise", 9: "cpu.integer-depthwise",
+                 2: "cpu.integer"}
 
 
 @pytest.mark.parametrize("group", [1, 9])
@@ -145,6 +154,29 @@ def test_convinteger_against_onnxruntime(group):
     model, feeds = _model("ConvInteger", [("x", x, False), ("w", w, True),
                                           ("xz", np.uint8(7), True), ("wz", np.uint8(3), True)],
                           np.int32, pads=[1, 1, 1, 1], group=group)
+    _check(model, feeds, kernel=_CONV_KERNELS[group])
+
+
+@pytest.mark.parametrize("adt,wdt", [(np.uint8, np.int8), (np.int8, np.int8),
+                                     (np.uint8, np.uint8)])
+@pytest.mark.parametrize("rows", [1, 3, 19])
+def test_few_rows_against_onnxruntime(adt, wdt, rows):
+    """Fewer rows than a block of the GEMM's columns: the pixel tiles' route (_few_rows), K
+    not a multiple of 4, per-column zero points; QGemm's classifier head of one row."""
+    rng = np.random.default_rng(rows)
+    a, b = _ints(rng, adt, (rows, 259)), _ints(rng, wdt, (259, 1030), bits=7)
+    za, zb = _ints(rng, adt, ()), _ints(rng, wdt, (1030,), bits=7)
+    model, feeds = _model("MatMulInteger", [("a", a, False), ("b", b, True),
+                                            ("za", za, False), ("zb", zb, True)], np.int32)
+    _check(model, feeds)
+    f32 = np.float32
+    inputs = [("a", a, False), ("sa", f32(0.03), True), ("za", za, True),
+              ("b", np.ascontiguousarray(b.T), True),
+              ("sb", rng.uniform(0.001, 0.01, 1030).astype(f32), True),
+              ("zb", np.zeros(1030, wdt), True),
+              ("c", rng.integers(-900, 900, 1030).astype(np.int32), True),
+              ("sy", f32(0.2), True), ("zy", _ints(rng, adt, ()), True)]
+    model, feeds = _model("QGemm", inputs, adt, domain="com.microsoft", transB=1)
     _check(model, feeds)
 
 
@@ -216,4 +248,4 @@ def test_depthwise_by_planes_against_onnxruntime(adt, stride, dilation, pad, k):
               ("B", rng.integers(-500, 500, C).astype(np.int32), True)]
     model, feeds = _model("QLinearConv", inputs, adt, group=C, strides=[stride] * 2,
                           dilations=[dilation] * 2, pads=[pad] * 4)
-    _check(model, feeds)
+    _check(model, feeds, kernel="cpu.integer-depthwise")

@@ -20,22 +20,34 @@ def pixel_rows(x):
     return rows.reshape(-1, x.shape[1]) if rows.flags.c_contiguous else None
 
 
-def in_memory_order(inputs: tuple) -> tuple[list, tuple[int, ...] | None]:
-    """The inputs with their axes in the memory order of the first one of the result's shape
-    (a channels-last image between convolutions: its (N, H, W, C) view), and the transpose
-    that takes a result computed in that order back to the inputs' axes (None: no change).
-    The result then has that input's layout, as numpy's ufuncs give it, and no input of that
-    layout is copied to C order for the loop."""
+def memory_order(inputs: tuple) -> tuple[int, ...] | None:
+    """The axes of the first input of the inputs' broadcast shape in its memory's order (a
+    channels-last image between convolutions: (0, 2, 3, 1)), where that is a permutation of
+    C order other than the identity; else None (C order, a strided view, no such input, or
+    shapes that do not broadcast: the portable kernel raises numpy's error)."""
     try:
         shape = np.broadcast_shapes(*(x.shape for x in inputs))
-    except ValueError:   # not broadcastable: the portable kernel raises numpy's error
-        return list(inputs), None
+    except ValueError:
+        return None
     first = next((x for x in inputs if x.shape == shape), None)
     if first is None or first.flags.c_contiguous or first.ndim < 2:
-        return list(inputs), None
+        return None
     order = tuple(sorted(range(first.ndim), key=lambda axis: -first.strides[axis]))
-    if not first.transpose(order).flags.c_contiguous:
-        return list(inputs), None   # not a permutation of C order (a strided view)
-    rank = len(shape)
-    moved = [x.reshape((1,) * (rank - x.ndim) + x.shape).transpose(order) for x in inputs]
-    return moved, tuple(int(axis) for axis in np.argsort(order))
+    return order if first.transpose(order).flags.c_contiguous else None
+
+
+def moved(x, order: tuple[int, ...]):
+    """x (broadcast to the rank of `order` by leading ones) with its axes in that order."""
+    rank = len(order)
+    return x.reshape((1,) * (rank - x.ndim) + x.shape).transpose(order)
+
+
+def in_memory_order(inputs: tuple) -> tuple[list, tuple[int, ...] | None]:
+    """The inputs with their axes in the memory order of the first one of the result's shape
+    (`memory_order`), and the transpose that takes a result computed in that order back to
+    the inputs' axes (None: no change). The result then has that input's layout, as numpy's
+    ufuncs give it, and no input of that layout is copied to C order for the loop."""
+    order = memory_order(inputs)
+    if order is None:
+        return list(inputs), None
+    return [moved(x, order) for x in inputs], tuple(int(axis) for axis in np.argsort(order))

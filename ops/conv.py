@@ -43,6 +43,7 @@ from ember.ops.cpu.tuning import (IM2COL_CHUNK as _IM2COL_CHUNK,
 from ember.ops import _epilogue, _integer as _int, _xp
 from ember.ops.cpu import integer as _integer, integer_tiles as _integer_tiles
 from ember.ops._layout import channels_last
+from ember.ops._lowering import remembered_route
 from ember.ops.linalg import check_numeric
 from ember.ops.registry import Lowering, OpImpl, register
 
@@ -1620,32 +1621,15 @@ class _IntegerRoute:
                                  out[n, g * Mg:(g + 1) * Mg].reshape(Mg, P), **part)
 
 
-def _integer_route(op, x, params, make):
-    """The op's _IntegerRoute for x and its other inputs `params`, remembered while x's
-    shape, strides and type, the run's threads and every parameter (by identity: read-only
-    constants) stay the same; `make()` builds one (None where the integer kernels do not
-    serve). One tuple replaced whole: threads sharing a session read the old or the new."""
-    signature = (x.shape, x.strides, x.dtype, _compiled.run_threads())
-    last = op.__dict__.get("_int_route")
-    if last is not None and last[0] == signature and len(last[1]) == len(params) \
-            and all(a is b for a, b in zip(last[1], params)):
-        return last[2]
-    route = make()
-    if route is not None and all(p is None or isinstance(p, np.ndarray) and not p.flags.writeable
-                                 for p in params):
-        op._int_route = (signature, params, route)
-    return route
-
-
 @register("ConvInteger", versions=[10])
 class ConvInteger(_ConvBase):
     def lower(self, inputs):
         return _integer_lowering(self, inputs[0], inputs[1])
 
     def run(self, x, w, x_zero_point=None, w_zero_point=None):
-        route = _integer_route(self, x, (w, x_zero_point, w_zero_point), lambda: _IntegerRoute(
-            self, x, w, x_zero_point, w_zero_point, np.int32, {})
-            if _integer_conv_serves(self, x, w, x_zero_point, w_zero_point) else None)
+        route = remembered_route(self, (x,), (w, x_zero_point, w_zero_point), lambda: (
+            _IntegerRoute(self, x, w, x_zero_point, w_zero_point, np.int32, {})
+            if _integer_conv_serves(self, x, w, x_zero_point, w_zero_point) else None))
         if route is not None:
             self._chosen = route.lowering
             return route(x)
@@ -1663,7 +1647,7 @@ class QLinearConv(_ConvBase):
     def run(self, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point,
             B=None):
         params = (x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, B)
-        route = _integer_route(self, x, params, lambda: self._route(x, *params))
+        route = remembered_route(self, (x,), params, lambda: self._route(x, *params))
         if route is not None:
             self._chosen = route.lowering
             return route(x)

@@ -36,9 +36,9 @@ import ml_dtypes
 import numpy as np
 
 from ember.ops import _integer as _int, _xp
-from ember.ops._layout import channels_last, in_memory_order
+from ember.ops._layout import channels_last, memory_order, moved
 from ember.ops.registry import OpImpl, Sketch, register
-from ember.ops._lowering import numba_serves
+from ember.ops._lowering import numba_serves, remembered_route
 from ember.ops.cpu import qlinear as _qlinear
 from ember.ops.cpu import tuning
 from ember.ops.registry import PORTABLE, Lowering
@@ -254,6 +254,12 @@ class _QLinearBinary(_QOp):
         return _compiled_lowering(a, types_ok, lambda shape: _blocks(
             shape, b.shape, self.compiled_min) is not None)
 
+    def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale,
+            c_zero_point=None):
+        params = (a_scale, a_zero_point, b_scale, b_zero_point, c_scale, c_zero_point)
+        route = remembered_route(self, (a, b), params, lambda: self._route(a, b, *params))
+        return route(a, b)
+
     def _parameters(self, a, b, a_scale, a_zero_point, b_scale, b_zero_point, c_scale,
                     c_zero_point):
         """The checked per-tensor scales (sa, sb, sc) and int32 zero points (za, zb, zc)."""
@@ -280,27 +286,36 @@ class QLinearAdd(_QLinearBinary):
     # numpy's emulated fused multiply-adds take many passes: the loop pays from fewer values
     threshold = "QLINEAR_ADD_COMPILED_MIN"
 
-    def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale,
-            c_zero_point=None):
+    def _route(self, a, b, a_scale, a_zero_point, b_scale, b_zero_point, c_scale,
+               c_zero_point):
         xp = self.xp
         sa, sb, sc, za, zb, zc = self._parameters(a, b, a_scale, a_zero_point, b_scale,
                                                   b_zero_point, c_scale, c_zero_point)
         ra, rb = sa / sc, sb / sc
         za, zb, zc = (z.astype(_F32) for z in (za, zb, zc))
-        if _innermost_scalar(a, b):  # the kernel is called with the operands swapped
+        swap = _innermost_scalar(a, b)   # the kernel is called with the operands swapped
+        if swap:
             a, b, ra, rb, za, zb = b, a, rb, ra, zb, za
         fixed = zc - _fma32(xp, ra, za, rb * zb)
-        (a, b), back = _in_memory_order(xp, a, b)
+        order = memory_order((a, b)) if xp is np else None
+        if order is not None:
+            a, b = moved(a, order), moved(b, order)
         plan = _blocks(a.shape, b.shape, self.compiled_min)
+        lo, hi = _int_range(a.dtype)
         if _compiled_serves(self, _size(plan), lambda: np.isfinite([ra, rb, fixed]).all(),
                             self.compiled_min):
             table = self.pair_table(ra, rb, fixed, a.dtype) \
                 if _size(plan) >= tuning.QLINEAR_ADD_TABLE_MIN else None
-            return _restored(_qlinear.add(a, b, ra, rb, fixed, *_int_range(a.dtype), plan, table)
-                             .reshape(np.broadcast_shapes(a.shape, b.shape)), back)
-        with np.errstate(all="ignore"):
-            total = _fma32(xp, a.astype(_F32), ra, _fma32(xp, b.astype(_F32), rb, fixed))
-        return _restored(_saturate(xp, xp.rint(total), a.dtype), back)
+
+            def kernel(a, b):
+                return _qlinear.add(a, b, ra, rb, fixed, lo, hi, plan, table)
+        else:
+            def kernel(a, b):
+                with np.errstate(all="ignore"):
+                    total = _fma32(xp, a.astype(_F32), ra, _fma32(xp, b.astype(_F32), rb,
+                                                                     fixed))
+                return _saturate(xp, xp.rint(total), a.dtype)
+        return _BinaryRoute(kernel, swap, order, np.broadcast_shapes(a.shape, b.shape))
 
     def pair_table(self, ra, rb, fixed, dtype):
         """The compiled loop's code for every pair of codes (qlinear.add_table), kept for the
@@ -313,17 +328,23 @@ class QLinearAdd(_QLinearBinary):
         return kept[1]
 
 
-def _in_memory_order(xp, a, b):
-    """a and b with their axes in the memory order of a channels-last image among them
-    (ops/_layout.py), and the transpose back: the compiled loops read such an image where it
-    lies, and the result keeps its layout for the next 8-bit op."""
-    if xp is not np:
-        return (a, b), None
-    return in_memory_order((a, b))
+class _BinaryRoute:
+    """QLinearAdd's or QLinearMul's call worked out once (_QLinearBinary.run): the operands
+    swapped where the kernel takes them so, their axes put in the memory order of a
+    channels-last image among them (ops/_layout.py: the loops read it where it lies, and
+    the result keeps its layout for the next 8-bit op), then `kernel` (a, b) -> C."""
 
+    def __init__(self, kernel, swap: bool, order, shape):
+        self.kernel, self.swap, self.order, self.shape = kernel, swap, order, shape
+        self.back = None if order is None else tuple(int(i) for i in np.argsort(order))
 
-def _restored(out, back):
-    return out if back is None else out.transpose(back)
+    def __call__(self, a, b):
+        if self.swap:
+            a, b = b, a
+        if self.order is not None:
+            a, b = moved(a, self.order), moved(b, self.order)
+        out = self.kernel(a, b).reshape(self.shape)
+        return out if self.back is None else out.transpose(self.back)
 
 
 def _blocks(a_shape, b_shape, minimum: int):
@@ -348,23 +369,28 @@ def _innermost_scalar(x, other) -> bool:
 class QLinearMul(_QLinearBinary):
     """C = (A - A_zp)(B - B_zp) A_scale B_scale / C_scale + C_zp; the integer product is exact."""
 
-    def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale,
-            c_zero_point=None):
+    def _route(self, a, b, a_scale, a_zero_point, b_scale, b_zero_point, c_scale,
+               c_zero_point):
         sa, sb, sc, za, zb, zc = self._parameters(a, b, a_scale, a_zero_point, b_scale,
                                                   b_zero_point, c_scale, c_zero_point)
-        (a, b), back = _in_memory_order(self.xp, a, b)
+        order = memory_order((a, b)) if self.xp is np else None
+        if order is not None:
+            a, b = moved(a, order), moved(b, order)
         plan = _blocks(a.shape, b.shape, self.compiled_min)
+        lo, hi = _int_range(a.dtype)
         with np.errstate(all="ignore"):
             multiplier = sa * sb / sc
         if _compiled_serves(self, _size(plan), lambda: np.isfinite(multiplier),
                             self.compiled_min):
-            return _restored(_qlinear.mul(a, b, za, zb, zc, multiplier, *_int_range(a.dtype),
-                                          plan).reshape(np.broadcast_shapes(a.shape, b.shape)),
-                             back)
-        product = (a.astype(np.int32) - za) * (b.astype(np.int32) - zb)
-        with np.errstate(all="ignore"):
-            value = product.astype(_F32) * (sa * sb / sc)
-        return _restored(_quantize(self.xp, value, 1, zc, a.dtype), back)
+            def kernel(a, b):
+                return _qlinear.mul(a, b, za, zb, zc, multiplier, lo, hi, plan)
+        else:
+            def kernel(a, b):
+                product = (a.astype(np.int32) - za) * (b.astype(np.int32) - zb)
+                with np.errstate(all="ignore"):
+                    value = product.astype(_F32) * multiplier
+                return _quantize(self.xp, value, 1, zc, a.dtype)
+        return _BinaryRoute(kernel, False, order, np.broadcast_shapes(a.shape, b.shape))
 
 
 # --------------------------------------------------------------------------------------------

@@ -74,11 +74,12 @@ def node_model(op, inputs, out_types, domain=MS, opset=21, **attrs):
 
 def compiled_and_numpy(monkeypatch, model, feeds):
     """The outputs with the compiled loops forced, then with numpy's kernels forced, checking
-    the node named the kernel it ran each time."""
-    session = ember.load(model, "cpu")
+    the node named the kernel it ran each time. A session each: a node works its route out
+    at its first run and keeps it."""
     results = []
     for least, kernel in ((1, "cpu.compiled"), (NUMPY, "numpy")):
         set_thresholds(monkeypatch, least)
+        session = ember.load(model, "cpu")
         results.append(session.run(feeds))
         assert [k for _, _, k, _ in session.kernels] == [kernel], session.kernels
     return results

@@ -47,6 +47,7 @@ def pixel_tile(R, mode, image, base, taps, T, quads, weights, w_at, rows, width,
                 sums, mult, fbias, c0, y_zero, lo, hi, out, out_at, ldo)
 
 
+@_compiled.kernel_math
 def conv_loops(image, image_size, C, Cp, pixels, taps, quads, weights, w_sum, w_zero, K, x_zero,
                need_sums, mode, bias, mult, fbias, y_zero, lo, hi, out, images, tiles_outer,
                u0, u1):
@@ -115,6 +116,7 @@ def conv_loops(image, image_size, C, Cp, pixels, taps, quads, weights, w_sum, w_
                        width, fixed, zw, sums, ms, fb, c0, y_zero, lo, hi, flat_out, at, M)
 
 
+@_compiled.kernel_math
 def pad_images_loops(x, planar, flip, pad, top, left, image, r0, r1):
     """Rows [r0, r1) of the padded images (N * Hp rows): image (N, Hp, Wp, Cp) uint8 holds
     the images x XOR `flip` in their place, `pad` around them, and 0 in the Cp - C channels
@@ -166,6 +168,7 @@ def depthwise_tile(R, mode, image, base, taps, T, weights, Cw, c0, rows, width, 
                           mult, fbias, y_zero, lo, hi, out, out_at, ldo)
 
 
+@_compiled.kernel_math
 def depthwise_loops(image, image_size, pixels, taps, weights, w_sum, x_zero, mode, bias, mult,
                     fbias, y_zero, lo, hi, out, images, u0, u1):
     """Units [u0, u1) of a depthwise convolution's channels-last output out (images * L, C)
@@ -320,7 +323,7 @@ class Plan:
         _compiled.run_rows(_kernels()[1], self.pad_bounds, source.view(np.uint8),
                            self.planar, np.uint8(self.flip),
                            np.uint8((int(zero) + self.flip) & 0xFF), self.begin[0],
-                           self.begin[1], image)
+                           self.begin[1], image, piece=_pad_piece)
         return image
 
     def run(self, x: np.ndarray, x_zero: int, out: np.ndarray, mode: int = _integer.INT32,
@@ -341,12 +344,90 @@ class Plan:
         if self.depthwise:
             _compiled.run_rows(_kernels()[2], self.bounds, image.reshape(-1), size, self.pixels,
                                self.taps, w.taps, w.sums, zero, mode, bias, mult, fbias,
-                               *limits, out.reshape(-1, M), N)
+                               *limits, out.reshape(-1, M), N,
+                               piece=_DEPTHWISE_PIECES.get(out.dtype))
             return
         _compiled.run_rows(_kernels()[0], self.bounds, image.reshape(-1), size, x.shape[1],
                            image.shape[3], self.pixels, self.taps, self.quads, w.blocks, w.sums,
                            w.zero, np.int64(w.K), zero, w.need_sums, mode, bias, mult, fbias,
-                           *limits, out.reshape(-1, M), N, self.tiles_outer)
+                           *limits, out.reshape(-1, M), N, self.tiles_outer,
+                           piece=_CONV_PIECES.get(out.dtype))
+
+
+# ------------------------------------------------------------------ the kernels' pieces
+# Piece functions (ops/cpu/compiled.py): the helpers run a kernel's pieces without Python,
+# where a Python job would wait for the GIL; the arguments from the block run_rows made, one
+# function per type of the output (or none, for the pad loop).
+
+@_compiled.kernel_math
+def _conv_piece(block, u0, u1, dtype):  # pragma: no cover - numba
+    v = _compiled.array_at(block, (37,), np.int64)
+    f = _compiled.array_at(block, (37,), np.float64)
+    conv_loops(_compiled.array_at(v[0], (v[1],), np.uint8), v[2], v[3], v[4],
+               _compiled.array_at(v[5], (v[6],), np.int64),
+               _compiled.array_at(v[7], (v[8],), np.int64), v[9],
+               _compiled.array_at(v[10], (v[11], v[12], v[13], v[14]), np.int8),
+               _compiled.array_at(v[15], (v[16],), np.int64),
+               _compiled.array_at(v[17], (v[18],), np.int64), v[19], v[20], v[21] != 0, v[22],
+               _compiled.array_at(v[23], (v[24],), np.int64),
+               _compiled.array_at(v[25], (v[26],), np.float32),
+               _compiled.array_at(v[27], (v[28],), np.float32),
+               np.float32(f[29]), np.float32(f[30]), np.float32(f[31]),
+               _compiled.array_at(v[32], (v[33], v[34]), dtype), v[35], v[36] != 0, u0, u1)
+
+
+@_compiled.kernel_math
+def _depthwise_piece(block, u0, u1, dtype):  # pragma: no cover - numba
+    v = _compiled.array_at(block, (27,), np.int64)
+    f = _compiled.array_at(block, (27,), np.float64)
+    depthwise_loops(_compiled.array_at(v[0], (v[1],), np.uint8), v[2],
+                    _compiled.array_at(v[3], (v[4],), np.int64),
+                    _compiled.array_at(v[5], (v[6],), np.int64),
+                    _compiled.array_at(v[7], (v[8], v[9]), np.float32),
+                    _compiled.array_at(v[10], (v[11],), np.int64), v[12], v[13],
+                    _compiled.array_at(v[14], (v[15],), np.int64),
+                    _compiled.array_at(v[16], (v[17],), np.float32),
+                    _compiled.array_at(v[18], (v[19],), np.float32),
+                    np.float32(f[20]), np.float32(f[21]), np.float32(f[22]),
+                    _compiled.array_at(v[23], (v[24], v[25]), dtype), v[26], u0, u1)
+
+
+def _pad_piece(block, r0, r1):  # pragma: no cover - numba
+    v = _compiled.array_at(block, (15,), np.int64)
+    pad_images_loops(_compiled.array_at(v[0], (v[1], v[2], v[3], v[4]), np.uint8), v[5] != 0,
+                     np.uint8(v[6]), np.uint8(v[7]), v[8], v[9],
+                     _compiled.array_at(v[10], (v[11], v[12], v[13], v[14]), np.uint8), r0, r1)
+
+
+def _conv_piece_u8(block, u0, u1):  # pragma: no cover - numba
+    _conv_piece(block, u0, u1, np.uint8)
+
+
+def _conv_piece_i8(block, u0, u1):  # pragma: no cover - numba
+    _conv_piece(block, u0, u1, np.int8)
+
+
+def _conv_piece_i32(block, u0, u1):  # pragma: no cover - numba
+    _conv_piece(block, u0, u1, np.int32)
+
+
+def _depthwise_piece_u8(block, u0, u1):  # pragma: no cover - numba
+    _depthwise_piece(block, u0, u1, np.uint8)
+
+
+def _depthwise_piece_i8(block, u0, u1):  # pragma: no cover - numba
+    _depthwise_piece(block, u0, u1, np.int8)
+
+
+def _depthwise_piece_i32(block, u0, u1):  # pragma: no cover - numba
+    _depthwise_piece(block, u0, u1, np.int32)
+
+
+_CONV_PIECES = {np.dtype(np.uint8): _conv_piece_u8, np.dtype(np.int8): _conv_piece_i8,
+                np.dtype(np.int32): _conv_piece_i32}
+_DEPTHWISE_PIECES = {np.dtype(np.uint8): _depthwise_piece_u8,
+                     np.dtype(np.int8): _depthwise_piece_i8,
+                     np.dtype(np.int32): _depthwise_piece_i32}
 
 
 # ------------------------------------------------------------------ the compiled tiles

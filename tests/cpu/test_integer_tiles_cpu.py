@@ -18,6 +18,7 @@ from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 import ember
+from board import pieces_on_the_board_give_one_threads_bits
 from ember.ops.cpu import integer, integer_tiles
 
 torch = pytest.importorskip("torch")
@@ -194,3 +195,22 @@ def test_shared_session_threads_same_bits():
         t.join()
     for got, want in zip(results, sequential):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("depthwise", [False, True])
+def test_pieces_on_the_board_same_bits(depthwise, monkeypatch):
+    """The kernels' pieces taken by the pool's helpers without Python (their piece
+    functions), padding included: one thread's bits."""
+    rng = np.random.default_rng(11)
+    C, M = 40, 72
+    x = _layout(_ints(rng, np.int8, (2, C, 30, 30)), True)
+    w = _ints(rng, np.int8, (C, 1, 3, 3) if depthwise else (M, C, 3, 3))
+    zw = rng.integers(-3, 4, C if depthwise else M)
+    weights = integer_tiles.DepthwiseWeights(w, zw) if depthwise \
+        else integer_tiles.ConvWeights(w, zw)
+    epilogue = _epilogues(rng, np.zeros((1, 1, 1, 1)), C if depthwise else M)[1][1]
+
+    def compute():
+        return _run(weights, x, 5, 3, 1, 1, 1, np.uint8, **epilogue)
+
+    pieces_on_the_board_give_one_threads_bits(compute, monkeypatch)

@@ -46,6 +46,7 @@ from ember.simplifier.passes.fuse_attention import fuse_attention, fuse_attentio
 from ember.simplifier.passes.fuse_elementwise import fuse_elementwise
 from ember.simplifier.passes.fuse_gelu import fuse_gelu
 from ember.simplifier.passes.fuse_gemm import fold_scale_into_matmul, fuse_matmul_add
+from ember.simplifier.passes.fuse_groupnorm import fuse_groupnorm
 from ember.simplifier.passes.fuse_layernorm import fuse_layernorm
 from ember.simplifier.passes.fuse_qdq import fuse_qdq
 from ember.simplifier.passes.merge_transpose import (gather_through_transpose, merge_reshapes,
@@ -80,6 +81,7 @@ PASSES: dict[str, Pass] = {
     "fold_reshape_into_reduce": fold_reshape_into_reduce,
     "fold_batchnorm_into_conv": fold_batchnorm_into_conv,
     "fuse_layernorm": fuse_layernorm,
+    "fuse_groupnorm": fuse_groupnorm,
     "fuse_gelu": fuse_gelu,
     "fuse_attention": fuse_attention,
     "fuse_attention_projections": fuse_attention_projections,
@@ -101,6 +103,7 @@ _TRIGGERS = {
     "fuse_qdq": {"QuantizeLinear"},
     "merge_reshapes": {"Reshape"}, "gather_through_transpose": {"Gather"},
     "fold_batchnorm_into_conv": {"BatchNormalization"}, "fuse_layernorm": {"Div"},
+    "fuse_groupnorm": {"InstanceNormalization"},
     "fuse_gelu": {"Erf", "Tanh"}, "fuse_attention": {"Softmax"},
     "fuse_attention_projections": {"Attention"}, "fuse_matmul_add": {"MatMul"},
     "fold_scale_into_matmul": {"Mul"}, "fuse_residual_add": {"Add"},

@@ -604,6 +604,38 @@ def test_layernorm_pattern_fuses(shape, affine, square):
     assert ops(model) == ["LayerNormalization"]
 
 
+def decomposed_groupnorm(shape, groups, back_by_shape):
+    """PyTorch's GroupNorm below opset 21: Reshape (N, G, -1), InstanceNormalization with a
+    scale and bias per group, Reshape back (to Shape(x), or a constant), per-channel affine."""
+    N, C = shape[:2]
+    rng = np.random.default_rng(groups)
+    back = [helper.make_node("Shape", ["x"], ["x_shape"])] if back_by_shape else []
+    nodes = [helper.make_node("Reshape", ["x", "grouped"], ["g"]),
+             helper.make_node("InstanceNormalization", ["g", "s", "b"], ["n"], epsilon=1e-5),
+             *back,
+             helper.make_node("Reshape", ["n", "x_shape"], ["r"]),
+             helper.make_node("Mul", ["r", "gamma"], ["m"]),
+             helper.make_node("Add", ["m", "beta"], ["y"])]
+    inits = [const("grouped", np.array([N, groups, -1], np.int64)),
+             const("s", rng.uniform(0.5, 1.5, groups).astype(np.float32)),
+             const("b", rng.standard_normal(groups).astype(np.float32)),
+             const("gamma", rng.standard_normal((C,) + (1,) * (len(shape) - 2)).astype(np.float32)),
+             const("beta", rng.standard_normal((C,) + (1,) * (len(shape) - 2)).astype(np.float32))]
+    if not back_by_shape:
+        inits.append(const("x_shape", np.array(shape, np.int64)))
+    return make_model(nodes, [tensor("x", shape)], [tensor("y", shape)], inits)
+
+
+@pytest.mark.parametrize("shape,groups", [((2, 32, 9, 7), 8), ((1, 12, 50), 3),
+                                          ((1, 16, 5, 6), 16)])
+@pytest.mark.parametrize("back_by_shape", [True, False])
+def test_groupnorm_pattern_fuses(shape, groups, back_by_shape):
+    proto = decomposed_groupnorm(shape, groups, back_by_shape)
+    model = simplified_matches(proto, {"x": rand(*shape) * 3 + 1}, rtol=1e-4,
+                               skip=["fuse_elementwise"])
+    assert ops(model) == ["GroupNormalization", "Mul", "Add"]
+
+
 def gelu_erf(shape):
     nodes = [helper.make_node("Div", ["x", "sqrt2"], ["u"]),
              helper.make_node("Erf", ["u"], ["e"]),

@@ -605,8 +605,9 @@ def test_layernorm_pattern_fuses(shape, affine, square):
 
 
 def decomposed_groupnorm(shape, groups, back_by_shape):
-    """PyTorch's GroupNorm below opset 21: Reshape (N, G, -1), InstanceNormalization with a
-    scale and bias per group, Reshape back (to Shape(x), or a constant), per-channel affine."""
+    """PyTorch's GroupNorm below opset 21: Reshape (N, G, -1) (N kept as 0 where the batch
+    is a symbol, as the exporter writes it), InstanceNormalization with a scale and bias per
+    group, Reshape back (to Shape(x), or a constant), per-channel affine."""
     N, C = shape[:2]
     rng = np.random.default_rng(groups)
     back = [helper.make_node("Shape", ["x"], ["x_shape"])] if back_by_shape else []
@@ -616,7 +617,7 @@ def decomposed_groupnorm(shape, groups, back_by_shape):
              helper.make_node("Reshape", ["n", "x_shape"], ["r"]),
              helper.make_node("Mul", ["r", "gamma"], ["m"]),
              helper.make_node("Add", ["m", "beta"], ["y"])]
-    inits = [const("grouped", np.array([N, groups, -1], np.int64)),
+    inits = [const("grouped", np.array([0 if isinstance(N, str) else N, groups, -1], np.int64)),
              const("s", rng.uniform(0.5, 1.5, groups).astype(np.float32)),
              const("b", rng.standard_normal(groups).astype(np.float32)),
              const("gamma", rng.standard_normal((C,) + (1,) * (len(shape) - 2)).astype(np.float32)),
@@ -626,12 +627,13 @@ def decomposed_groupnorm(shape, groups, back_by_shape):
     return make_model(nodes, [tensor("x", shape)], [tensor("y", shape)], inits)
 
 
-@pytest.mark.parametrize("shape,groups", [((2, 32, 9, 7), 8), ((1, 12, 50), 3),
-                                          ((1, 16, 5, 6), 16)])
-@pytest.mark.parametrize("back_by_shape", [True, False])
+@pytest.mark.parametrize("shape,groups,back_by_shape", [
+    ((2, 32, 9, 7), 8, True), ((2, 32, 9, 7), 8, False), ((1, 12, 50), 3, True),
+    ((1, 12, 50), 3, False), ((1, 16, 5, 6), 16, True), (("batch", 32, 6, 6), 4, True)])
 def test_groupnorm_pattern_fuses(shape, groups, back_by_shape):
     proto = decomposed_groupnorm(shape, groups, back_by_shape)
-    model = simplified_matches(proto, {"x": rand(*shape) * 3 + 1}, rtol=1e-4,
+    sizes = [2 if isinstance(d, str) else d for d in shape]
+    model = simplified_matches(proto, {"x": rand(*sizes) * 3 + 1}, rtol=1e-4,
                                skip=["fuse_elementwise"])
     assert ops(model) == ["GroupNormalization", "Mul", "Add"]
 

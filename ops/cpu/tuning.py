@@ -184,6 +184,8 @@ TRIM_THRESHOLD = 256 << 20  # freed bytes glibc keeps at its heap's top for the 
 
 TREE_STEP_NS = 9.0  # a compiled tree walk's time per tree level of a row, for split_rows
 # history: docs/performance.md#tree_step_ns-opsmlpy
+TREE_GROUP_STEP_NS = 8.0  # the paired walk's time per step of a row down eight trees at once
+# history: docs/performance.md#tree_group_step_ns-opsmlpy
 
 # ---------------------------------------------------------------- ops/cpu/integer.py: 8-bit products
 

@@ -10,14 +10,13 @@ and a session shared by threads. Weights are 7-bit where onnxruntime's u8s8 kern
 saturate on a CPU without VNNI (tests/ops/test_contrib_quantized.py's docstring)."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 import ember
+from shared_session import threads_give_sequential_bits
 from ember.ops.cpu import integer, integer_tiles
 
 ort = pytest.importorskip("onnxruntime")
@@ -214,21 +213,8 @@ def test_shared_session_threads_same_bits():
               ("wz", np.int8(0), True), ("ys", f32(0.05), True), ("yz", np.uint8(90), True)]
     model, _ = _model("QLinearConv", inputs, np.uint8, pads=[1, 1, 1, 1])
     sess = ember.load(model, backend="cpu")
-    xs = [_ints(rng, np.uint8, (1, 32, 24, 24)) for _ in range(8)]
-    sequential = [sess.run({"x": x})["y"] for x in xs]
-    results = [None] * len(xs)
-
-    def work(i):
-        for _ in range(3):
-            results[i] = sess.run({"x": xs[i]})["y"]
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for got, want in zip(results, sequential):
-        np.testing.assert_array_equal(got, want)
+    xs = [{"x": _ints(rng, np.uint8, (1, 32, 24, 24))} for _ in range(8)]
+    threads_give_sequential_bits(lambda feed: sess.run(feed)["y"], xs, repeats=3)
 
 
 @pytest.mark.parametrize("adt", [np.uint8, np.int8])

@@ -10,8 +10,6 @@ shared by threads. Weights are 7-bit in the models, where onnxruntime's u8s8 ker
 saturate on a CPU without VNNI (tests/ops/test_contrib_quantized.py's docstring)."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 from onnx import TensorProto as TP
@@ -19,6 +17,7 @@ from onnx import helper, numpy_helper
 
 import ember
 from board import pieces_on_the_board_give_one_threads_bits
+from shared_session import threads_give_sequential_bits
 from ember.ops.cpu import integer, integer_tiles
 
 torch = pytest.importorskip("torch")
@@ -182,19 +181,7 @@ def test_shared_session_threads_same_bits():
     model, _ = _qlinear_block_model(rng, np.uint8)
     sess = ember.load(model, backend="cpu")
     feeds = [{"x": rng.standard_normal((2, 3, 30, 26)).astype(np.float32)} for _ in range(6)]
-    sequential = [sess.run(f)["e_float"] for f in feeds]
-    results = [None] * len(feeds)
-
-    def work(i):
-        results[i] = sess.run(feeds[i])["e_float"]
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(feeds))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for got, want in zip(results, sequential):
-        np.testing.assert_array_equal(got, want)
+    threads_give_sequential_bits(lambda feed: sess.run(feed)["e_float"], feeds)
 
 
 @pytest.mark.parametrize("depthwise", [False, True])

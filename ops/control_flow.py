@@ -217,6 +217,8 @@ class Loop(OpImpl):
         self.fixed_condition = graph is not None and _condition_is_fixed(graph)
         self.appended = _appended_sequences(graph, self.n_carried) if graph is not None \
             else frozenset()
+        # a body that never reads its iteration number is not given one (an array a turn)
+        self.counted = 0 not in getattr(body, "unread_inputs", ())
 
     def run(self, trip_count, cond, *carried, scope=None):
         body = self.body
@@ -234,21 +236,27 @@ class Loop(OpImpl):
         scans = [_Accumulated(self._output_name(1 + self.n_carried + k))
                  for k in range(self.n_scan)]
         sizes = [_Carried(self._output_name(1 + k)) for k in range(self.n_carried)]
+        # the projected sizes are checked after every iteration, the rest at powers of two
+        # (`_check_bounds`): a loop of neither pays for no call
+        every = bool(scans) and trips is not None
+        end_carried = 1 + self.n_carried
         i = 0
         while keep_going and (max_trips is None or i < max_trips):
             for k in kept:
                 state[k] = []  # the body appends to an empty list; `kept` holds the rest
-            outs = body.run([np.array(i, dtype=np.int64), cond_value] + state, scope)
+            number = np.array(i, dtype=np.int64) if self.counted else None
+            outs = body.run([number, cond_value] + state, scope)
             cond_value = np.asarray(outs[0])
             keep_going = _truth(self, cond_value, "body's condition output")
-            state = list(outs[1:1 + self.n_carried])
+            state = outs[1:end_carried]  # a new list: the body's own is not kept
             for k, acc in kept.items():
                 acc.extend(state[k])
                 state[k] = acc
-            for k in range(self.n_scan):
-                scans[k].append(outs[1 + self.n_carried + k])
+            for acc, value in zip(scans, outs[end_carried:]):
+                acc.append(value)
             i += 1
-            self._check_bounds(i, trips, limit, scans, sizes, state)
+            if every or not i & (i - 1):
+                self._check_bounds(i, trips, limit, scans, sizes, state)
             if i >= limit and keep_going and (max_trips is None or i < max_trips):
                 raise ResourceLimitError(
                     f"the loop has run {i} iterations and its condition still holds: over the "
@@ -261,8 +269,9 @@ class Loop(OpImpl):
         return tuple(results)
 
     def _check_bounds(self, i: int, trips: int | None, limit: int, scans, sizes, state) -> None:
-        """After iteration `i`: the sizes the loop is heading for, then the iteration limit
-        (the sizes first: an output that cannot fit is the more telling error)."""
+        """After iteration `i` (each one where scan outputs have a trip count to be projected
+        to, else each power of two): the sizes the loop is heading for, then the iteration
+        limit (the sizes first: an output that cannot fit is the more telling error)."""
         if trips is not None:
             for acc in scans:
                 acc.check_projected(trips)

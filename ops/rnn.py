@@ -522,7 +522,8 @@ class _RecurrentBase(OpImpl):
                 Y[:, d] = Yd[order, xp.arange(batch)[None, :]]  # the permutation is an involution
             for i, f in enumerate(final):
                 finals[i].append(f)
-        return Y, [xp.stack(f, axis=0) for f in finals]
+        # one direction: its state as a view with the axis added (np.stack would copy it)
+        return Y, [f[0][None] if D == 1 else xp.stack(f, axis=0) for f in finals]
 
     # The compiled whole-direction kernel (see `_lstm_steps_loops`), where the op has one.
     team_loops = None
@@ -564,14 +565,14 @@ class _RecurrentBase(OpImpl):
     def _by_rows(self, Rt, H):
         """The recurrent weights in column blocks for the team's product
         (`_recurrent_product`), kept while Rt (H, gates * H) is the same array, where the
-        vector code takes it; else an empty array."""
-        if not _tiles.recurrence_by_rows(H):
-            return np.empty((0, 0, 0), np.float32)
+        vector code takes it; else an empty array (kept too: asking `recurrence_by_rows`
+        reads the environment, a good part of a one-step recurrence's time)."""
         kept = getattr(self, "_column_blocks", ())  # ((Rt, blocks), ...), one a direction
         for source, packed in kept:
             if source is Rt:
                 return packed
-        packed = _tiles.pack_columns(Rt)
+        packed = _tiles.pack_columns(Rt) if _tiles.recurrence_by_rows(H) \
+            else np.empty((0, 0, 0), np.float32)
         # replaced in one assignment: a thread sees whole pairs
         self._column_blocks = (kept + ((Rt, packed),))[-self.num_directions:]
         return packed

@@ -45,6 +45,33 @@ def _norm_axes(op: OpImpl, axes, rank: int) -> list[int]:
     return out
 
 
+_MEMO_MAX = 64  # keys remembered per node; a dynamic axis may bring a new one every run
+
+
+def _remembered(op: OpImpl, key, make, *args):
+    """make(*args), remembered on `op` per `key` (an input's shape and whatever else decides
+    the result): for work that depends on nothing else, so that a node does it once per
+    geometry rather than once per run. Racing threads at worst both make it."""
+    memo = op.__dict__.get("_memo")
+    if memo is None or len(memo) > _MEMO_MAX:
+        memo = op._memo = {}
+    value = memo.get(key)
+    if value is None:
+        value = memo[key] = make(*args)
+    return value
+
+
+def _fixed_inputs(op: OpImpl) -> bool:
+    """Whether every input of `op` after the first that the node gives is a constant of the
+    plan (OpImpl.constant_inputs, set once the plan has bound the op): what they decide is
+    then fixed per shape of the first."""
+    fixed = op.__dict__.get("_inputs_fixed")
+    if fixed is None:
+        fixed = op._inputs_fixed = all(i in op.constant_inputs
+                                       for i in range(1, op.n_inputs) if op.node.inputs[i])
+    return fixed
+
+
 # ----------------------------------------------------------------------------- Reshape
 
 class _ViewOp(OpImpl):
@@ -52,21 +79,18 @@ class _ViewOp(OpImpl):
     dims is an attribute, or an input (index 1) that is a constant of the plan, the dims
     depend on the input's shape alone, so they are worked out once per shape and remembered."""
 
-    _MEMO_MAX = 64  # input shapes remembered; a dynamic axis may bring a new one every run
     _dims_in_attributes = False  # the opset-1/11 forms: axes or shape as attributes
 
     def _view(self, x, dims_of, param=None):
         """x reshaped to `dims_of(x.shape, param)`, remembered per shape where the dims are
-        fixed for the plan. Racing threads at worst both work out the same dims."""
+        fixed for the plan (`_remembered`)."""
         if not (self._dims_in_attributes or 1 in self.constant_inputs):
             return x.reshape(dims_of(x.shape, param))
-        memo = self.__dict__.get("_memo")
-        if memo is None or len(memo) > self._MEMO_MAX:
-            memo = self._memo = {}
-        dims = memo.get(x.shape)
-        if dims is None:
-            dims = memo[x.shape] = tuple(dims_of(x.shape, param))
-        return x.reshape(dims)
+        return x.reshape(_remembered(self, x.shape, _dims_tuple, dims_of, x.shape, param))
+
+
+def _dims_tuple(dims_of, shape, param) -> tuple[int, ...]:
+    return tuple(dims_of(shape, param))
 
 
 def _reshape_dims(op: OpImpl, in_shape: tuple, shape: list[int], allowzero: int) -> list[int]:
@@ -479,6 +503,11 @@ class Split18(OpImpl):
 # ----------------------------------------------------------------------------- Slice
 
 def _slice(op: OpImpl, x: np.ndarray, starts, ends, axes, steps) -> np.ndarray:
+    return x[_slice_index(op, x.shape, starts, ends, axes, steps)]
+
+
+def _slice_index(op: OpImpl, shape: tuple[int, ...], starts, ends, axes, steps) -> tuple:
+    """The index tuple that takes Slice's view of a tensor of `shape`."""
     starts, ends = _ints(starts), _ints(ends)
     if len(starts) != len(ends):
         raise op.fail(f"starts {starts} and ends {ends} differ in length")
@@ -486,10 +515,10 @@ def _slice(op: OpImpl, x: np.ndarray, starts, ends, axes, steps) -> np.ndarray:
     steps = [1] * len(starts) if steps is None else _ints(steps)
     if not len(axes) == len(steps) == len(starts):
         raise op.fail("starts, ends, axes and steps differ in length")
-    axes = _norm_axes(op, axes, x.ndim)
-    index = [slice(None)] * x.ndim
+    axes = _norm_axes(op, axes, len(shape))
+    index = [slice(None)] * len(shape)
     for a, start, end, step in zip(axes, starts, ends, steps):
-        dim = x.shape[a]
+        dim = shape[a]
         if step == 0:
             raise op.fail("a step of 0")
         if start < 0:
@@ -504,13 +533,14 @@ def _slice(op: OpImpl, x: np.ndarray, starts, ends, axes, steps) -> np.ndarray:
             start = min(max(start, 0), dim - 1)
             end = min(max(end, -1), dim - 1)
             index[a] = slice(start, end if end >= 0 else None, step)
-    return x[tuple(index)]
+    return tuple(index)
 
 
 @register("Slice", versions=[1])
 class Slice1(OpImpl):
-    def run(self, x):
-        return _slice(self, x, self.starts, self.ends, self.axes, None)
+    def run(self, x):  # the bounds are attributes: the index is fixed per input shape
+        return x[_remembered(self, x.shape, _slice_index, self, x.shape, self.starts,
+                             self.ends, self.axes, None)]
 
 
 @register("Slice", versions=[10, 11, 13])
@@ -518,7 +548,12 @@ class Slice10(OpImpl):
     shape_inputs = (1, 2, 3, 4)
 
     def run(self, x, starts, ends, axes=None, steps=None):
-        return _slice(self, x, starts, ends, axes, steps)
+        if not _fixed_inputs(self):
+            return _slice(self, x, starts, ends, axes, steps)
+        # bounds that are constants of the plan: converting them to ints was most of the
+        # kernel's time, so the index is worked out once per input shape
+        return x[_remembered(self, x.shape, _slice_index, self, x.shape, starts, ends, axes,
+                             steps)]
 
 
 # ----------------------------------------------------------------------------- Pad
@@ -558,6 +593,12 @@ def _pad(xp, op: OpImpl, x, pads: list[int], mode: str, value, axes=None):
         for a in range(rank):
             if (before[a] or after[a]) and x.shape[a] == 0:
                 raise op.fail(f"cannot {mode}-pad an empty axis {a}")
+        if xp is np:
+            for a, index in _remembered(op, (x.shape, tuple(before), tuple(after), mode),
+                                        _pad_indices, x.shape, before, after, mode):
+                x = x.take(index, axis=a)
+            return x
+        for a in range(rank):
             if mode == "reflect" and (before[a] or after[a]) and x.shape[a] == 1:
                 mode_a = "edge"  # reflecting a single element repeats it
                 x = xp.pad(x, [(before[a], after[a]) if i == a else (0, 0)
@@ -565,6 +606,17 @@ def _pad(xp, op: OpImpl, x, pads: list[int], mode: str, value, axes=None):
                 before[a] = after[a] = 0
         return xp.pad(x, list(zip(before, after)), mode=mode)
     raise op.fail(f"unknown mode '{mode}'")
+
+
+def _pad_indices(shape: tuple[int, ...], before: list[int], after: list[int],
+                 mode: str) -> tuple[tuple[int, np.ndarray], ...]:
+    """For a reflect, edge or wrap pad: (axis, source index of each output position) per
+    padded axis, so that the pad is a gather along each (np.take: a few microseconds where
+    np.pad takes tens on a small tensor). The indices are np.pad's own, of an arange: the
+    same rule, pads longer than the axis included; reflecting a single element repeats it."""
+    return tuple(
+        (a, np.pad(np.arange(n), (b, e), mode="edge" if mode == "reflect" and n == 1 else mode))
+        for a, (n, b, e) in enumerate(zip(shape, before, after)) if b or e)
 
 
 @register("Pad", versions=[1])

@@ -157,10 +157,20 @@ class Plan:
         self.output_slots = [self._slot(n if device_outputs else self._resident(n, False))
                              for n in self.output_names]
         self.steps = self._with_frees(self._steps, set(self.output_slots))
+        # the inputs that no step reads and no output passes on (a Loop body's iteration
+        # number, often): the node running this plan need not make their values
+        read = set(self.output_slots)
+        for step in self.steps:
+            read.update(step.inputs, (s for _, s in step.scope))
+        self.unread_inputs = frozenset(k for k, s in enumerate(self.input_slots)
+                                       if s not in read)
         # what `run` reads per step, bound once: the kernel's run method, a getter of its
         # arguments from the slots, and the slots it writes and frees
         self._program = tuple((step.kernel.run, _getter(step.inputs), step.outputs, step.frees,
                                step.scope) for step in self.steps)
+        # a getter of the outputs' values (C code): a subgraph's plan runs once a call of its
+        # node or an iteration of its loop, so its entry and exit are kept short
+        self._results = _getter(tuple(self.output_slots))
         self.initial_env: list[Any] = [None] * (_RESERVED_SLOTS + len(self.slots))
         for s, value in self._constants.items():
             self.initial_env[s] = value
@@ -372,7 +382,7 @@ class Plan:
             if located is exc:
                 raise
             raise located from exc
-        return [env[s] for s in self.output_slots]
+        return list(self._results(env))
 
     def iterate(self, feeds: Sequence[Any], scope: dict[str, Any] | None = None
                 ) -> Iterator[tuple[Node, list[Any]]]:

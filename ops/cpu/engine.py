@@ -59,6 +59,10 @@ class CpuEngine:
 
     def __init__(self) -> None:
         self.runs = threads.RunThreads(self._blas_count)  # finds the BLAS libraries
+        # a run starts (`enter(threads)`) and ends (`leave()`; the last one in flight restores
+        # BLAS's thread counts): RunThreads' own methods, bound once, as every run calls them
+        self.enter: Callable[[int], None] = self.runs.enter
+        self.leave: Callable[[], None] = self.runs.leave
         # runs in flight, read by compiled code (the helpers spin only while it is above 0)
         self.in_flight: np.ndarray = self.runs.in_flight
         # the thread count of the runs in flight (the physical cores outside a run), what
@@ -74,14 +78,6 @@ class CpuEngine:
             os.register_at_fork(after_in_child=self._forked)
 
     # ---------------------------------------------------------------- runs
-    def enter(self, threads: int) -> None:
-        """A run of `threads` threads starts (threads.RunThreads.enter)."""
-        self.runs.enter(threads)
-
-    def leave(self) -> None:
-        """The run ends; the last one in flight restores BLAS's thread counts."""
-        self.runs.leave()
-
     def libraries(self) -> tuple[threads._Lib, ...]:
         """The BLAS libraries whose thread counts runs set."""
         return self.runs.libraries()

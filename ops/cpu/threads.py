@@ -149,6 +149,10 @@ class RunThreads:
         self.in_flight = np.zeros(1, np.int64)
         self._saved: list[tuple[_Lib, Any]] = []  # each library's count before the first run
         self._target: int | None = None  # the count the runs in flight asked for
+        self._blas: int | None = None  # BLAS's own count during them (blas_count(_target))
+        # blas_count per run thread count: asked once, as its answer is the process's (whether
+        # the pool runs the products), and a run that asks again pays for it every call
+        self._counts: dict[int, int] = {}
 
     def refresh(self) -> tuple[_Lib, ...]:
         """Look the loaded BLAS libraries up again (find_libraries)."""
@@ -164,19 +168,19 @@ class RunThreads:
     def enter(self, threads: int) -> None:
         """A run starts: BLAS uses `threads` threads (one where ember's pool runs the products)
         until the last run in flight calls `leave`."""
-        # first: its first call may load numba, and a BLAS with it (adopt_new_libraries)
-        blas = self._blas_count(threads)
-        libs = self._libs
+        blas = self._counts.get(threads)
+        if blas is None:  # first: its first call may load numba, and a BLAS with it
+            blas = self._counts[threads] = self._blas_count(threads)  # (adopt_new_libraries)
         with self._lock:
             if self._active == 0:
-                self._saved = [(lib, lib.get()) for lib in libs]
-                for lib, count in self._saved:
+                self._saved = saved = [(lib, lib.get()) for lib in self._libs]
+                for lib, count in saved:
                     if count != blas:
                         lib.set(blas)
             elif threads != self._target:
                 for lib, _ in self._saved:
                     lib.set(blas)
-            self._target = threads
+            self._target, self._blas = threads, blas
             self._active += 1
             self.in_flight[0] = self._active
 
@@ -185,12 +189,12 @@ class RunThreads:
             self._active -= 1
             self.in_flight[0] = self._active
             if self._active == 0:
-                blas = self._blas_count(self._target)
+                blas = self._blas
                 for lib, count in self._saved:
                     if count is not None and count != blas:
                         lib.set(count)
-                self._saved.clear()
-                self._target = None
+                self._saved = []
+                self._target = self._blas = None
 
     def adopt_new_libraries(self) -> None:
         """Look the BLAS libraries up again after something loaded one (numba's CPU target
@@ -206,9 +210,8 @@ class RunThreads:
                 if lib.controller.filepath not in known:
                     count = lib.get()
                     self._saved.append((lib, count))
-                    blas = self._blas_count(self._target)
-                    if count != blas:
-                        lib.set(blas)
+                    if count != self._blas:
+                        lib.set(self._blas)
 
     def run_threads(self) -> int:
         """The thread count of the runs in flight (the physical cores outside a run): what

@@ -1,0 +1,168 @@
+"""Small graphs run at the cost of their kernels: the work a node can do once per input
+geometry is done once (Slice's index from constant bounds, Pad's gather indices) and must
+give what the op gives for every shape fed; a run enters and leaves the CPU engine leaving
+BLAS's thread counts as they were; Loop checks its bounds without a call per iteration; a
+one-direction LSTM's states come back as buffers of their own."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto as T, helper as h, numpy_helper
+
+import ember
+from ember.errors import ResourceLimitError
+from ember.ops.cpu import engine
+
+F = T.FLOAT
+
+
+def _vi(name, dtype=F, shape=None):
+    return h.make_tensor_value_info(name, dtype, shape)
+
+
+def _ints(name, values):
+    return numpy_helper.from_array(np.array(values, np.int64), name)
+
+
+def _model(nodes, inputs, outputs, initializers=(), opset=18) -> bytes:
+    graph = h.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", opset)]).SerializeToString()
+
+
+def _reference_pad(x, pads, mode):
+    """numpy's pad of `x` by ONNX `pads` (negative ones crop first); a single element
+    reflected repeats itself, as ONNX says."""
+    rank = x.ndim
+    before, after = list(pads[:rank]), list(pads[rank:])
+    x = x[tuple(slice(-min(b, 0), x.shape[i] + min(e, 0) or None)
+                for i, (b, e) in enumerate(zip(before, after)))]
+    widths = [(max(b, 0), max(e, 0)) for b, e in zip(before, after)]
+    for axis, width in enumerate(widths):
+        one = [(0, 0)] * rank
+        one[axis] = width
+        axis_mode = "edge" if mode == "reflect" and x.shape[axis] == 1 else mode
+        x = np.pad(x, one, mode=axis_mode)
+    return x
+
+
+@pytest.mark.parametrize("mode", ["reflect", "edge", "wrap"])
+@pytest.mark.parametrize("pads", [[0, 0, 0, 0, 0, 64], [1, 2, 3, 2, 1, 0],
+                                  [0, 0, 9, 0, 0, 11], [0, -1, 2, 0, 1, -2]])
+def test_pad_by_gathering_is_numpys_pad_for_every_shape(mode, pads):
+    """Constant pads (the gather indices remembered per shape): each shape fed, again and in
+    turn, gives np.pad's values, pads longer than the axis and single elements included."""
+    sess = ember.load(_model([h.make_node("Pad", ["x", "pads"], ["y"], mode=mode)],
+                             [_vi("x", F, ["a", "b", "c"])], [_vi("y", F, None)],
+                             [_ints("pads", pads)], opset=19))
+    rng = np.random.default_rng(0)
+    shapes = [(1, 3, 4), (2, 4, 3), (1, 3, 4), (3, 2, 7), (2, 4, 3)]
+    for shape in shapes:
+        x = rng.standard_normal(shape).astype(np.float32)
+        got = sess.run({"x": x})["y"]
+        assert np.array_equal(got, _reference_pad(x, pads, mode)), shape
+
+
+def test_pad_with_pads_fed_each_run():
+    sess = ember.load(_model([h.make_node("Pad", ["x", "pads"], ["y"], mode="reflect")],
+                             [_vi("x", F, [2, 5]), _vi("pads", T.INT64, [4])],
+                             [_vi("y", F, None)]))
+    x = np.arange(10, dtype=np.float32).reshape(2, 5)
+    for pads in ([0, 2, 0, 3], [1, 0, 0, 1], [0, 4, 0, 4]):
+        got = sess.run({"x": x, "pads": np.array(pads, np.int64)})["y"]
+        assert np.array_equal(got, _reference_pad(x, pads, "reflect")), pads
+
+
+def test_pad_of_an_empty_axis_is_refused():
+    sess = ember.load(_model([h.make_node("Pad", ["x", "pads"], ["y"], mode="edge")],
+                             [_vi("x", F, ["a", 3])], [_vi("y", F, None)],
+                             [_ints("pads", [1, 0, 1, 0])]))
+    with pytest.raises(ember.EmberError, match="empty axis"):
+        sess.run({"x": np.zeros((0, 3), np.float32)})
+
+
+def test_slice_with_constant_bounds_for_every_shape():
+    """The index is remembered per input shape: each shape gets its own clamping."""
+    nodes = [h.make_node("Slice", ["x", "starts", "ends", "axes", "steps"], ["y"])]
+    inits = [_ints("starts", [1, -1]), _ints("ends", [-1, -1000]), _ints("axes", [0, 1]),
+             _ints("steps", [1, -2])]
+    sess = ember.load(_model(nodes, [_vi("x", F, ["a", "b"])], [_vi("y", F, None)], inits))
+    for shape in [(4, 5), (3, 8), (4, 5), (1, 1), (6, 2)]:
+        x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+        assert np.array_equal(sess.run({"x": x})["y"], x[1:-1, ::-2]), shape
+
+
+def test_slice_with_bounds_fed_each_run():
+    nodes = [h.make_node("Slice", ["x", "starts", "ends"], ["y"])]
+    sess = ember.load(_model(nodes, [_vi("x", F, [6]), _vi("starts", T.INT64, [1]),
+                                     _vi("ends", T.INT64, [1])], [_vi("y", F, None)]))
+    x = np.arange(6, dtype=np.float32)
+    for start, end in [(0, 3), (2, 6), (-4, -1)]:
+        got = sess.run({"x": x, "starts": np.array([start]), "ends": np.array([end])})["y"]
+        assert np.array_equal(got, x[start:end])
+
+
+def test_runs_leave_blas_thread_counts_as_they_found_them():
+    """A run sets BLAS's count for its duration; after it, and after nested runs of other
+    counts, each library has its own count back."""
+    cpu = engine.current()
+    before = cpu.runs.current_threads()
+    cpu.enter(1)
+    cpu.enter(3)
+    cpu.leave()
+    cpu.leave()
+    assert cpu.runs.current_threads() == before
+    sess = ember.load(_model([h.make_node("Relu", ["x"], ["y"])], [_vi("x", F, [2])],
+                             [_vi("y", F, [2])]), threads=1)
+    for _ in range(3):
+        sess.run({"x": np.ones(2, np.float32)})
+    assert cpu.runs.current_threads() == before
+    assert cpu.run_threads() == cpu.runs._cores  # no run in flight
+
+
+def _loop_model(trips: int) -> bytes:
+    """Loop of `trips` iterations, a float carried (+1 each) and scanned out."""
+    body = h.make_graph(
+        [h.make_node("Identity", ["cond"], ["cond_out"]),
+         h.make_node("Add", ["v", "one"], ["v_out"]),
+         h.make_node("Identity", ["v_out"], ["scan"])],
+        "body", [_vi("i", T.INT64, []), _vi("cond", T.BOOL, []), _vi("v", F, [4])],
+        [_vi("cond_out", T.BOOL, []), _vi("v_out", F, [4]), _vi("scan", F, [4])],
+        [numpy_helper.from_array(np.ones(4, np.float32), "one")])
+    return _model([h.make_node("Loop", ["M", "", "v0"], ["v", "scans"], body=body)],
+                  [_vi("v0", F, [4])], [_vi("v", F, [4]), _vi("scans", F, None)],
+                  [_ints("M", trips)])
+
+
+@pytest.mark.parametrize("trips", [0, 1, 2, 3, 5, 8, 13])
+def test_loop_results_for_any_trip_count(trips):
+    out = ember.load(_loop_model(trips)).run({"v0": np.zeros(4, np.float32)})
+    assert np.array_equal(out["v"], np.full(4, trips, np.float32))
+    want = np.repeat(np.arange(1, trips + 1, dtype=np.float32)[:, None], 4, axis=1)
+    assert np.array_equal(out["scans"], want.reshape(trips, 4))
+
+
+def test_loop_scan_outputs_checked_every_iteration():
+    """With a trip count, the stacked size is projected after the first iteration: the
+    loop fails then, not at its end."""
+    sess = ember.load(_loop_model(1_000_000), max_tensor_bytes=1 << 16)
+    with pytest.raises(ResourceLimitError, match="scan output"):
+        sess.run({"v0": np.zeros(4, np.float32)})
+
+
+def test_lstm_one_direction_states_are_buffers_of_their_own():
+    """The final h is a view of Y's last step inside the plan; what the caller gets are
+    separate writable arrays, equal to Y's last step."""
+    H, I = 16, 8
+    rng = np.random.default_rng(3)
+    W = rng.standard_normal((1, 4 * H, I)).astype(np.float32)
+    R = rng.standard_normal((1, 4 * H, H)).astype(np.float32)
+    model = _model([h.make_node("LSTM", ["x", "W", "R"], ["y", "hn", "cn"], hidden_size=H)],
+                   [_vi("x", F, [3, 2, I])], [_vi(n, F, None) for n in ("y", "hn", "cn")],
+                   [numpy_helper.from_array(W, "W"), numpy_helper.from_array(R, "R")],
+                   opset=14)
+    out = ember.load(model).run({"x": rng.standard_normal((3, 2, I)).astype(np.float32)})
+    assert out["hn"].shape == (1, 2, H) and out["cn"].shape == (1, 2, H)
+    assert np.array_equal(out["hn"][0], out["y"][-1, 0])
+    assert not np.shares_memory(out["hn"], out["y"])
+    assert out["hn"].flags.writeable and out["hn"].flags.c_contiguous
+

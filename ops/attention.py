@@ -2,7 +2,8 @@
 ai.onnx.preview::FlexAttention (1).
 
 Attention runs as batched matmuls over (batch, heads) with numpy broadcasting; narrow float
-inputs (float16, bfloat16) are computed in float32 and cast back at the end.
+inputs (float16, bfloat16) are computed in float32 and cast back at the end. On the CPU, a
+decoder step's few float32 query rows run as one compiled kernel instead (`_step`).
 """
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import math
 
 import numpy as np
 
-from ember.ops.cpu import blas as _blas
+from ember.ops.cpu import blas as _blas, compiled as _compiled, tuning
 from ember.ops._dtypes import is_narrow_float, work_dtype
-from ember.ops.reduction import softmax
+from ember.ops.reduction import _softmax_rows_loops, softmax
 from ember.ops.registry import PORTABLE, Lowering, OpImpl, register
 
 # ONNX TensorProto data type codes accepted by softmax_precision
@@ -43,13 +44,153 @@ def _masked_softmax(xp, scores):
     return softmax(xp, scores, -1, empty_rows_zero=True)
 
 
+# A decoder step's attention (ATTEND_MAX_ROWS query rows a kv head at most: ops/cpu/tuning.py)
+# is a few hundred thousand multiply-adds, but as numpy and BLAS calls (a batched product for
+# the scores, a softmax, another product) each call cost more than that work, and the
+# products were cut among threads for microseconds of work each. `_step` computes, in one
+# compiled call, for each (batch, kv head) unit the scores of its query rows, their softmax
+# (the compiled Softmax's row loop) and the weighted sum of V's rows; the units are split
+# among the run's threads. Each output is computed by one thread in a fixed order (the dot
+# products' sums reassociated into vector lanes the same way on every call), so any thread
+# count gives the same bits.
+_STEP_FASTMATH = {"reassoc", "contract"}  # the sums over d in vector lanes: no NaN/inf flags
+_NO_BIAS = np.zeros((1, 1, 1, 1), np.float32)
+
+
+def _step(q, k, v, bias):
+    """softmax(q @ k^T + bias) @ v per (batch, head) by `_step_loops`, float32: q (B, Hq, L,
+    D) already scaled, k (B, Hkv, T, D), v (B, Hkv, T, Dv), Hq a multiple of Hkv, bias None or
+    of up to 4 dimensions, each 1 or (B, Hq, L, T)'s. None where numba is absent or the bias
+    is otherwise."""
+    kernel = _compiled.jit(_step_loops, fastmath=_STEP_FASTMATH)
+    if kernel is None:
+        return None
+    batch, q_heads, q_len, _ = q.shape
+    kv_heads, total = k.shape[1], k.shape[2]
+    if bias is not None:  # 4-D, each dimension whole or 1 (the kernel reads index 0 there)
+        bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+        if bias.ndim != 4 or any(d not in (1, want) for d, want in
+                                 zip(bias.shape, (batch, q_heads, q_len))) \
+                or bias.shape[3] != total:
+            return None
+    out = np.empty((batch, q_heads, q_len, v.shape[3]), np.float32)
+    rows = q_heads // kv_heads * q_len
+    _compiled.split_rows(kernel, batch * kv_heads, np.ascontiguousarray(q),
+                         np.ascontiguousarray(k), np.ascontiguousarray(v),
+                         _NO_BIAS if bias is None else np.ascontiguousarray(bias, np.float32),
+                         bias is not None, out,
+                         ns_per_row=tuning.ATTEND_NS_PER_MAC * rows * total
+                         * (q.shape[3] + v.shape[3]), piece=_step_piece)
+    return out
+
+
+def _step_piece(block, u0, u1):  # pragma: no cover - numba
+    """`_step_loops`' piece function (ops/cpu/compiled.py: the helpers run its pieces
+    without Python), its arguments rebuilt from the block `split_rows` made."""
+    f = _compiled.array_at(block, (26,), np.int64)
+    _step_loops(_compiled.array_at(f[0], (f[1], f[2], f[3], f[4]), np.float32),
+                _compiled.array_at(f[5], (f[6], f[7], f[8], f[9]), np.float32),
+                _compiled.array_at(f[10], (f[11], f[12], f[13], f[14]), np.float32),
+                _compiled.array_at(f[15], (f[16], f[17], f[18], f[19]), np.float32),
+                f[20] != 0,
+                _compiled.array_at(f[21], (f[22], f[23], f[24], f[25]), np.float32), u0, u1)
+
+
+@_compiled.kernel_math(fastmath=_STEP_FASTMATH)
+def _step_loops(q, k, v, bias, has_bias, out, u0, u1):  # pragma: no cover - numba
+    """The units [u0, u1), unit u the kv head u % Hkv of batch item u // Hkv: the scores of
+    its query rows (its query heads by the query length) against each of the T keys, plus
+    the bias, then their softmax (an all -inf row gives zeros), then each row's sum of V's
+    rows weighted by them. Four keys (and four rows of V) at a time: each load of the query
+    row (of the sums) serves four. Elements are indexed in full, no views taken in the
+    loops: each view costs two atomic reference counts, a large share at a step's sizes."""
+    q_heads, q_len = q.shape[1], q.shape[2]
+    kv_heads, total, depth, width = k.shape[1], k.shape[2], k.shape[3], v.shape[3]
+    group = q_heads // kv_heads
+    rows = group * q_len
+    scores = np.empty((rows, total), np.float32)
+    probs = np.empty((rows, total), np.float32)  # apart from scores: the exp loop vectorises
+    acc = np.empty(width, np.float32)
+    for u in range(u0, u1):
+        b, g = u // kv_heads, u % kv_heads
+        for r in range(rows):
+            h, i = g * group + r // q_len, r % q_len
+            t = 0
+            while t < total:
+                t1, t2, t3 = min(t + 1, total - 1), min(t + 2, total - 1), min(t + 3, total - 1)
+                s0 = s1 = s2 = s3 = np.float32(0)  # keys past T: the last again, unstored
+                for d in range(depth):
+                    x = q[b, h, i, d]
+                    s0 += x * k[b, g, t, d]
+                    s1 += x * k[b, g, t1, d]
+                    s2 += x * k[b, g, t2, d]
+                    s3 += x * k[b, g, t3, d]
+                for j, s in enumerate((s0, s1, s2, s3)):
+                    if t + j < total:
+                        scores[r, t + j] = s + bias[b if bias.shape[0] > 1 else 0,
+                                                    h if bias.shape[1] > 1 else 0,
+                                                    i if bias.shape[2] > 1 else 0,
+                                                    t + j] if has_bias else s
+                t += 4
+        _softmax_rows_loops(scores, probs, True, 0, rows)
+        for r in range(rows):
+            h, i = g * group + r // q_len, r % q_len
+            for d in range(width):
+                acc[d] = 0
+            t = 0
+            while t + 4 <= total:
+                w0, w1, w2, w3 = probs[r, t], probs[r, t + 1], probs[r, t + 2], probs[r, t + 3]
+                for d in range(width):
+                    acc[d] += (w0 * v[b, g, t, d] + w1 * v[b, g, t + 1, d]) \
+                        + (w2 * v[b, g, t + 2, d] + w3 * v[b, g, t + 3, d])
+                t += 4
+            for t in range(t, total):
+                w0 = probs[r, t]
+                for d in range(width):
+                    acc[d] += w0 * v[b, g, t, d]
+            for d in range(width):
+                out[b, h, i, d] = acc[d]
+
+
+_STEP = Lowering("cpu.attention-step", "a decoder step's few query rows: scores, softmax and "
+                 "weighted sum in one compiled call, split by (batch, kv head)")
+_BY_ROWS = Lowering("by geometry", "from the query rows a kv head in the run: one compiled "
+                    "call for a decoder step's few, else BLAS products and a softmax by rows")
+
+
 class _Attention(OpImpl):
     def lower(self, inputs):
-        q = inputs[0]
+        q, k, v = inputs[0], inputs[1], inputs[2]
+        if q is not None and v is not None and self._step_serves(q.dtype, v.dtype):
+            rows = self._rows_per_kv_head(q.shape, None if k is None else k.shape)
+            if rows is None:
+                return _BY_ROWS
+            if rows <= tuning.ATTEND_MAX_ROWS:
+                return _STEP
         if q is not None and q.dtype in (np.float32, np.float64) and _blas.enabled():
             return Lowering("cpu.board-gemm", "scores and weighted sums as BLAS products, cut "
                             "in pieces on the pool's board in runs; softmax by rows")
         return PORTABLE
+
+    def _step_serves(self, q_dtype, v_dtype) -> bool:
+        """Whether `_step` can run this node (given rows few enough): float32 Q and V, no
+        softcap, no scores asked for, softmax in float32, on the CPU with numba."""
+        return (q_dtype == v_dtype == np.float32 and self.softcap == 0 and self.n_outputs <= 3
+                and self.softmax_precision in (None, 1) and self.xp is np
+                and _compiled.enabled())
+
+    def _rows_per_kv_head(self, q_shape, k_shape) -> int | None:
+        """Query heads a kv head times the query length, from Q's and K's shapes (3-D with
+        the heads attributes, or 4-D); None where a dimension is not known."""
+        if q_shape is None or k_shape is None or len(q_shape) not in (3, 4):
+            return None
+        q_heads, q_len = (q_shape[1], q_shape[2]) if len(q_shape) == 4 \
+            else (self.q_num_heads, q_shape[1])
+        kv_heads = k_shape[1] if len(k_shape) == 4 else self.kv_num_heads
+        if not all(isinstance(d, int) and d > 0 for d in (q_heads, q_len, kv_heads)) \
+                or q_heads % kv_heads:
+            return None
+        return q_heads // kv_heads * q_len
 
     has_nonpad = False
     has_window = False
@@ -84,6 +225,7 @@ class _Attention(OpImpl):
 
     def run(self, Q, K, V, attn_mask=None, past_key=None, past_value=None,
             nonpad_kv_seqlen=None):
+        self.settle_lowering(Q, K, V)
         xp = self.xp
         out_dtype = Q.dtype
         in3d = Q.ndim == 3
@@ -116,6 +258,12 @@ class _Attention(OpImpl):
         # the scale on Q alone (the spec's reference puts its root on Q and on K: the two
         # differ in the last bits): K, the long operand of a decoder step, is then not
         # copied to be scaled
+        bias = self._bias(attn_mask, batch, q_len, total, past_len, nonpad_kv_seqlen, work)
+        if group * q_len <= tuning.ATTEND_MAX_ROWS and kw.dtype == np.float32 \
+                and self._step_serves(qw.dtype, vw.dtype):  # as `lower` chose
+            y = _step(qw * work.type(scale), kw, vw, bias)
+            if y is not None:
+                return self._finish(y, in3d, out_dtype, present_k, present_v, None)
         qg = (qw * work.type(scale)).reshape(batch, kv_heads, group * q_len, head)
         scores = _blas.product(xp, qg, xp.swapaxes(kw, -1, -2)).reshape(
             batch, q_heads, q_len, total)
@@ -126,7 +274,6 @@ class _Attention(OpImpl):
         if self.mode == 1:
             qk_out = scores
 
-        bias = self._bias(attn_mask, batch, q_len, total, past_len, nonpad_kv_seqlen, work)
         if bias is not None:
             scores = scores + bias
         if self.mode == 2:
@@ -147,7 +294,12 @@ class _Attention(OpImpl):
 
         y = _blas.product(xp, probs.reshape(batch, kv_heads, group * q_len, total), vw).reshape(
             batch, q_heads, q_len, vw.shape[-1])
+        return self._finish(y, in3d, out_dtype, present_k, present_v, qk_out)
+
+    def _finish(self, y, in3d, out_dtype, present_k, present_v, qk_out):
+        """The outputs from y (batch, q heads, q length, head size): 3-D again where Q was."""
         if in3d:
+            batch, _, q_len, _ = y.shape
             y = y.transpose(0, 2, 1, 3).reshape(batch, q_len, -1)
         y = y.astype(out_dtype, copy=False)
         results = [y, present_k, present_v]

@@ -25,10 +25,18 @@ def _scalar_int(value) -> int:
     return int(np.asarray(value).reshape(-1)[0])
 
 
+_FEW_INDICES = 16  # up to this many indices, `_fix_indices` tries Python's checks first
+
+
 def _fix_indices(xp, op: OpImpl, indices, dim):
     """int64 indices with negatives wrapped; raises on out-of-range values.
     `dim` is a size, or a tuple of sizes for the last axis of `indices`."""
     idx = xp.asarray(indices).astype(np.int64, copy=False)
+    if xp is np and idx.size <= _FEW_INDICES and np.ndim(dim) == 0 \
+            and all(0 <= i < dim for i in idx.ravel().tolist()):
+        # a few indices in range (a token's embedding row, an element of a shape): checked
+        # in Python, several times faster than the whole-array steps below on tiny arrays
+        return idx
     if idx.size:
         size = xp.asarray(dim, dtype=np.int64)
         bad = (idx < -size) | (idx >= size)

@@ -5,11 +5,13 @@ bfloat16) are multiplied in float32 and cast back. Integer products of 8-bit ope
 float64 BLAS, which is exact for them (|a*b| < 2**16, so sums stay exact below 2**53), then are
 wrapped to int32 as the spec allows.
 
-On the CPU, products of 2-512 rows by a large constant weight (K at most 3072 from 17 rows;
-with AVX2, 2-16 rows) run as register tiles over the weight packed once (`_tiled_product`,
-numba on an AVX-512 or AVX2 CPU); elsewhere, products of 2-4 rows run as one GEMV per row
-where that is faster (`_rows_faster`), and products of 4-12 rows by a large
-constant weight as dot products with the rows of its transpose (`_dot_columns`, numba);
+On the CPU, one row by a constant weight (MatMul's, Gemm's) runs as a compiled GEMV over the
+weight packed once in column blocks (`_gemv_product`, ops/cpu/gemv.py), and products of 2-512
+rows by a large constant weight (K at most 3072 from 17 rows; with AVX2, 2-16 rows) as
+register tiles over the weight packed once (`_tiled_product`), both numba on an AVX-512 or
+AVX2 CPU; elsewhere, products of 2-4 rows run as one GEMV per row where that is faster
+(`_rows_faster`), and products of 4-12 rows by a large constant weight as dot products with
+the rows of its transpose (`_dot_columns`, numba);
 the products BLAS does go through ops/cpu/blas.py, which cuts them into pieces for ember's kernel
 pool during runs (OpenBLAS then on one thread), or leaves them to OpenBLAS's threads.
 """
@@ -20,7 +22,8 @@ import math
 import numpy as np
 
 from ember.ops import _integer as _int
-from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles, tuning
+from ember.ops.cpu import blas as _blas, compiled as _compiled, gemv as _gemv, tiles as _tiles
+from ember.ops.cpu import tuning
 from ember.ops._dtypes import is_narrow_float, widen
 from ember.ops.registry import Lowering, OpImpl, Sketch, register
 
@@ -201,6 +204,32 @@ def _tiled_product(a, b, weight: CachedPack):
 _ONE_TAP = np.zeros(1, np.int64)
 
 
+# One row by a constant weight (a decoder step at batch 1): OpenBLAS's GEMV on the row-major
+# weight reached about half the memory's bandwidth, the compiled GEMV (ops/cpu/gemv.py) on
+# the weight packed once in column blocks nearly all of it (GEMV_ROWS, GEMV_MIN_KN:
+# ops/cpu/tuning.py). The cost is the packed copy kept beside each such weight, in the one
+# entry the tiles use too: a node run at one row and then at several packs again (once per
+# switch, as a prefill followed by decoding steps does).
+
+
+def _gemv_fits(m, k, n, a_dtype, b_dtype) -> bool:
+    return (m in tuning.GEMV_ROWS and k * n >= tuning.GEMV_MIN_KN
+            and a_dtype == b_dtype == np.float32)
+
+
+def _gemv_product(a, b, weight: CachedPack):
+    """a @ b by the compiled GEMV, or None where it does not apply (or is not available);
+    the packed b is kept in `weight`."""
+    m, k = a.shape
+    n = b.shape[1]
+    if not _gemv_fits(m, k, n, a.dtype, b.dtype):
+        return None
+    kernel = _gemv.kernel()
+    if kernel is None:
+        return None
+    return _gemv.product(kernel, a, weight.get(b, "gemv", lambda: _gemv.pack(b)), n)
+
+
 def _float_matmul(xp, a, b, weight: CachedPack | None = None):
     shape = None
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous and a.shape[-1]:
@@ -210,8 +239,10 @@ def _float_matmul(xp, a, b, weight: CachedPack | None = None):
         a = a.reshape(-1, a.shape[-1])
     y = None
     if weight is not None and xp is np and a.ndim == 2 and b.ndim == 2:
-        # CPU: 2-512 rows by a large constant weight
-        y = _tiled_product(a, b, weight)
+        # CPU: 1-512 rows by a large constant weight
+        y = _gemv_product(a, b, weight)
+        if y is None:
+            y = _tiled_product(a, b, weight)
         if y is None:
             y = _dot_columns(a, b, weight)
     if y is None:
@@ -232,7 +263,8 @@ def _float_matmul(xp, a, b, weight: CachedPack | None = None):
 
 
 _PRODUCT_BY_GEOMETRY = Lowering("by geometry", "chosen per call from the product's rows: "
-                                "register tiles, dot products, a GEMV per row or BLAS GEMM")
+                                "a compiled GEMV, register tiles, dot products, a GEMV per row "
+                                "or BLAS GEMM")
 
 
 def product_lowering(a: Sketch | None, b: Sketch | None, constant_b: bool) -> Lowering:
@@ -247,6 +279,9 @@ def product_lowering(a: Sketch | None, b: Sketch | None, constant_b: bool) -> Lo
     if not (a.static() and b.static()) or a.ndim < 2 or b.ndim != 2:
         return _PRODUCT_BY_GEOMETRY
     m, k, n = math.prod(a.shape[:-1]), a.shape[-1], b.shape[1]
+    if constant_b and _gemv_fits(m, k, n, a.dtype, b.dtype) and _gemv.kernel() is not None:
+        return Lowering("cpu.gemv", "one row by a constant weight: a GEMV over the weight "
+                        "packed once in column blocks, split by columns")
     if constant_b and _tiles_fit(m, k, n, a.dtype, b.dtype) and _tiles.kernel() is not None:
         return Lowering("cpu.tiles-gemm", f"{m} rows by a constant weight: register tiles over "
                         "the weight packed once")
@@ -318,6 +353,9 @@ class _Gemm(OpImpl):
         self.beta = float(self.beta)
         self.transA = bool(self.transA)
         self.transB = bool(self.transB)
+        self._packed = CachedPack()  # of a constant B, as MatMul's
+        # a constant B's transposed view, kept so that `_packed` finds the same array each run
+        self._b_view = CachedPack()
 
     def lower(self, inputs):
         a, b = inputs[0], inputs[1]
@@ -325,7 +363,7 @@ class _Gemm(OpImpl):
             a = a._replace(shape=a.shape[::-1])
         if b is not None and b.static() and self.transB:
             b = b._replace(shape=b.shape[::-1])
-        return product_lowering(a, b, False)  # Gemm keeps no packed copy of its weight
+        return product_lowering(a, b, b is not None and b.value is not None)
 
     def run(self, a, b, c=None):
         self.settle_lowering(a, b)
@@ -339,8 +377,9 @@ class _Gemm(OpImpl):
         dtype = a.dtype
         if self.transA:
             a = a.T
+        constant_b = 1 in self.constant_inputs
         if self.transB:
-            b = b.T
+            b = self._b_view.get(b, None, lambda: b.T) if constant_b else b.T
         if a.shape[1] != b.shape[0]:
             raise self.fail(f"inner dimensions differ: {a.shape} x {b.shape}")
         if dtype.kind in "iu":
@@ -353,7 +392,7 @@ class _Gemm(OpImpl):
             return yf.astype(dtype)
         narrow = is_narrow_float(dtype)
         wa, wb = widen(a), widen(b)
-        y = _float_matmul(xp, wa, wb)
+        y = _float_matmul(xp, wa, wb, self._packed if constant_b and not narrow else None)
         if self.alpha != 1.0:
             y *= y.dtype.type(self.alpha)
         if c is not None and self.beta != 0.0:

@@ -225,3 +225,19 @@ INT_DEPTHWISE_PLANE_WIDTH = 16  # output rows this wide at stride 1 vectorise al
 
 CHAIN_COMPILED_MIN = 1 << 12  # inputs all below this many values: numpy's ops, not the loop
 # history: docs/performance.md#chain_compiled_min-opselementwise_chainpy
+
+# ---------------------------------------------------------------- ops/linalg.py: one-row GEMV
+
+GEMV_ROWS = range(1, 2)  # rows by a constant weight that ops/cpu/gemv.py's GEMV serves
+# history: docs/performance.md#gemv_rows-gemv_min_kn-gemv_ns_per_value-opscpugemvpy
+GEMV_MIN_KN = 1 << 16  # the least weight (K*N) packed for it: smaller ones BLAS does as fast
+# history: docs/performance.md#gemv_rows-gemv_min_kn-gemv_ns_per_value-opscpugemvpy
+GEMV_NS_PER_VALUE = 0.16  # its time per weight value on one core (~25 GB/s), for the split
+# history: docs/performance.md#gemv_rows-gemv_min_kn-gemv_ns_per_value-opscpugemvpy
+
+# ---------------------------------------------------------------- ops/attention.py: a step
+
+ATTEND_MAX_ROWS = 16  # query rows a kv head up to which a decoder step's attention is compiled
+# history: docs/performance.md#attend_max_rows-attend_ns_per_mac-opsattentionpy
+ATTEND_NS_PER_MAC = 0.07  # its time per multiply-add on one core, for the split
+# history: docs/performance.md#attend_max_rows-attend_ns_per_mac-opsattentionpy

@@ -117,6 +117,22 @@ def test_matmulnbits_batch_dims_and_rows_in_groups():
     _close(y, _ort(model, {"A": a}))
 
 
+@pytest.mark.parametrize("m", [8, 13, 16])
+def test_matmulnbits_rows_give_their_bits_alone(m):
+    # rows in groups of 4 a column (then 3, 2, 1): each row's sum is the same expression as
+    # when it runs alone (the compiled GEMV's; BLAS's blocking is its own)
+    model = _model(256, 40, 32, zp="packed", bias=True)
+    sess = ember.load(model)
+    feeds = _feeds(m, 256, seed=m)
+    y = sess.run(feeds)["Y"]
+    assert sess.kernels[0][2] == _route(m)
+    _close(y, _ort(model, feeds))
+    if not COMPILED:
+        return
+    alone = np.concatenate([sess.run({"A": feeds["A"][i:i + 1]})["Y"] for i in range(m)])
+    np.testing.assert_array_equal(y, alone)
+
+
 @pytest.mark.skipif(not COMPILED, reason="numba unavailable or EMBER_NUMBA=0")
 def test_matmulnbits_static_rows_chosen_at_plan():
     # a known A shape: the plan chooses without a run

@@ -31,6 +31,7 @@ from ember.ops._layout import channels_last
 from ember.ops.cpu import compiled as _compiled, integer as _integer, tiles as _tiles, tuning
 
 PIXELS = 8   # output pixels a tile: 16 accumulators, 2 weight vectors and a broadcast in 32
+# (an image's last pixels, fewer, take tiles of one pixel each)
 BLOCK = 32   # output channels a tile: two vectors of 16 int32 lanes
 
 
@@ -91,8 +92,8 @@ def conv_loops(image, image_size, C, Cp, pixels, taps, quads, weights, w_sum, w_
             t, b = u % tiles, u // tiles
         n, p = t // per_image, (t % per_image) * PIXELS
         rows = min(PIXELS, L - p)
-        for r in range(PIXELS):   # an image's last tile repeats its last pixel
-            base[r] = n * image_size + pixels[p + min(r, rows - 1)]
+        for r in range(rows):
+            base[r] = n * image_size + pixels[p + r]
         if need_sums:
             for r in range(rows):
                 s = 0
@@ -105,15 +106,31 @@ def conv_loops(image, image_size, C, Cp, pixels, taps, quads, weights, w_sum, w_
         c0 = b * BLOCK
         width = min(BLOCK, M - c0)
         at = (n * L + p) * M + c0
-        if mode == _integer.INT32:
-            pixel_tile(PIXELS, 0, image, base, taps, T, quads, flat_w, b * block_size, rows,
-                       width, fixed, zw, sums, ms, fb, c0, y_zero, lo, hi, flat_out, at, M)
-        elif mode == _integer.REQUANTIZE:
-            pixel_tile(PIXELS, 1, image, base, taps, T, quads, flat_w, b * block_size, rows,
-                       width, fixed, zw, sums, ms, fb, c0, y_zero, lo, hi, flat_out, at, M)
-        else:
-            pixel_tile(PIXELS, 2, image, base, taps, T, quads, flat_w, b * block_size, rows,
-                       width, fixed, zw, sums, ms, fb, c0, y_zero, lo, hi, flat_out, at, M)
+        w_at = b * block_size
+        if rows == PIXELS:
+            if mode == _integer.INT32:
+                pixel_tile(PIXELS, 0, image, base, taps, T, quads, flat_w, w_at, rows, width,
+                           fixed, zw, sums, ms, fb, c0, y_zero, lo, hi, flat_out, at, M)
+            elif mode == _integer.REQUANTIZE:
+                pixel_tile(PIXELS, 1, image, base, taps, T, quads, flat_w, w_at, rows, width,
+                           fixed, zw, sums, ms, fb, c0, y_zero, lo, hi, flat_out, at, M)
+            else:
+                pixel_tile(PIXELS, 2, image, base, taps, T, quads, flat_w, w_at, rows, width,
+                           fixed, zw, sums, ms, fb, c0, y_zero, lo, hi, flat_out, at, M)
+            continue
+        # an image's last pixels (a product's few rows): a tile of one pixel each, as a tile
+        # of PIXELS would compute its repeated pixels for nothing
+        for r in range(rows):
+            b1, s1, at1 = base[r:r + 1], sums[r:r + 1], at + r * M
+            if mode == _integer.INT32:
+                pixel_tile(1, 0, image, b1, taps, T, quads, flat_w, w_at, 1, width, fixed, zw,
+                           s1, ms, fb, c0, y_zero, lo, hi, flat_out, at1, M)
+            elif mode == _integer.REQUANTIZE:
+                pixel_tile(1, 1, image, b1, taps, T, quads, flat_w, w_at, 1, width, fixed, zw,
+                           s1, ms, fb, c0, y_zero, lo, hi, flat_out, at1, M)
+            else:
+                pixel_tile(1, 2, image, b1, taps, T, quads, flat_w, w_at, 1, width, fixed, zw,
+                           s1, ms, fb, c0, y_zero, lo, hi, flat_out, at1, M)
 
 
 @_compiled.kernel_math
@@ -128,18 +145,36 @@ def pad_images_loops(x, planar, flip, pad, top, left, image, r0, r1):
     else:
         H, W, C = x.shape[1], x.shape[2], x.shape[3]
     Hp, Wp, Cp = image.shape[1], image.shape[2], image.shape[3]
+    # (explicit loops: numba's assignments to 2-D slices cost more than the rows' copies)
     for row in range(r0, r1):
         n, r = row // Hp, row % Hp
         y = r - top
         dst = image[n, r]
+        flat = dst.reshape(-1)
         if y < 0 or y >= H:
-            dst[:, :] = pad
+            for i in range(Wp * Cp):
+                flat[i] = pad
             continue
-        dst[:left, :] = pad
-        dst[left + W:, :] = pad
-        if C < Cp:
-            dst[left:left + W, C:] = 0
-        if planar:
+        for i in range(left * Cp):
+            flat[i] = pad
+        for i in range((left + W) * Cp, Wp * Cp):
+            flat[i] = pad
+        if C < Cp and not (planar and Cp == 4):   # (the words below write those zeros)
+            for col in range(left, left + W):
+                for c in range(C, Cp):
+                    dst[col, c] = 0
+        if planar and Cp == 4:   # an image's colour planes: a pixel's bytes as one word
+            words = flat.view(np.uint32)[left:left + W]
+            flips = np.uint32(0)
+            for c in range(C):
+                flips |= np.uint32(flip) << np.uint32(8 * c)
+            for col in range(W):
+                words[col] = flips
+            for c in range(C):   # plane by plane: the loops over a row vectorise
+                src, shift = x[n, c, y], np.uint32(8 * c)
+                for col in range(W):
+                    words[col] ^= np.uint32(src[col]) << shift
+        elif planar:
             for c in range(C):
                 src = x[n, c, y]
                 for col in range(W):
@@ -645,7 +680,7 @@ def _register(numba) -> None:
     types = numba.types
     i64, f32 = types.int64, types.float32
 
-    def vnni_intrinsic(mode):
+    def vnni_intrinsic(pixels, mode):
         @intrinsic
         def vnni_tile(typingctx, R, mode_, image, base, taps, T, quads, weights, w_at, rows,
                       width, fixed, w_zero, sums, mult, fbias, c0, y_zero, lo, hi, out,
@@ -653,7 +688,7 @@ def _register(numba) -> None:
             sig = types.void(R, mode_, image, base, taps, i64, i64, weights, i64, i64, i64,
                              fixed, w_zero, sums, mult, fbias, i64, f32, f32, f32, out, i64,
                              i64)
-            return sig, lambda context, builder, s, a: _emit_vnni_tile(PIXELS, mode, context,
+            return sig, lambda context, builder, s, a: _emit_vnni_tile(pixels, mode, context,
                                                                        builder, s, a)
         return vnni_tile
 
@@ -668,14 +703,15 @@ def _register(numba) -> None:
         return vector_tile
 
     if _integer.VNNI:
-        vnni = {m: vnni_intrinsic(m) for m in (0, 1, 2)}
+        vnni = {(r, m): vnni_intrinsic(r, m) for r in (PIXELS, 1) for m in (0, 1, 2)}
 
         @overload(pixel_tile)
         def _pixel_tile(R, mode, image, base, taps, T, quads, weights, w_at, rows, width,
                         fixed, w_zero, sums, mult, fbias, c0, y_zero, lo, hi, out, out_at,
                         ldo):
-            tile = vnni.get(getattr(mode, "literal_value", None))
-            if getattr(R, "literal_value", None) != PIXELS or tile is None:
+            tile = vnni.get((getattr(R, "literal_value", None),
+                             getattr(mode, "literal_value", None)))
+            if tile is None:
                 return None
 
             def call(R, mode, image, base, taps, T, quads, weights, w_at, rows, width, fixed,

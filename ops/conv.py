@@ -511,6 +511,71 @@ class _DepthwiseRoute:
         return out.transpose(0, 3, 1, 2)
 
 
+# A small 1-D convolution (an audio model's streaming step: a few frames) computed directly:
+# conv_nd's padding, patch matrix and BLAS call cost several times its arithmetic there.
+
+def _direct_fits(x, w, group, outs) -> bool:
+    """Whether `_DirectRoute` takes this convolution: 1-D, float32, one group, at most
+    DIRECT_CONV_MACS multiply-adds, numba."""
+    return x.ndim == 3 and x.dtype == np.float32 and group == 1 and w.dtype == np.float32 \
+        and x.shape[0] * outs[0] * w.size <= tuning.DIRECT_CONV_MACS \
+        and _compiled.jit(_direct_rows) is not None
+
+
+_DIRECT = Lowering("cpu.direct", "a small 1-D convolution computed directly, the output "
+                   "channels the vector lanes: no padding copy, patches or BLAS call")
+
+
+class _DirectRoute:
+    """A small 1-D convolution (`_direct_fits`) worked out once for an input geometry: the
+    weights as (C, k, M), each output position's sum over its window's taps inside the input
+    (the padding adds nothing), bias and clip; the result channels-last, a (N, M, L) view of
+    (N, L, M) memory."""
+    lowering = _DIRECT
+
+    def __init__(self, x, w, b, clamp, kernel, strides, dilations, begin, outs, cache):
+        N, M = x.shape[0], w.shape[0]
+        self.w = _remembered(cache, "direct-taps", lambda: np.ascontiguousarray(
+            w.transpose(1, 2, 0)))
+        self.b = np.zeros(M, np.float32) if b is None else \
+            np.ascontiguousarray(b, np.float32).reshape(M)
+        lo, hi = clamp or (-np.inf, np.inf)
+        self.geometry = (np.float32(lo), np.float32(hi), strides[0], dilations[0], begin[0])
+        self.out_shape = (N, outs[0], M)
+        self.bounds = _compiled.row_bounds(N * outs[0], w.size * tuning.DIRECT_NS_PER_MAC)
+
+    def run(self, x):
+        out = np.empty(self.out_shape, np.float32)
+        _compiled.run_rows(_compiled.jit(_direct_rows), self.bounds, x, self.w, self.b,
+                           *self.geometry, out)
+        return out.transpose(0, 2, 1)
+
+
+def _direct_rows(x, w, bias, lo, hi, stride, dilation, pad, out, r0, r1):
+    """Rows [r0, r1) (n * Lo + l) of out (N, Lo, M): the sum over channels c and taps j
+    inside x (N, C, L) of x[n, c, l * stride + j * dilation - pad] * w[c, j, :], plus the
+    bias, clipped to [lo, hi] (a NaN kept), the channels innermost (vectorised)."""
+    C, L = x.shape[1], x.shape[2]
+    k, M = w.shape[1], w.shape[2]
+    Lo = out.shape[1]
+    acc = np.empty(M, np.float32)
+    for row in range(r0, r1):
+        n, l = row // Lo, row % Lo
+        acc[:] = 0
+        for c in range(C):
+            for j in range(k):
+                t = l * stride + j * dilation - pad
+                if 0 <= t < L:
+                    v, taps = x[n, c, t], w[c, j]
+                    for m in range(M):
+                        acc[m] += v * taps[m]
+        o = out[n, l]
+        for m in range(M):
+            y = acc[m] + bias[m]
+            y = lo if y < lo else y
+            o[m] = hi if y > hi else y
+
+
 class RouteMemo:
     """The route a convolution's last call ran, for a next call with the same inputs: the
     same read-only (constant) weight and bias arrays, x and z of the same shape, strides and
@@ -1449,6 +1514,8 @@ class Conv(_ConvBase):
         limits.check_shape((N, M, *outs), x.dtype)
         if 0 in (N, M, *outs):
             return None
+        if _direct_fits(x, w, self.group, outs):
+            return _DirectRoute(x, w, b, clamp, kernel, strides, dilations, begin, outs, cache)
         bias = None if b is None else b.astype(x.dtype, copy=False).reshape(M)
         if _depthwise_fast(x, w, self.group, kernel, begin, end):
             return _DepthwiseRoute.make(x, w, bias, clamp, kernel, strides, dilations, begin,

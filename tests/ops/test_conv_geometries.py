@@ -227,3 +227,25 @@ def test_threads_sharing_a_session_get_the_sequential_bits():
         np.testing.assert_array_equal(result, got)
     one = ember.load(proto, threads=1)
     np.testing.assert_array_equal(one.run({"x": x})["y"], got)
+
+
+@pytest.mark.parametrize("C,L,M,k,stride,dilation,pads", [
+    (1, 640, 258, 256, 128, 1, (0, 0)), (129, 4, 128, 3, 1, 1, (1, 1)),
+    (16, 9, 24, 3, 2, 2, (2, 1)), (5, 7, 3, 4, 1, 1, (0, 3))])
+def test_small_1d_convolutions_run_directly(C, L, M, k, stride, dilation, pads):
+    """A streaming audio step's 1-D convolutions (cpu.direct), chained: the second reads the
+    first's channels-last result, then a ReLU fused into the convolution clips it; bias,
+    strides, dilations and asymmetric pads; the bits from threads and from one thread."""
+    first = _conv("a", "x", "w1", "b1", out="h", kernel_shape=[k], strides=[stride],
+                  dilations=[dilation], pads=list(pads))
+    second = _conv("b", "h", "w2", "b2", out="z", kernel_shape=[3], pads=[1, 1])
+    relu = helper.make_node("Relu", ["z"], ["y"])
+    inits = {"w1": _rand(M, C, k, seed=1), "b1": _rand(M, seed=2), "w2": _rand(8, M, 3, seed=3),
+             "b2": _rand(8, seed=4)}
+    x = _rand(2, C, L, seed=5)
+    session, got = _check(_model([first, second, relu], x.shape, inits), x,
+                          ["cpu.direct", "cpu.direct"])
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: session.run({"x": x})["y"], range(8)))
+    for result in results:
+        np.testing.assert_array_equal(result, got)

@@ -10,7 +10,8 @@ import math
 import numpy as np
 
 from ember.ops._lowering import numba_serves
-from ember.ops.cpu import compiled as _compiled, integer as _integer, integer_tiles as _integer_tiles, tuning
+from ember.ops.cpu import compiled as _compiled, integer as _integer, tuning
+from ember.ops.cpu import integer_tiles as _integer_tiles
 from ember.ops.registry import PORTABLE, Lowering
 
 BYTES = (np.dtype(np.int8), np.dtype(np.uint8))

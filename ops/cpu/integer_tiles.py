@@ -79,7 +79,8 @@ def conv_loops(image, image_size, C, Cp, pixels, taps, quads, weights, w_sum, w_
     ms = np.zeros(Mp, np.float32)
     fb = np.zeros(Mp, np.float32)
     for i in range(M):
-        fixed[i] = np.int32((K * w_zero[i] - w_sum[i]) * x_zero + bias[i])   # wraps: exact mod 2**32
+        # wraps: exact modulo 2**32, as the int32 sums it meets
+        fixed[i] = np.int32((K * w_zero[i] - w_sum[i]) * x_zero + bias[i])
         zw[i] = w_zero[i]
         ms[i] = mult[i]
         fb[i] = fbias[i]

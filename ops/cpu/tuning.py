@@ -242,7 +242,7 @@ ATTEND_MAX_ROWS = 16  # query rows a kv head up to which a decoder step's attent
 ATTEND_NS_PER_MAC = 0.07  # its time per multiply-add on one core, for the split
 # history: docs/performance.md#attend_max_rows-attend_ns_per_mac-opsattentionpy
 
-# ---------------------------------------------------------------- ops/conv.py: small 1-D convolutions
+# ------------------------------------------------------------- ops/conv.py: small 1-D convolutions
 
 DIRECT_CONV_MACS = 1 << 20  # up to so many multiply-adds a 1-D convolution is computed directly
 # history: docs/performance.md#direct_conv_macs-direct_ns_per_mac-opsconvpy

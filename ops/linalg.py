@@ -230,7 +230,9 @@ def _gemv_product(a, b, weight: CachedPack):
     return _gemv.product(kernel, a, weight.get(b, "gemv", lambda: _gemv.pack(b)), n)
 
 
-def _float_matmul(xp, a, b, weight: CachedPack | None = None):
+def float_matmul(xp, a, b, weight: CachedPack | None = None):
+    """a @ b for float arrays by the fastest kernel that serves (the module docstring); a
+    constant b's packed forms kept in `weight`."""
     shape = None
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous and a.shape[-1]:
         # [..., M, K] @ [K, N] as one [(...*M), K] GEMM: one large BLAS call instead of
@@ -269,7 +271,7 @@ _PRODUCT_BY_GEOMETRY = Lowering("by geometry", "chosen per call from the product
 
 def product_lowering(a: Sketch | None, b: Sketch | None, constant_b: bool) -> Lowering:
     """The kernel `matmul` runs a @ b with, from what the plan knows of a and b (the same
-    tests `_float_matmul` makes on each call)."""
+    tests `float_matmul` makes on each call)."""
     if a is None or b is None or a.dtype is None or b.dtype is None:
         return _PRODUCT_BY_GEOMETRY
     if a.dtype.kind in "iu":
@@ -301,7 +303,7 @@ def matmul(xp, a, b, weight: CachedPack | None = None):
     b is a constant of the graph, whose transpose `weight` may keep (CPU, few rows)."""
     dtype = a.dtype
     if dtype.kind in "fc" and not is_narrow_float(dtype):
-        return _float_matmul(xp, a, b, weight)
+        return float_matmul(xp, a, b, weight)
     if dtype.kind in "iu":
         if dtype.itemsize <= 2:
             return _int_matmul(xp, a, b).astype(dtype)
@@ -392,7 +394,7 @@ class _Gemm(OpImpl):
             return yf.astype(dtype)
         narrow = is_narrow_float(dtype)
         wa, wb = widen(a), widen(b)
-        y = _float_matmul(xp, wa, wb, self._packed if constant_b and not narrow else None)
+        y = float_matmul(xp, wa, wb, self._packed if constant_b and not narrow else None)
         if self.alpha != 1.0:
             y *= y.dtype.type(self.alpha)
         if c is not None and self.beta != 0.0:

@@ -35,6 +35,9 @@ import numpy as np
 
 from ember.ops import _xp
 from ember.ops._dtypes import work_dtype
+from ember.ops.cpu import blas as _blas
+from ember.ops.linalg import CachedPack, float_matmul
+from ember.ops.reduction import softmax
 from ember.ops.registry import OpImpl, register
 
 _DOMAIN = "com.microsoft"
@@ -50,6 +53,8 @@ def _softmax(xp, scores, extra=None):
     """Softmax over the last axis of float `scores` (not modified). `extra`, when
     given, is one more logit per row (broadcastable to scores[..., :1]) that joins the
     denominator only. Rows with no finite score give zeros, not NaN."""
+    if extra is None:   # Softmax's kernel: on the CPU, compiled rows on the run's threads
+        return softmax(xp, scores, -1, empty_rows_zero=True)
     m = xp.max(scores, axis=-1, keepdims=True)
     if extra is not None:
         m = xp.maximum(m, extra)
@@ -83,7 +88,7 @@ def _scores(xp, q, k, scale):
     b, n, s, h = q.shape
     nkv, t = k.shape[1], k.shape[2]
     qg = q.reshape(b, nkv, (n // nkv) * s, h)
-    scores = xp.matmul(qg, xp.swapaxes(k, -1, -2)).reshape(b, n, s, t)
+    scores = _matmul(xp, qg, xp.swapaxes(k, -1, -2)).reshape(b, n, s, t)
     scores *= scores.dtype.type(scale)
     return scores
 
@@ -92,8 +97,14 @@ def _weighted(xp, probs, v):
     """probs (B, N, S, T) x v (B, Nkv, T, Hv) -> (B, N, S, Hv)."""
     b, n, s, t = probs.shape
     nkv = v.shape[1]
-    y = xp.matmul(probs.reshape(b, nkv, (n // nkv) * s, t), v)
+    y = _matmul(xp, probs.reshape(b, nkv, (n // nkv) * s, t), v)
     return y.reshape(b, n, s, v.shape[-1])
+
+
+def _matmul(xp, a, b):
+    """a @ b, batched; on the CPU cut among the run's threads (np.matmul keeps one during a
+    run)."""
+    return _blas.matmul(a, b) if xp is np else xp.matmul(a, b)
 
 
 def _rotate(xp, x, cos, sin, interleaved):
@@ -248,6 +259,7 @@ class Attention(_PaddedAttention):
                 raise self.fail(f"Q and K hidden sizes differ: {sizes}")
         self.sizes = sizes
         self.share_buffer = bool(self.past_present_share_buffer)
+        self._packed = CachedPack()  # the constant projection weight, packed for the CPU
 
     def packed_sizes(self, x, weights, bias, past) -> tuple[int, int, int]:
         """The Q, K and V widths of the packed weights, after checking the inputs' shapes
@@ -283,7 +295,11 @@ class Attention(_PaddedAttention):
         out_dtype = x.dtype
         work = work_dtype(out_dtype)
         batch, q_len, _ = x.shape
-        qkv = xp.matmul(x.astype(work, copy=False), weights.astype(work, copy=False))
+        # the projection as MatMul's: on the CPU engine's threads, a constant weight packed
+        # once (np.matmul runs on one thread during a run: BLAS then keeps one)
+        constant = 1 in self.constant_inputs and weights.dtype == work
+        qkv = float_matmul(xp, x.astype(work, copy=False), weights.astype(work, copy=False),
+                           self._packed if constant else None)
         if bias is not None:
             qkv += bias.astype(work, copy=False)
         q = _heads(qkv[..., :dq], n, "Q", self.fail)

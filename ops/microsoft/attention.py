@@ -88,7 +88,7 @@ def _scores(xp, q, k, scale):
     b, n, s, h = q.shape
     nkv, t = k.shape[1], k.shape[2]
     qg = q.reshape(b, nkv, (n // nkv) * s, h)
-    scores = _matmul(xp, qg, xp.swapaxes(k, -1, -2)).reshape(b, n, s, t)
+    scores = _blas.product(xp, qg, xp.swapaxes(k, -1, -2)).reshape(b, n, s, t)
     scores *= scores.dtype.type(scale)
     return scores
 
@@ -97,14 +97,8 @@ def _weighted(xp, probs, v):
     """probs (B, N, S, T) x v (B, Nkv, T, Hv) -> (B, N, S, Hv)."""
     b, n, s, t = probs.shape
     nkv = v.shape[1]
-    y = _matmul(xp, probs.reshape(b, nkv, (n // nkv) * s, t), v)
+    y = _blas.product(xp, probs.reshape(b, nkv, (n // nkv) * s, t), v)
     return y.reshape(b, n, s, v.shape[-1])
-
-
-def _matmul(xp, a, b):
-    """a @ b, batched; on the CPU cut among the run's threads (np.matmul keeps one during a
-    run)."""
-    return _blas.matmul(a, b) if xp is np else xp.matmul(a, b)
 
 
 def _rotate(xp, x, cos, sin, interleaved):

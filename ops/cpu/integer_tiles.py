@@ -1,4 +1,6 @@
-"""8-bit convolutions on channels-last images: QLinearConv's and ConvInteger's pixel tiles.
+"""8-bit convolutions on channels-last images: QLinearConv's and ConvInteger's pixel tiles and
+depthwise vectors, and the 8-bit products (MatMulInteger, QGemm...: ops/_integer.py), whose
+rows are the pixels of a 1x1 convolution.
 
 The integer GEMM (ops/cpu/integer.py) takes its activations packed: a convolution's patches
 gathered into blocks of 32 columns, from a channels-last copy of a planar image, and its
@@ -12,11 +14,13 @@ A tile is PIXELS output pixels by BLOCK = 32 output channels, in 2 * PIXELS vect
 int32 sums. For each tap of the window and each 4 input channels, it loads the 32 channels'
 4 weights (two 64-byte vectors of the packed weights), broadcasts each pixel's 4 input bytes
 and adds with AVX-512 VNNI's `vpdpbusd` (unsigned input bytes by signed weights, 4 products
-a lane). The input is a padded channels-last uint8 image (`pad_images`: int8 flipped to
+a lane). The input is a padded channels-last uint8 image (`Plan.image`: int8 flipped to
 uint8 by 0x80, the padding the zero point, the channels rounded up to whole 4-byte words), or
 the input itself where it already is one; each pixel's window is an offset (`pixels`) plus an
-offset per tap (`taps`). Weights (M, C, kh, kw) are packed once: (M / 32 blocks, taps * C / 4,
-32, 4) int8, zero rows and channels where M and C are not multiples.
+offset per tap (`taps`: a window row of kw pixels where the rows are undilated). Weights (M,
+C, kh, kw) are packed once: (M / 32 blocks, kh * kw * Cp / 4, 32, 4) int8, zero rows and
+channels where M and C are not multiples. A depthwise convolution (`depthwise_tile`) sums 8
+pixels by 16 channels in float32, exactly (DEPTHWISE_EXACT_TAPS).
 
 The sums are the exact integers C[i, p] = sum (W - zw[i]) (X - zx) as integer.py explains
 (its signedness shifts, the zero points' terms, the epilogues: int32, requantised to 8 bits

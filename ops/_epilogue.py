@@ -11,17 +11,19 @@ import numpy as np
 from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles, tuning
 from ember.ops._dtypes import is_narrow_float, widen
 from ember.ops._layout import channels_last, pixel_rows
-from ember.ops.activations import gelu, gelu_erf_float32, gelu_tanh_float32
+from ember.ops.activations import (gelu, gelu_erf_float32, gelu_tanh_float32, sigmoid,
+                                   sigmoid_float32)
 from ember.ops.registry import Lowering
 
 _address = _compiled.address  # an array's data pointer
 
 ACTIVATIONS = ("", "Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish",
-               "Gelu")
+               "Gelu", "Swish")
 
 
 # the ONNX defaults of the activation parameters a fusion may leave out
-_PARAMETER_DEFAULTS = {"LeakyRelu": [0.01], "Clip": [-np.inf, np.inf], "HardSigmoid": [0.2, 0.5]}
+_PARAMETER_DEFAULTS = {"LeakyRelu": [0.01], "Clip": [-np.inf, np.inf], "HardSigmoid": [0.2, 0.5],
+                       "Swish": [1.0]}
 
 
 def with_defaults(name: str, params: list[float]) -> list[float]:
@@ -70,6 +72,9 @@ def activate_in_place(xp, y, name: str, params: list[float]) -> None:
         y *= gate
     elif name == "Gelu":
         gelu(xp, y, tanh=bool(params and params[0]), out=y)
+    elif name == "Swish":                  # y * sigmoid(alpha * y): SiLU where alpha is 1
+        with np.errstate(over="ignore"):
+            y *= sigmoid(xp, y * t(params[0]) if params[0] != 1 else y)
     else:
         raise ValueError(f"unknown fused activation {name!r}")
 
@@ -132,6 +137,8 @@ def _epilogue_whole(xp, y, bias, z, activation, params):
 _EPILOGUE_CODES = {"": 0, "Relu": 1, "LeakyRelu": 2, "Clip": 3, "HardSigmoid": 4,
                    "HardSwish": 5}
 _GELU_CODES = (6, 7)     # GELU's erf form, its tanh approximation: float32 only
+_SWISH_CODE = 8          # float32 only: exp by exp_float32 (compiled.py), within 3 ulp of numpy's
+_FORMULA_CODES = (*_GELU_CODES, _SWISH_CODE)   # long formulas: compiled at any size
 _EPILOGUE_EMPTY = {t: (np.empty(0, t), np.empty((0, 0), t)) for t in (np.float32, np.float64)}
 
 
@@ -142,7 +149,7 @@ def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels
     `row` (over y's last axis) only on a C-ordered y. Returns whether it ran."""
     code = _epilogue_code(activation, params, y.dtype)
     if code is None or y.dtype.type not in _EPILOGUE_EMPTY or (
-            y.size < tuning.EPILOGUE_MIN and code not in _GELU_CODES):
+            y.size < tuning.EPILOGUE_MIN and code not in _FORMULA_CODES):
         return False
     if code == 0 and row is None and channels is None and z is None:
         return True                            # nothing to do
@@ -174,7 +181,7 @@ def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels
     p0, p1 = (with_defaults(activation, params) + [0.0, 0.0])[:2]   # (unused ones: 0)
     if activation == "Relu":
         p1 = np.inf    # the upper bound of ReLU's loop (see _epilogue_loops)
-    ns = tuning.EPILOGUE_NS + (tuning.GELU_NS if code in _GELU_CODES else 0.0)
+    ns = tuning.EPILOGUE_NS + (tuning.GELU_NS if code in _FORMULA_CODES else 0.0)
     _compiled.split_rows(kernel, rows.shape[0], rows, bias, per_row, residual, code, t(p0), t(p1),
                          ns_per_row=ns * rows.shape[1], piece=_EPILOGUE_PIECES[t])
     return True
@@ -204,10 +211,12 @@ _EPILOGUE_PIECES = {np.float32: _epilogue_piece32, np.float64: _epilogue_piece64
 
 
 def _epilogue_code(activation: str, params: list[float], dtype) -> int | None:
-    """The kernel's code for `activation` (_EPILOGUE_CODES, _GELU_CODES), or None where the
+    """The kernel's code for `activation` (_EPILOGUE_CODES, _FORMULA_CODES), or None where the
     kernel does not have it."""
     if activation == "Gelu":
         return None if dtype != np.float32 else _GELU_CODES[bool(params and params[0])]
+    if activation == "Swish":
+        return None if dtype != np.float32 else _SWISH_CODE
     return _EPILOGUE_CODES.get(activation)
 
 
@@ -288,6 +297,10 @@ def _epilogue_loops(y, bias, bias_per_row, z, code, p0, p1, row0, row1):  # prag
         elif code == 7:                                     # Gelu (tanh), float32 only
             for c in range(C):
                 out[c] = gelu_tanh_float32(out[c])
+        elif code == 8:                                     # Swish(alpha = p0), float32 only
+            for c in range(C):
+                v = out[c]
+                out[c] = v * sigmoid_float32(v * p0)
 
 
 # --- the epilogue in a product's pieces: where a fused op's result is one product on the board

@@ -21,19 +21,27 @@ def pixel_rows(x):
 
 
 def memory_order(inputs: tuple) -> tuple[int, ...] | None:
-    """The axes of the first input of the inputs' broadcast shape in its memory's order (a
-    channels-last image between convolutions: (0, 2, 3, 1)), where that is a permutation of
-    C order other than the identity; else None (C order, a strided view, no such input, or
-    shapes that do not broadcast: the portable kernel raises numpy's error)."""
+    """The axes of the first dense input of the inputs' broadcast shape in its memory's order
+    (a channels-last image between convolutions: (0, 2, 3, 1)), where that is a permutation
+    of C order other than the identity; else None (C order, no such input, or shapes that do
+    not broadcast: the portable kernel raises numpy's error). A strided view (a Split's part
+    of an image) is passed over for a dense input after it; with none, the first view's
+    order of strides stands, so that a copy of it reads its memory in order."""
     try:
         shape = np.broadcast_shapes(*(x.shape for x in inputs))
     except ValueError:
         return None
-    first = next((x for x in inputs if x.shape == shape), None)
-    if first is None or first.flags.c_contiguous or first.ndim < 2:
-        return None
-    order = tuple(sorted(range(first.ndim), key=lambda axis: -first.strides[axis]))
-    return order if first.transpose(order).flags.c_contiguous else None
+    views = []
+    for x in inputs:
+        if x.shape != shape or x.ndim < 2:
+            continue
+        if x.flags.c_contiguous:
+            return None
+        order = tuple(sorted(range(x.ndim), key=lambda axis: -x.strides[axis]))
+        if x.transpose(order).flags.c_contiguous:
+            return order
+        views.append(order)
+    return views[0] if views and views[0] != tuple(range(len(shape))) else None
 
 
 def moved(x, order: tuple[int, ...]):

@@ -39,6 +39,7 @@ from ember.ops._layout import in_memory_order
 from ember.ops._lowering import compiled_rows
 from ember.ops.cpu import compiled as _compiled, tuning
 from ember.ops.cpu.compiled import exp_float32, tanh_float32
+from ember.ops.activations import sigmoid_float32
 from ember.ops.elementwise import _ERF32_P, _ERF32_Q, erf
 from ember.ops.fused import DOMAIN
 from ember.ops.registry import PORTABLE, Lowering, OpImpl, register
@@ -192,14 +193,6 @@ def clip_like_numpy(x, lo, hi):
     """np.clip of a float32 (x itself where within the bounds, NaN kept; hi where lo > hi)."""
     t = lo if x < lo else x
     return hi if t > hi else t
-
-
-@_compiled.kernel_math
-def sigmoid_float32(x):
-    """activations.sigmoid's formula for one float32 (exp by exp_float32)."""
-    e = exp_float32(-abs(x))
-    s = ONE / (ONE + e)
-    return s if x >= ZERO else e * s
 
 
 @_compiled.kernel_math

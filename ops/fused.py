@@ -7,9 +7,10 @@
 Z, the residual, has exactly the shape of the result.
 
 `activation` names the ONNX activation applied to the result ("Relu", "LeakyRelu", "Clip",
-"Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Gelu"; "" for none) and `activation_params`
-holds its float parameters in the ONNX attribute order (Clip: min, max; LeakyRelu: alpha;
-HardSigmoid: alpha, beta; Gelu: 1.0 for the tanh approximation). The activation is applied in
+"Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Gelu", "Swish"; "" for none) and
+`activation_params` holds its float parameters in the ONNX attribute order (Clip: min, max;
+LeakyRelu: alpha; HardSigmoid: alpha, beta; Gelu: 1.0 for the tanh approximation; Swish:
+alpha, x * sigmoid(alpha x), which the simplifier also makes of SiLU written out). The activation is applied in
 place on the freshly computed product, as are the bias and the residual: fusion saves the
 separate ops' allocations (and, for GELU, runs the formula block by block in cache).
 """

@@ -72,6 +72,9 @@ ACTIVATION_BODIES = {
     # 0.5 * (1 + tanh(u)) == sigmoid(2u), as in the Gelu kernel of ops/opencl/activations.py
     "GeluTanh": "X u = GELU_2C * (x + GELU_A * x * x * x); X e = exp(-fabs(u)); "
                 "X s = (X)1 / ((X)1 + e); return x * (u >= (X)0 ? s : e * s);",
+    # x * sigmoid(alpha x), p0 = alpha (SiLU: 1)
+    "Swish": "X u = x * p0; X e = exp(-fabs(u)); X s = (X)1 / ((X)1 + e); "
+             "return x * (u >= (X)0 ? s : e * s);",
 }
 
 
@@ -116,7 +119,8 @@ def activation_code(name: str, params) -> tuple[str, float, float]:
     params = [float(v) for v in params or []]
     if name == "Gelu":
         return ("GeluTanh" if params and params[0] else "Gelu"), 0.0, 0.0
-    defaults = {"LeakyRelu": [0.01], "Clip": [-math.inf, math.inf], "HardSigmoid": [0.2, 0.5]}
+    defaults = {"LeakyRelu": [0.01], "Clip": [-math.inf, math.inf], "HardSigmoid": [0.2, 0.5],
+                "Swish": [1.0]}
     full = (params + defaults.get(name, [])[len(params):] + [0.0, 0.0])[:2]
     return name, full[0], full[1]
 

@@ -28,17 +28,21 @@ def fuse_activations(graph: Graph, ctx: Context) -> bool:
         params = activation_params(act, index)
         if params is None:
             continue
-        producer = index.producer.get(act.inputs[0])
-        if producer is None or index.single_use_producer(act.inputs[0]) is None:
+        swish = _swish_sigmoid(act, index)   # Mul(x, Sigmoid(x)): read twice, by these two
+        x = act.inputs[0] if swish is None else swish.inputs[0]
+        producer = index.producer.get(x)
+        if producer is None or id(producer) in index.dead or \
+                index.uses(x) != (1 if swish is None else 2):
             continue
         fused_op = _FUSED_NAME.get((producer.domain, producer.op_type))
         if fused_op is None or producer.attrs.get("activation") or \
-                index.dtype(act.inputs[0]) is None or index.dtype(act.inputs[0]).kind != "f":
+                index.dtype(x) is None or index.dtype(x).kind != "f":
             continue
         if not ctx.has_kernel(DOMAIN, fused_op, 1):
             continue
-        graph.nodes.append(_fused(producer, fused_op, act, params))
-        index.kill(producer, act)
+        graph.nodes.append(_fused(producer, fused_op, act, params,
+                                  "Swish" if swish is not None else act.op_type))
+        index.kill(producer, act, *(() if swish is None else (swish,)))
         changed = True
     drop_dead(graph, index)
     return changed
@@ -49,6 +53,10 @@ def activation_params(node: Node, index: GraphIndex) -> list[float] | None:
     op = node.op_type
     if op in ("Relu", "Sigmoid", "Tanh", "HardSwish"):
         return []
+    if op == "Swish":
+        return [float(node.attrs.get("alpha", 1.0))]
+    if op == "Mul":
+        return [1.0] if _swish_sigmoid(node, index) is not None else None
     if op == "LeakyRelu":
         return [float(node.attrs.get("alpha", 0.01))]
     if op == "HardSigmoid":
@@ -73,7 +81,20 @@ def activation_params(node: Node, index: GraphIndex) -> list[float] | None:
     return None
 
 
-def _fused(producer: Node, fused_op: str, act: Node | None, params: list[float]) -> Node:
+def _swish_sigmoid(node: Node, index: GraphIndex) -> Node | None:
+    """The Sigmoid of SiLU written out, Mul(x, Sigmoid(x)) (either order), where `node` is
+    that Mul and the Sigmoid's result is read by it alone; else None."""
+    if node.op_type != "Mul" or node.domain or len(node.inputs) != 2 or node.version < 7:
+        return None
+    for side in (0, 1):
+        sigmoid = index.single_use_producer(node.inputs[1 - side], "Sigmoid")
+        if sigmoid is not None and sigmoid.inputs and sigmoid.inputs[0] == node.inputs[side]:
+            return sigmoid
+    return None
+
+
+def _fused(producer: Node, fused_op: str, act: Node | None, params: list[float],
+           activation: str | None = None) -> Node:
     attrs = dict(producer.attrs)
     types = dict(producer.attr_types)
     if producer.domain == "":
@@ -81,7 +102,7 @@ def _fused(producer: Node, fused_op: str, act: Node | None, params: list[float])
         for name, value in defaults.items():
             if value is not None and name not in attrs:
                 attrs[name] = value
-    attrs["activation"] = act.op_type if act is not None else ""
+    attrs["activation"] = activation or (act.op_type if act is not None else "")
     types["activation"] = AttributeProto.STRING
     if params:
         attrs["activation_params"] = params

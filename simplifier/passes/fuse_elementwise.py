@@ -6,7 +6,8 @@ A group is a connected set of whitelisted float32 / bool elementwise nodes with 
 every other value it computes is read by its own nodes only (not by another node, nor as a
 graph output), so the group's nodes disappear and nothing outside needs what they computed.
 Groups are grown from their output backwards, over producers whose every reader is already in
-the group. A group becomes a node when it holds at least two steps and its inputs' shapes are
+the group. A group becomes a node when it holds at least two steps (or one, over a large
+result: `_large_alone`) and its inputs' shapes are
 known (sizes or named symbols) and each broadcasts into the output's shape (a scalar, a
 per-channel or trailing tensor...): shapes unknown, the nodes stay as they are.
 
@@ -22,6 +23,7 @@ import numpy as np
 from onnx import AttributeProto, TensorProto
 
 from ember.ir import Graph, Node
+from ember.ops.cpu import tuning
 from ember.ops.elementwise_chain import OP_TYPE, OPS, kind_of
 from ember.ops.fused import DOMAIN
 from ember.ops.registry import attribute_defaults
@@ -49,7 +51,7 @@ def fuse_elementwise(graph: Graph, ctx: Context) -> bool:
         step = _step(node, index)
         if step is not None:
             steps[id(node)] = step
-    if sum(1 for n in order if id(n) in steps) < 2:
+    if not steps:
         return False
     position = {id(n): i for i, n in enumerate(order)}
     taken: set[int] = set()
@@ -59,7 +61,8 @@ def fuse_elementwise(graph: Graph, ctx: Context) -> bool:
             continue
         group = _grow(sink, steps, taken, index)
         taken.update(id(n) for n in group)
-        if sum(steps[id(n)][0] != "Identity" for n in group) < 2:
+        if sum(steps[id(n)][0] != "Identity" for n in group) < 2 and \
+                not _large_alone(group, steps, index):
             continue
         group.sort(key=lambda n: position[id(n)])
         node = _chain_node(group, steps, index)
@@ -91,6 +94,18 @@ def _grow(sink: Node, steps: dict, taken: set[int], index: GraphIndex) -> list[N
                 members.add(id(producer))
                 pending.append(producer)
     return group
+
+
+def _large_alone(group: list[Node], steps: dict, index: GraphIndex) -> bool:
+    """Whether a group of one op is worth a chain of its own: a result of at least
+    CHAIN_ALONE_MIN values (its sizes' product; a named dim, a batch, counts as 1), where
+    the compiled loop on the run's threads beats numpy's single-threaded pass (a broadcast
+    Mul of an SE block, a detector's Sigmoid)."""
+    if len(group) != 1 or steps[id(group[0])][0] == "Identity":
+        return False
+    shape = index.known_shape(group[0].outputs[0])
+    return shape is not None and \
+        math.prod(d for d in shape if isinstance(d, int)) >= tuning.CHAIN_ALONE_MIN
 
 
 def _chain_node(group: list[Node], steps: dict, index: GraphIndex) -> Node | None:

@@ -110,6 +110,24 @@ def test_conv_bias_activation(act, attrs, bounds, batch):
     run_fused(proto, feeds, ["FusedConv"])
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_conv_and_gemm_silu_as_swish(batch):
+    """SiLU written out (Sigmoid, Mul) and ONNX's Swish (alpha 0.7) fuse into the product as
+    activation Swish and run on the device."""
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["c"], ["s"]),
+             helper.make_node("Mul", ["c", "s"], ["y"]),
+             helper.make_node("Gemm", ["a", "gw", "gb"], ["g"], transB=1),
+             helper.make_node("Swish", ["g"], ["y2"], alpha=0.7)]
+    inits = [const("w", rand(11, 3, 3, 3)), const("b", rand(11)), const("gw", rand(9, 7)),
+             const("gb", rand(9))]
+    feeds = {"x": rand(batch, 3, 7, 8) * 3, "a": rand(batch, 7) * 3}
+    proto = make_model(nodes, [tensor("x", [batch, 3, 7, 8]), tensor("a", [batch, 7])],
+                       [tensor("y", None), tensor("y2", None)], inits, opset=24)
+    session = run_fused(proto, feeds, ["FusedConv", "FusedGemm"])
+    assert [n.attrs["activation"] for n in session.model.graph.nodes] == ["Swish"] * 2
+
+
 @pytest.mark.parametrize("act, attrs, bounds", ACTIVATIONS, ids=IDS)
 def test_conv_residual_activation_across_blocks(act, attrs, bounds):
     # a ResNet-like block on a 67 x 61 image: 4087 positions (127 whole 32-column blocks, one

@@ -345,3 +345,44 @@ def test_small_tensors_run_numpys_operations(monkeypatch):
         got = session.run({"x": x})["y"]
         np.testing.assert_allclose(got, x / (1 + np.exp(-x)), rtol=1e-6, atol=1e-7)
         assert [k[2] for k in session.kernels] == [kernel]
+
+
+def test_one_large_op_is_a_chain_and_a_small_one_stays():
+    """A single elementwise op over at least CHAIN_ALONE_MIN values (an SE block's broadcast
+    Mul, a detector's Sigmoid) becomes a chain of one step, for the loop on the run's
+    threads; a small one stays a plain node."""
+    for shape, fused in (((1, 64, 32, 32), [["Mul"]]), ((1, 8, 4, 4), [])):
+        x = RNG.standard_normal(shape).astype(np.float32)
+        s = RNG.standard_normal((1, shape[1], 1, 1)).astype(np.float32)
+        proto = make_model([helper.make_node("Mul", ["x", "s"], ["y"])],
+                           [tensor("x", list(shape)), tensor("s", list(s.shape))],
+                           [tensor("y", list(shape))])
+        assert math.prod(shape) >= tuning.CHAIN_ALONE_MIN or not fused
+        check(proto, {"x": x, "s": s}, fused, exact=True)
+    x = RNG.standard_normal((1, 80, 1000)).astype(np.float32) * 6
+    proto = make_model([helper.make_node("Sigmoid", ["x"], ["y"])],
+                       [tensor("x", [1, 80, 1000])], [tensor("y", [1, 80, 1000])])
+    check(proto, {"x": x}, [["Sigmoid"]])
+
+
+def test_a_strided_view_is_read_in_its_memory_order():
+    """A Split's part of a channels-last image is a strided view: with no dense input the loop
+    runs in the view's memory order (a copy of it reads memory in order, not transposing)
+    and the result has that order; a dense input after it decides over it."""
+    node = Node(OP_TYPE, "ai.ember", 1, ["x"], ["y"],
+                attrs={"ops": ["Sigmoid", "Neg"], "args": [0, 1]})
+    kernel = bind(node, lookup("ai.ember", OP_TYPE, 1), dict(node.attrs))
+    base = RNG.standard_normal((2, 30, 24)).astype(np.float32)
+    view = base[:, :, 8:].transpose(0, 2, 1)            # (2, 16, 30), channels innermost
+    got, want = kernel.run(view), kernel.portable([view])
+    assert got.transpose(0, 2, 1).flags.c_contiguous
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    node = Node(OP_TYPE, "ai.ember", 1, ["a", "b"], ["y"],
+                attrs={"ops": ["Add", "Neg"], "args": [0, 1, 2]})
+    kernel = bind(node, lookup("ai.ember", OP_TYPE, 1), dict(node.attrs))
+    image = RNG.standard_normal((1, 5, 6, 16)).astype(np.float32).transpose(0, 3, 1, 2)
+    part = RNG.standard_normal((1, 5, 6, 40)).astype(np.float32)[..., 4:20] \
+        .transpose(0, 3, 1, 2)
+    got = kernel.run(part, image)
+    assert got.strides == image.strides
+    np.testing.assert_array_equal(got, kernel.portable([part, image]))

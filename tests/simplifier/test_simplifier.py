@@ -18,6 +18,7 @@ import ember
 from ember.importer import import_model
 from ember.importer.onnx_export import export_model
 from ember.ir import Graph, Model, Node, TensorType, ValueInfo
+from ember.ops.cpu import compiled
 from ember.simplifier import PASSES, UnknownPassError, simplify
 from ember.simplify_cli import add_simplify_parser
 from ember.simplifier.context import Context
@@ -494,6 +495,52 @@ def test_gemm_and_matmul_activation_fuse_and_match(act, attrs, bounds):
                        [tensor("y1", None), tensor("y2", None)], inits)
     model = simplified_matches(proto, {"a": rand(1, 7), "x3": rand(2, 5, 7)})
     assert sorted(ops(model)) == ["FusedGemm", "FusedMatMul"]
+
+
+@pytest.mark.parametrize("kernel", [(1, 1), (3, 3)])
+@pytest.mark.parametrize("sigmoid_first", [False, True])
+def test_silu_written_out_fuses_as_swish(kernel, sigmoid_first):
+    """Conv -> Sigmoid, Mul (a SiLU as exporters write it, either operand order) becomes one
+    FusedConv with activation Swish, on the convolution's fast route (the image between
+    convolutions is channels-last); a Gemm's too. A Conv result read by a third node keeps
+    its SiLU unfused."""
+    k, c = kernel[0], 24
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["x1"], pads=[1] * 4),
+             helper.make_node("Conv", ["x1", "w", "b"], ["c"], pads=[k // 2] * 4),
+             helper.make_node("Sigmoid", ["c"], ["s"]),
+             helper.make_node("Mul", ["s", "c"] if sigmoid_first else ["c", "s"], ["y"]),
+             helper.make_node("Gemm", ["a", "gw", "gb"], ["g"], transB=1),
+             helper.make_node("Sigmoid", ["g"], ["gs"]),
+             helper.make_node("Mul", ["g", "gs"], ["y2"])]
+    inits = [const("w0", rand(16, 3, 3, 3)), const("w", rand(c, 16, k, k)), const("b", rand(c)),
+             const("gw", rand(9, 7)), const("gb", rand(9))]
+    inputs = [tensor("x", [1, 3, 40, 40]), tensor("a", [3, 7])]
+    proto = make_model(nodes, inputs, [tensor("y", None), tensor("y2", None)], inits)
+    feeds = {"x": rand(1, 3, 40, 40), "a": rand(3, 7) * 3}
+    model = simplified_matches(proto, feeds)
+    assert sorted(ops(model)) == ["Conv", "FusedConv", "FusedGemm"]
+    assert [n.attrs["activation"] for n in model.graph.nodes if n.domain] == ["Swish"] * 2
+    session = ember.Session(model)
+    session.run(feeds)
+    chosen = {name: kernel for name, _, kernel, _ in session.kernels}
+    if compiled.enabled():
+        assert chosen["y"] == ("cpu.tiles-pointwise" if k == 1 else "cpu.tiles")
+    nodes.append(helper.make_node("Neg", ["c"], ["y3"]))
+    proto = make_model(nodes, inputs, [tensor("y", None), tensor("y2", None),
+                                       tensor("y3", None)], inits)
+    model = simplified_matches(proto, feeds, skip=["fuse_elementwise"])
+    assert ops(model).count("Sigmoid") == 1 and ops(model).count("Conv") == 2
+
+
+def test_onnx_swish_fuses_with_its_alpha():
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
+             helper.make_node("Swish", ["c"], ["y"], alpha=0.7)]
+    proto = make_model(nodes, [tensor("x", [2, 5, 6, 7])], [tensor("y", None)],
+                       [const("w", rand(8, 5, 1, 1))], opset=24)
+    proto.ir_version = 10
+    model = simplified_matches(proto, {"x": rand(2, 5, 6, 7) * 4})
+    assert ops(model) == ["FusedConv"]
+    assert model.graph.nodes[0].attrs["activation_params"] == pytest.approx([0.7])
 
 
 def test_residual_add_and_relu_fuse_into_conv():

@@ -91,11 +91,12 @@ def kept(op, name: str, key: tuple, make, zero=None, where=None):
     return value
 
 
-def _pixel_product(op, rows, za: int, b, zb, out) -> None:
+def _pixel_product(op, rows, za: int, b, zb, out, **epilogue) -> None:
     """out (M, N) = (rows - za) @ (b - zb) as a 1x1 convolution of M pixels of K channels on
     the pixel tiles (ops/cpu/integer_tiles.py), b's columns its filters, packed once per
     constant: the rows are read where they lie (uint8, K a multiple of 4), with no blocks of
-    columns to pad, so that one row costs a row's work."""
+    columns to pad, so that one row costs a row's work. `epilogue`: Plan.run's (int32 sums
+    by default; a requantisation into an 8-bit `out`)."""
     (M, K), N = rows.shape, b.shape[1]
     origin = b if b.base is None else b.base
     zero = columns(zb, N)
@@ -110,7 +111,30 @@ def _pixel_product(op, rows, za: int, b, zb, out) -> None:
     if last is None or last[0] != signature or last[1] is not weights:
         last = op._pixel_plan = (signature, weights,
                                  _integer_tiles.Plan(weights, image, _POINTWISE, (1, M)))
-    last[2].run(image, za, out.reshape(1, 1, M, N))
+    last[2].run(image, za, out.reshape(1, 1, M, N), **epilogue)
+
+
+def requantizing_route(op, m: int, za, b, zb, bias, mult, y_zero_point):
+    """A route for requantised products (QGemm, QLinearMatMul): route(rows), rows (m, K)
+    C-ordered, gives sat(rint(float32((rows - za) @ (b - zb) + bias) * mult) + y_zero_point)
+    in y_zero_point's type, onnxruntime's requantisation (int32 sums, wrapping as its do), in
+    the pixel tiles' epilogue: no int32 product and float passes after it. bias (N,) int, mult
+    (N,) float32. None where the integer product does not serve."""
+    rows = np.empty((m, b.shape[0]), np.uint8)
+    if not serves(op, rows, za, b, zb) or y_zero_point.dtype not in BYTES \
+            or y_zero_point.size != 1:
+        return None
+    info = np.iinfo(y_zero_point.dtype)
+    epilogue = dict(mode=_integer.REQUANTIZE, bias=np.asarray(bias, np.int64),
+                    mult=np.asarray(mult, np.float32),
+                    y_zero=float(y_zero_point.reshape(())), lo=info.min, hi=info.max)
+    zero, dtype = scalar(za), y_zero_point.dtype
+
+    def route(rows):
+        out = np.empty((m, b.shape[1]), dtype)
+        _pixel_product(op, rows, zero, b, zb, out, **epilogue)
+        return out
+    return route
 
 
 _POINTWISE = ((1, 1), (1, 1), (1, 1), (0, 0), (0, 0))   # a 1x1 convolution's geometry

@@ -213,6 +213,7 @@ _KERNEL_GLOBALS = {
     "clip_like_numpy": clip_like_numpy, "sigmoid_float32": sigmoid_float32,
     "erf_float32": erf_float32, "exp_float32": exp_float32, "tanh_float32": tanh_float32,
     "gelu_erf_float32": _act.gelu_erf_float32, "gelu_tanh_float32": _act.gelu_tanh_float32,
+    "array_at": _compiled.array_at,
 }
 
 # An input's part of a row: "f" has Y's shape (Y's own elements), "v" varies along the
@@ -264,6 +265,32 @@ def kernel_source(ops: tuple[str, ...], args: tuple[int, ...], modes: tuple[str,
     return "\n".join(lines) + "\n"
 
 
+# The dtypes a piece function rebuilds its arrays as, by name in the generated source: the
+# chain's input kinds' dtypes (_KIND_OF_DTYPE) and its results'.
+_DTYPE_NAMES = {np.dtype(np.float32): "np.float32", np.dtype(bool): "np.bool_",
+                np.dtype(np.int32): "np.int32", np.dtype(np.int64): "np.int64"}
+
+
+def piece_source(dtypes: tuple[np.dtype, ...], result: np.dtype) -> str:
+    """The source of `chain_piece(block, row0, row1)`, the loop's piece function (compiled.py's
+    board runs it without Python): chain_kernel's arguments rebuilt from the block that
+    compiled.piece_block packs of (out, inner, nsub, chunk, dims, strides, prm, x0, ...),
+    each array 1-D but strides (2-D)."""
+    n = len(dtypes)
+    lines = ["def chain_piece(block, row0, row1):",
+             f"    v = array_at(block, ({12 + 2 * n},), np.int64)",
+             f"    out = array_at(v[0], (v[1],), {_DTYPE_NAMES[np.dtype(result)]})",
+             "    dims = array_at(v[5], (v[6],), np.int64)",
+             "    strides = array_at(v[7], (v[8], v[9]), np.int64)",
+             "    prm = array_at(v[10], (v[11],), np.float32)"]
+    lines += [f"    x{k} = array_at(v[{12 + 2 * k}], (v[{13 + 2 * k}],), "
+              f"{_DTYPE_NAMES[np.dtype(d)]})" for k, d in enumerate(dtypes)]
+    inputs = ", ".join(f"x{k}" for k in range(n))
+    lines.append(f"    chain_kernel(out, v[2], v[3], v[4], dims, strides, prm, {inputs}, "
+                 "row0, row1)")
+    return "\n".join(lines) + "\n"
+
+
 _SMALL = Lowering("numpy", "small tensors: numpy's operations one by one cost less than "
                   "the compiled loop's call")
 
@@ -292,32 +319,37 @@ class ChainKernels:
         self._lock = threading.Lock()
         self._stamp: str | None = None   # the hash of the files the loops call into
 
-    def get(self, ops: tuple[str, ...], args: tuple[int, ...], modes: tuple[str, ...]) -> Any:
-        """The compiled kernel, or None without numba."""
-        key = (ops, args, modes)
+    def get(self, ops: tuple[str, ...], args: tuple[int, ...], modes: tuple[str, ...],
+            dtypes: tuple[np.dtype, ...], result: np.dtype) -> tuple[Any, Any]:
+        """(the compiled kernel, its piece function for the board), or (None, None) without
+        numba; the piece function None where its source could not be written to a file."""
+        key = (ops, args, modes, dtypes, result)
         kernel = self._kernels.get(key)
-        if kernel is None and key not in self._kernels:
+        if kernel is None:
             with self._lock:
                 if key not in self._kernels:
-                    self._kernels[key] = self._compile(kernel_source(ops, args, modes))
+                    self._kernels[key] = self._compile(
+                        kernel_source(ops, args, modes) + "\n\n" + piece_source(dtypes, result))
                 kernel = self._kernels[key]
         return kernel
 
-    def _compile(self, source: str) -> Any:
+    def _compile(self, source: str) -> tuple[Any, Any]:
         numba = _compiled._numba() if _compiled.enabled() else None
         if numba is None:
-            return None
+            return None, None
         _compiled._register_math(numba)
         options = dict(nogil=True, boundscheck=False, error_model="numpy")
-        loop = self._from_file(source)
-        if loop is not None:
-            return numba.njit(cache=True, **options)(loop)
+        module = self._from_file(source)
+        if module is not None:
+            # the piece function calls the module's chain_kernel by name: compiled, first
+            module.chain_kernel = numba.njit(cache=True, **options)(module.chain_kernel)
+            return module.chain_kernel, module.chain_piece
         namespace = dict(_KERNEL_GLOBALS)
         exec(compile(source, "<ember elementwise chain>", "exec"), namespace)
-        return numba.njit(**options)(namespace["chain_kernel"])
+        return numba.njit(**options)(namespace["chain_kernel"]), None
 
-    def _from_file(self, source: str) -> Callable | None:
-        """The loop defined by `source` written to a file of the cache folder, or None where
+    def _from_file(self, source: str) -> Any:
+        """The module defined by `source` written to a file of the cache folder, or None where
         it cannot be written."""
         if self._stamp is None:
             digest = hashlib.sha256()
@@ -349,7 +381,7 @@ class ChainKernels:
             return None
         # numba's cached code finds its globals by importing the function's module by name
         sys.modules[module_name] = module
-        return module.chain_kernel
+        return module
 
 
 # Elements a row of the compiled loop covers at most: Y's innermost run is cut into rows of
@@ -477,10 +509,12 @@ class ElementwiseChain(OpImpl):
             plan = self._layouts[shapes] = layout(list(shapes))
         if plan is None:
             return None
-        kernel = self.kernels.get(*self._program, plan.modes)
+        out_dtype = np.dtype(np.float32 if result[-1] == "f" else bool)
+        kernel, piece = self.kernels.get(*self._program, plan.modes,
+                                         tuple(x.dtype for x in inputs), out_dtype)
         if kernel is None:
             return None
-        out = np.empty(plan.shape, np.float32 if result[-1] == "f" else bool)
+        out = np.empty(plan.shape, out_dtype)
         if out.size == 0:
             return out if back is None else out.transpose(back)
         flat = [np.ascontiguousarray(x).reshape(-1) for x in inputs]
@@ -490,7 +524,7 @@ class ElementwiseChain(OpImpl):
         rows = (out.size // inner if inner else 0) * nsub
         _compiled.split_rows(kernel, rows, out.reshape(-1), inner, nsub, chunk, plan.dims,
                              plan.strides, self._prm, *flat,
-                             ns_per_row=chunk * _NS_PER_STEP * len(self.steps))
+                             ns_per_row=chunk * _NS_PER_STEP * len(self.steps), piece=piece)
         return out if back is None else out.transpose(back)
 
     def lower(self, inputs):

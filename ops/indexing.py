@@ -118,9 +118,20 @@ class Gather(OpImpl):
 
     def run(self, data, indices):
         xp = self.xp
-        axis = _norm_axis(self, self.axis, data.ndim)
-        idx = _fix_indices(xp, self, indices, data.shape[axis])
+        if 1 in self.constant_inputs:
+            # indices that are a constant of the plan: checked once per data shape, kept as
+            # one (shape, (axis, indices)) pair, which racing threads at worst both make
+            kept = self.__dict__.get("_kept_index")
+            if kept is None or kept[0] != data.shape:
+                kept = self._kept_index = (data.shape, self._checked(xp, data, indices))
+            axis, idx = kept[1]
+        else:
+            axis, idx = self._checked(xp, data, indices)
         return xp.take(data, idx, axis=axis)
+
+    def _checked(self, xp, data, indices):
+        axis = _norm_axis(self, self.axis, data.ndim)
+        return axis, _fix_indices(xp, self, indices, data.shape[axis])
 
 
 @register("GatherElements", versions=[11, 13])

@@ -25,6 +25,7 @@ from ember.ops import _integer as _int
 from ember.ops.cpu import blas as _blas, compiled as _compiled, gemv as _gemv, tiles as _tiles
 from ember.ops.cpu import tuning
 from ember.ops._dtypes import is_narrow_float, widen
+from ember.ops._lowering import remembered_route
 from ember.ops.registry import Lowering, OpImpl, Sketch, register
 
 
@@ -401,13 +402,17 @@ class _Gemm(OpImpl):
             wc = widen(c)
             if self.beta != 1.0:
                 wc = wc * wc.dtype.type(self.beta)
-            try:
-                if np.broadcast_shapes(y.shape, wc.shape) != y.shape:
-                    raise ValueError
-                y += wc
-            except ValueError:
+            if not _broadcasts_to(wc.shape, y.shape):
                 raise self.fail(f"C of shape {c.shape} does not broadcast to {y.shape}")
+            y += wc
         return y.astype(dtype, copy=False) if narrow or y.dtype != dtype else y
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether `shape` broadcasts to `target` unchanged (np.broadcast_shapes(target, shape)
+    == target), in a few tuple steps where numpy's check costs microseconds a product."""
+    return len(shape) <= len(target) and all(
+        s == 1 or s == t for s, t in zip(shape[::-1], target[::-1]))
 
 
 @register("Gemm", versions=[1, 6])
@@ -504,6 +509,34 @@ class QLinearMatMul(OpImpl):
         return _int.lowering(inputs[0], inputs[3])
 
     def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point):
+        params = (a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point)
+        route = remembered_route(self, (a,), params, lambda: self._requantizing(a, *params))
+        if route is not None:
+            self._chosen = _int.INTEGER
+            K, N = b.shape
+            rows = np.ascontiguousarray(a).reshape(-1, K)
+            return route(rows).reshape(a.shape[:-1] + (N,))
+        return self._run(a, *params)
+
+    def _requantizing(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale,
+                      y_zero_point):
+        """The pixel tiles' route with the requantisation in their epilogue, as `_run`
+        computes it for float32 scales, per tensor (b's: or per column) and a 2-D b; else
+        None."""
+        if self.xp is not np or a.dtype not in _int.BYTES or b.dtype != a.dtype or b.ndim != 2 \
+                or a.ndim < 1 or a.shape[-1] != b.shape[0] \
+                or any(p.dtype != np.float32 for p in (a_scale, b_scale, y_scale)) \
+                or any(p.size != 1 for p in (a_scale, a_zero_point, y_scale, y_zero_point)) \
+                or b_scale.size not in (1, b.shape[1]) or b_zero_point.dtype != b.dtype \
+                or b_zero_point.size not in (1, b.shape[1]):
+            return None
+        N = b.shape[1]
+        mult = a_scale.reshape(()) * b_scale.reshape(-1) / y_scale.reshape(())
+        return _int.requantizing_route(self, math.prod(a.shape[:-1]), a_zero_point, b,
+                                       b_zero_point.reshape(-1), np.zeros(N, np.int64),
+                                       np.broadcast_to(mult, (N,)), y_zero_point)
+
+    def _run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point):
         xp = self.xp
         out_dtype = y_zero_point.dtype
         if a.dtype.kind in "iu" and b.dtype.kind in "iu":

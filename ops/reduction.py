@@ -51,7 +51,20 @@ class _Reduce(OpImpl):
             self.noop = bool(getattr(self, "noop_with_empty_axes", 0) or 0)
 
     def reduced_axes(self, rank: int, axes=None) -> tuple[int, ...]:
-        """The axes to reduce, from the attribute (old opsets) or the `axes` input."""
+        """The axes to reduce, from the attribute (old opsets) or the `axes` input; where
+        they are fixed for the plan (the attribute, or a constant input), worked out once per
+        rank and kept as one (rank, axes) pair, which racing threads at worst both make."""
+        fixed = not self.axes_from_input or (axes is not None and 1 in self.constant_inputs)
+        if fixed:
+            kept = self.__dict__.get("_kept_axes")
+            if kept is not None and kept[0] == rank:
+                return kept[1]
+        found = self._reduced_axes(rank, axes)
+        if fixed:
+            self._kept_axes = (rank, found)
+        return found
+
+    def _reduced_axes(self, rank: int, axes) -> tuple[int, ...]:
         if self.axes_from_input:
             if axes is None or np.size(axes) == 0:
                 # empty axes: all axes, or (noop) a reduction over the empty set of axes,
@@ -137,7 +150,7 @@ class _ReduceMean(_Reduce):
         if mean is not None:
             return mean if keepdims else mean.reshape(mean.shape[:2])
         x = widen(x)
-        count = int(np.prod([x.shape[a] for a in axes])) if axes else 1
+        count = math.prod([x.shape[a] for a in axes]) if axes else 1
         if x.dtype.kind in "iu":
             total = xp.sum(x, axis=axes, keepdims=keepdims, dtype=np.int64 if x.dtype.kind == "i"
                            else np.uint64)
@@ -146,7 +159,9 @@ class _ReduceMean(_Reduce):
             # integer mean rounds toward zero, like C integer division
             q = xp.abs(total) // count
             return xp.where(total < 0, -q, q) if x.dtype.kind == "i" else q
-        total = xp.sum(x, axis=axes, keepdims=keepdims)
+        # np.sum's own reduction, without its Python wrapper (a few microseconds a call)
+        total = np.add.reduce(x, axis=axes, keepdims=keepdims) if xp is np \
+            else xp.sum(x, axis=axes, keepdims=keepdims)
         if count == 0:
             return xp.full(total.shape, np.nan, x.dtype)
         return total / x.dtype.type(count)

@@ -619,6 +619,30 @@ def _pad_indices(shape: tuple[int, ...], before: list[int], after: list[int],
         for a, (n, b, e) in enumerate(zip(shape, before, after)) if b or e)
 
 
+def _fixed_pad(shape: tuple[int, ...], pads, mode: str):
+    """For a reflect, edge or wrap pad by pads that are constants of the plan: `_pad`'s
+    gathers (`_pad_indices`) and the output's shape, worked out once per input shape; False
+    where `_pad` has more to do (pads that crop or pad nothing, an empty axis, pads of the
+    wrong length: its errors), so that it runs as it is."""
+    pads = _ints(pads)
+    rank = len(shape)
+    if len(pads) != 2 * rank or any(p < 0 for p in pads) or not any(pads) or \
+            any((pads[a] or pads[a + rank]) and shape[a] == 0 for a in range(rank)):
+        return False
+    before, after = pads[:rank], pads[rank:]
+    out = tuple(d + b + e for d, b, e in zip(shape, before, after))
+    return out, _pad_indices(shape, before, after, mode)
+
+
+def _gathered(x, gathers):
+    """`_pad`'s reflect, edge or wrap pad by `_fixed_pad`'s gathers: the same takes."""
+    shape, indices = gathers
+    limits.check_shape(shape, x.dtype)  # against the running session's cap, as `_pad` does
+    for a, index in indices:
+        x = x.take(index, axis=a)
+    return x
+
+
 @register("Pad", versions=[1])
 class Pad1(OpImpl):
     def run(self, x):
@@ -640,6 +664,10 @@ class Pad11(OpImpl):
             raise self.fail(f"unknown mode '{self.mode}'")
 
     def run(self, x, pads, constant_value=None):
+        if self.mode != "constant" and self.xp is np and _fixed_inputs(self):
+            gathers = _remembered(self, x.shape, _fixed_pad, x.shape, pads, self.mode)
+            if gathers:
+                return _gathered(x, gathers)
         return _pad(self.xp, self, x, _ints(pads), self.mode, constant_value)
 
 
@@ -648,6 +676,10 @@ class Pad18(Pad11):
     shape_inputs = (1, 2, 3)
 
     def run(self, x, pads, constant_value=None, axes=None):
+        if axes is None and self.mode != "constant" and self.xp is np and _fixed_inputs(self):
+            gathers = _remembered(self, x.shape, _fixed_pad, x.shape, pads, self.mode)
+            if gathers:
+                return _gathered(x, gathers)
         return _pad(self.xp, self, x, _ints(pads), self.mode, constant_value,
                     None if axes is None else _ints(axes))
 

@@ -223,8 +223,11 @@ def run_in_lockstep(kernel: Callable, units: int, steps: int, *args: Any, min_un
     if threads > 1 and piece is not None and _pieces_on_board(piece, args + (cuts, sync),
                                                               list(range(threads + 1))):
         return threads
+    if threads == 1:  # no helper to place: the caller's CPU is not asked (a syscall)
+        kernel(*args, cuts, 0, sync)
+        return threads
     cpu = _caller_cpu()
-    pool = _thread_pool() if threads > 1 else None
+    pool = _thread_pool()
     helpers = [pool.submit(_away_from, cpu, kernel, *args, cuts, rank, sync)
                for rank in range(1, threads)]
     kernel(*args, cuts, 0, sync)

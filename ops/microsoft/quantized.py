@@ -702,6 +702,46 @@ class QGemm(_QOp):
 
     def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point=None, c=None,
             y_scale=None, y_zero_point=None):
+        if y_zero_point is not None and a.ndim == 2:
+            params = (a_scale, a_zero_point, b, b_scale, b_zero_point, c, y_scale, y_zero_point)
+            route = remembered_route(self, (a,), params,
+                                     lambda: self._requantizing(a, *params))
+            if route is not None:
+                self._chosen = _int.INTEGER
+                return route(np.ascontiguousarray(a.T if self.transA else a))
+        return self._run(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c, y_scale,
+                         y_zero_point)
+
+    def _requantizing(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c, y_scale,
+                      y_zero_point):
+        """The pixel tiles' route with the requantisation in their epilogue (as `_run`
+        computes it: C added to the int32 sums, the multiplier alpha * a_scale * b_scale /
+        y_scale in float32), for a C of one value or one per column; else None (`_run`'s
+        steps, and its errors)."""
+        xp = self.xp
+        if self.xp is not np or a.dtype not in _INT8 or b.dtype not in _INT8 or b.ndim != 2 \
+                or y_scale is None or y_zero_point.dtype not in _INT8 \
+                or (b_zero_point is not None and b_zero_point.dtype != b.dtype):
+            return None
+        a = a.T if self.transA else a
+        b = b.T if self.transB else b
+        (m, k), (k2, n) = a.shape, b.shape
+        if k != k2 or (c is not None and (c.dtype != np.int32 or c.ndim > 2 or (
+                c.size != 1 and c.shape[-1] != n) or c.size not in (1, n))):
+            return None   # (a C per row and column: _run adds it)
+        sa = self.scalar(xp, a_scale, "a_scale")
+        za = self.zero_point(xp, a_zero_point, "a_zero_point", a.dtype)
+        sb = self.column_param(xp, b_scale, n, "b_scale", _F32)
+        zb = xp.asarray(0, dtype=np.int32) if b_zero_point is None else \
+            self.column_param(xp, b_zero_point, n, "b_zero_point", np.int32)
+        with np.errstate(all="ignore"):
+            multiplier = _F32(self.alpha) * sa * sb / self.scalar(xp, y_scale, "y_scale")
+        bias = np.zeros(n, np.int64) if c is None else np.broadcast_to(c.reshape(-1), (n,))
+        return _int.requantizing_route(self, m, za, b, zb, bias,
+                                       np.broadcast_to(multiplier, (n,)), y_zero_point)
+
+    def _run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c, y_scale,
+             y_zero_point):
         xp = self.xp
         self.check_int8(a, "A")
         self.check_int8(b, "B")

@@ -201,3 +201,56 @@ def test_pieces_on_the_board_same_bits(depthwise, monkeypatch):
         return _run(weights, x, 5, 3, 1, 1, 1, np.uint8, **epilogue)
 
     pieces_on_the_board_give_one_threads_bits(compute, monkeypatch)
+
+
+def _requantized_products_model(rng, adt, trans_b, c_shape, alpha):
+    """QGemm (transB, C of `c_shape`, `alpha`, per-column b_scale) and QLinearMatMul (a 3-D
+    A, per-column B scale and zero point) with 8-bit outputs: the products whose
+    requantisation the pixel tiles' epilogue does."""
+    f32 = np.float32
+    tp = TP.UINT8 if adt == np.uint8 else TP.INT8
+    M, K, N = 3, 256, 400   # at least INT_MIN_MACS: the integer product
+    inits = []
+
+    def const(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    b = _ints(rng, np.int8, (N, K) if trans_b else (K, N), bits=7)
+    qgemm = [const("as", f32(0.03)), const("az", np.asarray(_ints(rng, adt, ()), adt)),
+             const("b", b), const("bs", rng.uniform(0.002, 0.01, N).astype(f32)),
+             const("bz", np.zeros(N, np.int8)),
+             const("c", rng.integers(-3000, 3000, c_shape).astype(np.int32)) if c_shape else "",
+             const("ys", f32(0.04)), const("yz", np.asarray(_ints(rng, adt, ()), adt))]
+    b2 = _ints(rng, np.int8, (K, N), bits=7)
+    matmul = ["a3", "as", "az", const("b2", b2),
+              const("b2s", rng.uniform(0.002, 0.01, N).astype(f32)),
+              const("b2z", rng.integers(-2, 3, N).astype(np.int8)), "ys", "yz"]
+    nodes = [helper.make_node("QGemm", ["a", *qgemm], ["y"], domain="com.microsoft",
+                              transB=int(trans_b), alpha=alpha),
+             helper.make_node("QLinearMatMul", matmul, ["y3"])]
+    graph = helper.make_graph(
+        nodes, "products", [helper.make_tensor_value_info("a", tp, [M, K]),
+                            helper.make_tensor_value_info("a3", tp, [2, M, K])],
+        [helper.make_tensor_value_info("y", tp, None),
+         helper.make_tensor_value_info("y3", tp, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13),
+                                                    helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=8)
+    return model, {"a": _ints(rng, adt, (M, K)), "a3": _ints(rng, adt, (2, M, K))}
+
+
+@pytest.mark.parametrize("adt", [np.uint8, np.int8])
+@pytest.mark.parametrize("trans_b, c_shape, alpha", [(1, (400,), 1.0), (0, (1, 400), 0.7),
+                                                    (1, None, 1.0), (0, (1,), 1.0)])
+def test_requantized_products_against_onnxruntime(adt, trans_b, c_shape, alpha):
+    rng = np.random.default_rng(13)
+    model, feeds = _requantized_products_model(rng, adt, trans_b, c_shape, alpha)
+    expected = ort.InferenceSession(model.SerializeToString(),
+                                    providers=["CPUExecutionProvider"]).run(None, feeds)
+    sess = ember.load(model, backend="cpu")
+    for _ in range(2):   # the remembered route the second time
+        got = sess.run(feeds)
+        for name, want in zip(("y", "y3"), expected):
+            np.testing.assert_array_equal(got[name], want)
+    assert {k for _, _, k, _ in sess.kernels} == {"cpu.integer"}

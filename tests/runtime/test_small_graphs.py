@@ -166,3 +166,79 @@ def test_lstm_one_direction_states_are_buffers_of_their_own():
     assert not np.shares_memory(out["hn"], out["y"])
     assert out["hn"].flags.writeable and out["hn"].flags.c_contiguous
 
+
+
+def _onnxruntime(model: bytes):
+    ort = pytest.importorskip("onnxruntime")
+    return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("opset", [11, 13, 18])
+def test_reflect_pad_by_constant_pads_matches_onnxruntime(opset):
+    """Pad-11/13/18 with constant pads (their gathers kept per shape) against onnxruntime,
+    each shape fed in turn and again."""
+    model = _model([h.make_node("Pad", ["x", "pads"], ["y"], mode="reflect")],
+                   [_vi("x", F, [1, 1, "n"])], [_vi("y", F, None)],
+                   [_ints("pads", [0, 0, 0, 0, 0, 64])], opset=opset)
+    sess, ref = ember.load(model), _onnxruntime(model)
+    rng = np.random.default_rng(1)
+    for n in (512, 256, 512, 100):
+        x = rng.standard_normal((1, 1, n)).astype(np.float32)
+        np.testing.assert_array_equal(sess.run({"x": x})["y"], ref.run(None, {"x": x})[0])
+
+
+def test_reduce_mean_with_kept_axes_matches_onnxruntime_for_each_rank():
+    """ReduceMean's axes (the attribute, or a constant input) are kept per rank: inputs of
+    another rank fed after the first give the reduction over their own axes."""
+    attr = _model([h.make_node("ReduceMean", ["x"], ["y"], axes=[-1], keepdims=0)],
+                  [_vi("x", F, None)], [_vi("y", F, None)], opset=13)
+    given = _model([h.make_node("ReduceMean", ["x", "axes"], ["y"], keepdims=1)],
+                   [_vi("x", F, None)], [_vi("y", F, None)], [_ints("axes", [-1, 1])],
+                   opset=18)
+    rng = np.random.default_rng(2)
+    for model in (attr, given):
+        sess, ref = ember.load(model), _onnxruntime(model)
+        for shape in [(1, 128, 1), (2, 3, 4, 5), (1, 128, 1), (3, 5), (2, 3, 4, 5)]:
+            x = rng.standard_normal(shape).astype(np.float32)
+            np.testing.assert_allclose(sess.run({"x": x})["y"], ref.run(None, {"x": x})[0],
+                                       rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("index", [0, -1, 2, [1, -2, 0]])
+def test_gather_by_a_constant_index_matches_onnxruntime_for_every_shape(index):
+    """Gather's constant indices are checked once per data shape: each shape fed gives
+    onnxruntime's values, and an index out of range of a later shape is still refused."""
+    model = _model([h.make_node("Gather", ["x", "i"], ["y"], axis=1)],
+                   [_vi("x", F, ["a", "b", "c"])], [_vi("y", F, None)],
+                   [_ints("i", index)], opset=13)
+    sess, ref = ember.load(model), _onnxruntime(model)
+    rng = np.random.default_rng(3)
+    for shape in [(1, 3, 128), (2, 4, 3), (1, 3, 128)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        np.testing.assert_array_equal(sess.run({"x": x})["y"], ref.run(None, {"x": x})[0])
+    x = np.zeros((1, 1, 2), np.float32)  # an axis of one: only indices 0 and -1 in range
+    if index in (0, -1):
+        np.testing.assert_array_equal(sess.run({"x": x})["y"], ref.run(None, {"x": x})[0])
+    else:
+        with pytest.raises(ember.errors.EmberError, match="out of bounds"):
+            sess.run({"x": x})
+
+
+def test_gemm_bias_broadcast_matches_onnxruntime_and_a_bad_bias_is_refused():
+    w = numpy_helper.from_array(np.random.default_rng(4).standard_normal((1, 128))
+                                .astype(np.float32), "w")
+    for bias_shape in [(1,), (1, 1), ()]:
+        b = numpy_helper.from_array(np.full(bias_shape, 0.25, np.float32), "b")
+        model = _model([h.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1)],
+                       [_vi("x", F, ["m", 128])], [_vi("y", F, None)], [w, b], opset=13)
+        sess, ref = ember.load(model), _onnxruntime(model)
+        for m in (1, 3):
+            x = np.random.default_rng(m).standard_normal((m, 128)).astype(np.float32)
+            np.testing.assert_allclose(sess.run({"x": x})["y"], ref.run(None, {"x": x})[0],
+                                       rtol=1e-5, atol=1e-6)
+    bad = numpy_helper.from_array(np.zeros((2, 1), np.float32), "b")
+    sess = ember.load(_model([h.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1)],
+                             [_vi("x", F, ["m", 128])], [_vi("y", F, None)], [w, bad],
+                             opset=13), simplify=False)
+    with pytest.raises(ember.errors.EmberError, match="does not broadcast"):
+        sess.run({"x": np.zeros((3, 128), np.float32)})

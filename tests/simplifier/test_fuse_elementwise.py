@@ -386,3 +386,21 @@ def test_a_strided_view_is_read_in_its_memory_order():
     got = kernel.run(part, image)
     assert got.strides == image.strides
     np.testing.assert_array_equal(got, kernel.portable([part, image]))
+
+
+def test_pieces_on_the_board_same_bits(monkeypatch):
+    """The loop's pieces taken by the pool's helpers without Python (its generated piece
+    function), for a broadcast operand and a bool result: one thread's bits."""
+    from board import pieces_on_the_board_give_one_threads_bits
+    node = Node(OP_TYPE, "ai.ember", 1, ["x", "b"], ["y"],
+                attrs={"ops": ["Add", "Sigmoid", "Mul", "Greater"],
+                       "args": [0, 1, 2, 2, 3, 4, 0]})
+    kernel = bind(node, lookup("ai.ember", OP_TYPE, 1), dict(node.attrs))
+    x = RNG.standard_normal((4, 96, 40, 30)).astype(np.float32)
+    b = RNG.standard_normal((96, 1, 1)).astype(np.float32)
+    pieces_on_the_board_give_one_threads_bits(lambda: kernel.run(x, b), monkeypatch)
+    node = Node(OP_TYPE, "ai.ember", 1, ["x", "b"], ["y"],
+                attrs={"ops": ["Add", "Sigmoid", "Mul"], "args": [0, 1, 2, 2, 3]})
+    kernel = bind(node, lookup("ai.ember", OP_TYPE, 1), dict(node.attrs))
+    got = kernel.run(x, b)
+    np.testing.assert_allclose(got, kernel.portable([x, b]), rtol=1e-6, atol=1e-7)

@@ -395,14 +395,28 @@ class _Vectors:
 
 def _emit_tile(kit, R, context, builder, sig, args):
     """`tile`'s IR for R rows: 2R accumulators over the taps and channels, then bias, clip
-    and R rows stored (streamed, through the caches, or masked for a block's last columns)."""
+    and R rows stored (streamed, through the caches, or masked for a block's last columns).
+    A block of at most LANES columns (16 output channels, a layer's last block) takes a loop
+    of R accumulators, one vector a row: the other half's multiply-adds would be discarded."""
+    const = kit.const
+    _, _, _, _, _, _, _, _, _, _, _, _, width, _ = args
+    v = _Vectors(kit, context, builder, sig, args)
+    with builder.if_else(builder.icmp_signed("<=", width, const(LANES))) as (narrow, wide):
+        with narrow:
+            _emit_tile_halves(kit, v, R, 1, builder, args)
+        with wide:
+            _emit_tile_halves(kit, v, R, 2, builder, args)
+    return context.get_dummy_value()
+
+
+def _emit_tile_halves(kit, v, R, halves, builder, args):
+    """The tile's loop and stores over its first `halves` vectors of columns (1 or 2)."""
     ir, cgutils, const, splat = kit.ir, kit.cgutils, kit.const, kit.splat
     _, _, _, _, channels, _, _, lo, hi, _, at, ldc, width, stream = args
-    v = _Vectors(kit, context, builder, sig, args)
     image_p, base_p, taps_p = v.data(1), v.data(2), v.data(3)
     packed_p, bias_p, out_p = v.data(5), v.data(6), v.data(9)
     zero = ir.Constant(kit.vec, [0.0] * LANES)
-    accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2 * R)]
+    accs = [cgutils.alloca_once_value(builder, zero) for _ in range(halves * R)]
     origins = [builder.load(builder.gep(base_p, [const(r)])) for r in range(R)]
     with cgutils.for_range(builder, v.array(3).nitems) as tap:
         offset = builder.load(builder.gep(taps_p, [tap.index]))
@@ -410,26 +424,26 @@ def _emit_tile(kit, R, context, builder, sig, args):
         row0 = builder.mul(tap.index, builder.mul(channels, const(BLOCK)))
         with cgutils.for_range(builder, channels) as ch:
             row = builder.add(row0, builder.mul(ch.index, const(BLOCK)))
-            for line in range(0, BLOCK, 16):  # 16 floats: a cache line
+            for line in range(0, halves * LANES, 16):  # 16 floats: a cache line
                 v.prefetch(packed_p, builder.add(row, const(PREFETCH_AHEAD + line)))
-            w = [v.load(packed_p, row), v.load(packed_p, builder.add(row, const(LANES)))]
+            w = [v.load(packed_p, builder.add(row, const(half * LANES)))
+                 for half in range(halves)]
             for r in range(R):
                 x = splat(builder, builder.load(
                     builder.gep(image_p, [builder.add(starts[r], ch.index)])))
-                for half in range(2):
-                    acc = accs[2 * r + half]
+                for half in range(halves):
+                    acc = accs[halves * r + half]
                     builder.store(v.fma(x, w[half], builder.load(acc)), acc)
     lo_v, hi_v = splat(builder, lo), splat(builder, hi)
     results = []
-    for half in range(2):
+    for half in range(halves):
         b = v.load(bias_p, const(half * LANES))
         for r in range(R):
-            y = v.clip(builder.fadd(builder.load(accs[2 * r + half]), b), lo_v, hi_v)
+            y = v.clip(builder.fadd(builder.load(accs[halves * r + half]), b), lo_v, hi_v)
             at_r = builder.add(at, builder.add(builder.mul(const(r), ldc),
                                                const(half * LANES)))
             results.append((half, y, at_r))
     _store_tile(kit, v, builder, results, out_p, width, stream)
-    return context.get_dummy_value()
 
 
 def _store_tile(kit, v, builder, results, out_p, width, stream):
@@ -450,7 +464,7 @@ def _store_tile(kit, v, builder, results, out_p, width, stream):
                         v.store(y, out_p, at_r)
         with part:
             masks = [v.lanes_below(builder.sub(width, const(half * LANES)))
-                     for half in range(2)]
+                     for half in range(1 + max(half for half, _, _ in results))]
             for half, y, at_r in results:
                 v.masked_store(y, out_p, at_r, masks[half])
 

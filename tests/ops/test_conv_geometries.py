@@ -173,6 +173,24 @@ def test_few_output_channels_leave_the_tiles(M, kernel):
     _check(proto, x, [kernel])
 
 
+@wide_tiles
+def test_narrow_blocks_of_sixteen_channels_or_fewer():
+    """A stem of 16 channels (planar RGB in, stride 2), a 3x3 of 16, a 1x1 of 40 (a last block
+    of 8) and one of 24: blocks of at most 16 columns take the tiles' one-vector loop."""
+    x = _rand(1, 3, 37, 41)
+    inits = {"w0": _rand(16, 3, 3, 3, seed=1) / 5, "b0": _rand(16, seed=2),
+             "w1": _rand(16, 16, 3, 3, seed=3) / 12, "b1": _rand(16, seed=4),
+             "w2": _rand(40, 16, 1, 1, seed=5) / 4, "b2": _rand(40, seed=6),
+             "w3": _rand(24, 40, 1, 1, seed=7) / 6}
+    proto = _model([_conv("stem", "x", "w0", "b0", out="a", pads=[1] * 4, strides=[2, 2]),
+                    helper.make_node("HardSwish", ["a"], ["ah"]),
+                    _conv("c1", "ah", "w1", "b1", out="c", pads=[1] * 4),
+                    helper.make_node("Relu", ["c"], ["cr"]),
+                    _conv("c2", "cr", "w2", "b2", out="d"),
+                    _conv("c3", "d", "w3", out="y")], x.shape, inits)
+    _check(proto, x, ["cpu.tiles", "cpu.tiles", "cpu.tiles-pointwise", "cpu.tiles-pointwise"])
+
+
 @pytest.mark.parametrize("kernel, stride, pads, output_padding, bias", [
     (4, 2, [1, 1, 1, 1], [0, 0], True),     # a decoder's upsampling (DCGAN, UNet)
     (3, 2, [1, 1, 1, 1], [1, 1], True),     # torch's output_padding=1 doubling

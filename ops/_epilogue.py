@@ -153,7 +153,7 @@ def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels
         return False
     if code == 0 and row is None and channels is None and z is None:
         return True                            # nothing to do
-    kernel = _compiled.jit(_epilogue_loops)
+    kernel = _compiled.jit(epilogue_loops)
     if kernel is None:
         return False
     t = y.dtype.type
@@ -178,9 +178,7 @@ def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels
     if z is not None and z.strides != y.strides:
         z = _in_layout_of(y, z)
     residual = no_residual if z is None else z.transpose(order).reshape(rows.shape)
-    p0, p1 = (with_defaults(activation, params) + [0.0, 0.0])[:2]   # (unused ones: 0)
-    if activation == "Relu":
-        p1 = np.inf    # the upper bound of ReLU's loop (see _epilogue_loops)
+    p0, p1 = loop_parameters(activation, params)
     ns = tuning.EPILOGUE_NS + (tuning.GELU_NS if code in _FORMULA_CODES else 0.0)
     _compiled.split_rows(kernel, rows.shape[0], rows, bias, per_row, residual, code, t(p0), t(p1),
                          ns_per_row=ns * rows.shape[1], piece=_EPILOGUE_PIECES[t])
@@ -200,11 +198,11 @@ def _epilogue_arguments(block, dtype):  # pragma: no cover
 
 
 def _epilogue_piece32(block, row0, row1):  # pragma: no cover
-    _epilogue_loops(*_epilogue_arguments(block, np.float32), row0, row1)
+    epilogue_loops(*_epilogue_arguments(block, np.float32), row0, row1)
 
 
 def _epilogue_piece64(block, row0, row1):  # pragma: no cover
-    _epilogue_loops(*_epilogue_arguments(block, np.float64), row0, row1)
+    epilogue_loops(*_epilogue_arguments(block, np.float64), row0, row1)
 
 
 _EPILOGUE_PIECES = {np.float32: _epilogue_piece32, np.float64: _epilogue_piece64}
@@ -218,6 +216,21 @@ def _epilogue_code(activation: str, params: list[float], dtype) -> int | None:
     if activation == "Swish":
         return None if dtype != np.float32 else _SWISH_CODE
     return _EPILOGUE_CODES.get(activation)
+
+
+def loop_parameters(activation: str, params: list[float]) -> tuple[float, float]:
+    """(p0, p1), `epilogue_loops`' parameters of `activation` (0 for unused ones; ReLU's
+    upper bound inf, see `epilogue_loops`)."""
+    p0, p1 = (with_defaults(activation, params) + [0.0, 0.0])[:2]
+    return (p0, np.inf) if activation == "Relu" else (p0, p1)
+
+
+def activation_in_loops(activation: str, params: list[float], dtype
+                        ) -> tuple[int, float, float] | None:
+    """(code, p0, p1) with which a kernel applies `activation` by `epilogue_loops` after
+    its own bias, or None where the loops lack it (or for no activation)."""
+    code = _epilogue_code(activation, params, dtype)
+    return None if not code else (code, *loop_parameters(activation, params))
 
 
 def _row_length(shape) -> int:
@@ -241,7 +254,7 @@ def _in_layout_of(y, z):
 
 
 @_compiled.kernel_math
-def _epilogue_loops(y, bias, bias_per_row, z, code, p0, p1, row0, row1):  # pragma: no cover
+def epilogue_loops(y, bias, bias_per_row, z, code, p0, p1, row0, row1):  # pragma: no cover
     """Rows [row0, row1) of y (rows, C) in place: y + bias if given, along each row (bias
     (C,)) or, with `bias_per_row`, bias[i % bias.size] over all of row i; + z (rows, C) if
     given; then activation `code` (_epilogue_code) with parameters p0, p1. Each step rounded
@@ -307,7 +320,7 @@ def _epilogue_loops(y, bias, bias_per_row, z, code, p0, p1, row0, row1):  # prag
 # (a 1x1 convolution of a channels-last image: (pixels, channels) = (pixels, inputs) @
 # (inputs, channels)), each piece of the product is finished (bias over its columns, residual,
 # activation) right after its GEMM by the thread that computed it: no call and no pass of its
-# own over the output. Same bits: the same kernel (_epilogue_loops) over the same values.
+# own over the output. Same bits: the same kernel (epilogue_loops) over the same values.
 
 def product_with_epilogue(a, b, out, bias, z, activation: str, params: list[float]):
     """How to compute out = activation(a @ b + bias + z) for 2-D a, b and a C-ordered out
@@ -328,9 +341,7 @@ def product_with_epilogue(a, b, out, bias, z, activation: str, params: list[floa
     if piece is None:
         return None
     block = np.empty(_PRODUCT_HEAD + product.size, np.int64)
-    p0, p1 = (with_defaults(activation, params) + [0.0, 0.0])[:2]
-    if activation == "Relu":
-        p1 = np.inf    # see _epilogue_loops
+    p0, p1 = loop_parameters(activation, params)
     block[:_PRODUCT_HEAD] = (block.size, 0 if bias is None else _address(bias),
                              0 if z is None else _address(z), 0 if z is None else z.strides[0],
                              out.itemsize, code, 0, 0, _address(out), out.strides[0])
@@ -366,7 +377,7 @@ def _product_epilogue(block, row0, row1, dtype):  # pragma: no cover
         y = _compiled.array_at(out_at + r * out_row + c0 * size, (rows, width), dtype)
         z = no_residual if z_at == 0 else \
             _compiled.array_at(z_at + r * z_row + c0 * size, (rows, width), dtype)
-        _epilogue_loops(y, bias, False, z, code, p0, p1, 0, rows)
+        epilogue_loops(y, bias, False, z, code, p0, p1, 0, rows)
 
 
 def _product_epilogue_piece32(block, row0, row1):  # pragma: no cover
@@ -478,9 +489,7 @@ class TilesPointwiseRoute:
         else:
             (lo, hi), code = (-np.inf, np.inf), _epilogue_code(activation, params, x.dtype)
         self.plan = None if code is None else _compiled.piece_address(_tiles_pointwise_piece)
-        p0, p1 = (with_defaults(activation, params) + [0.0, 0.0])[:2]
-        if activation == "Relu":
-            p1 = np.inf    # see _epilogue_loops
+        p0, p1 = loop_parameters(activation, params)
         pixels = np.arange(L, dtype=np.int64) * C
         taps = np.zeros(1, np.int64)
         self.kept = (packed, packed_bias, pixels, taps)   # the block holds their addresses
@@ -523,6 +532,6 @@ def _tiles_pointwise_piece(block, t0, t1):  # pragma: no cover
     if v[15] >= 0:
         residual = v[14] != 0
         z = _compiled.array_at(v[14], (L if residual else 0, M if residual else 0), np.float32)
-        _epilogue_loops(out, _compiled.array_at(v[8], (0,), np.float32), False, z, v[15],
+        epilogue_loops(out, _compiled.array_at(v[8], (0,), np.float32), False, z, v[15],
                         np.float32(f[16]), np.float32(f[17]), t0 * _tiles.ROWS,
                         min(L, t1 * _tiles.ROWS))

@@ -41,6 +41,7 @@ from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles,
 from ember.ops.cpu.tuning import (IM2COL_CHUNK as _IM2COL_CHUNK,
                                   IMAGE_CHANNELS as _IMAGE_CHANNELS, DEPTHWISE_BAND_BYTES)
 from ember.ops import _epilogue, _integer as _int, _xp
+from ember.ops._epilogue import epilogue_loops
 from ember.ops.cpu import integer as _integer, integer_tiles as _integer_tiles
 from ember.ops._layout import channels_last
 from ember.ops._lowering import remembered_route
@@ -456,6 +457,15 @@ def _depthwise_vector_fits(x, kernel) -> bool:
             and math.prod(kernel) in _tiles.DEPTHWISE_TAPS)
 
 
+def depthwise_activates(xp, x, w, group, kernel, begin, end) -> bool:
+    """Whether the depthwise vector kernel runs this convolution and can apply an activation
+    (a clamp of (lo, hi, code, p0, p1): `_epilogue.activation_in_loops`) to its rows while
+    they are in cache, as FusedConv asks for its SiLU, HardSwish or GELU."""
+    return xp is np and _depthwise_fast(x, w, group, kernel, begin, end) \
+        and _depthwise_vector_fits(x, kernel) \
+        and _tiles.depthwise_kernel(_depthwise_vector_rows) is not None
+
+
 class _DepthwiseRoute:
     """A depthwise convolution of a channels-last image by a compiled kernel, with its bias
     and clip, worked out once for an input geometry and the run's thread count (Conv.route):
@@ -464,13 +474,14 @@ class _DepthwiseRoute:
 
     @classmethod
     def make(cls, x, w, bias, clamp, kernel, strides, dilations, begin, outs, cache):
-        """The route, or None where no compiled kernel serves (numba not installed)."""
+        """The route, or None where no compiled kernel serves (numba not installed, or an
+        activation in `clamp` (`depthwise_activates`) without the vector kernel)."""
         kh, kw = kernel
         vector = None
         if _depthwise_vector_fits(x, kernel):
             vector = _tiles.depthwise_kernel(_depthwise_vector_rows)
         compiled = vector or (_numba_depthwise3x3() if kh == kw == 3 else _numba_depthwise())
-        if compiled is None:
+        if compiled is None or (vector is None and clamp is not None and len(clamp) > 2):
             return None
         return cls(x, w, bias, clamp, kernel, strides, dilations, begin, outs, cache, compiled,
                    vector is not None)
@@ -482,8 +493,11 @@ class _DepthwiseRoute:
         wt = _remembered(cache, "dw-taps", lambda: np.ascontiguousarray(
             w.reshape(C, kh, kw).transpose(1, 2, 0)))
         self.b = np.zeros(C, x.dtype) if bias is None else np.ascontiguousarray(bias)
-        lo, hi = (x.dtype.type(v) for v in (clamp or (-np.inf, np.inf)))
+        lo, hi = (x.dtype.type(v) for v in (clamp or (-np.inf, np.inf))[:2])
         self.geometry = (begin[0], begin[1], sh, sw, dh, dw, lo, hi)
+        if vector:   # then the activation (code, p0, p1), a clamp's fields 2-4 (none: 0)
+            code, p0, p1 = clamp[2:] if clamp is not None and len(clamp) > 2 else (0, 0, 0)
+            self.geometry += (code, np.float32(p0), np.float32(p1))
         self.out_shape = (N, Oh, Ow, C)
         self.kernel = compiled
         self.lowering = _DEPTHWISE_VECTOR if vector else _DEPTHWISE_LOOPS
@@ -645,10 +659,11 @@ def _vector_weights(wt, W, dh, dw, cache):
 
 @_compiled.kernel_math
 def _depthwise_vector_rows(x4, vectors, taps, w3, b, out4, ph, pw, sh, sw, dh, dw, lo, hi,
-                           row0, row1):  # pragma: no cover
+                           code, p0, p1, row0, row1):  # pragma: no cover
     """As `_depthwise_rows` (rows [row0, row1) of every image), float32, C a multiple of
     LANES: the inner pixels by `_tiles.depthwise_segment`, the border ones by
-    `_pixel_by_taps`."""
+    `_pixel_by_taps`, then the activation `code` (p0, p1; 0: none) by `epilogue_loops` on
+    each band's rows, in cache."""
     N, H, W, C = x4.shape
     kh, kw = w3.shape[0], w3.shape[1]
     Oh, Ow = out4.shape[1], out4.shape[2]
@@ -657,35 +672,38 @@ def _depthwise_vector_rows(x4, vectors, taps, w3, b, out4, ph, pw, sh, sw, dh, d
     top, left = min(Oh, (ph + sh - 1) // sh), min(Ow, (pw + sw - 1) // sw)
     bottom = max(top, min(Oh, (H - 1 - (kh - 1) * dh + ph) // sh + 1))
     right = max(left, min(Ow, (W - 1 - (kw - 1) * dw + pw) // sw + 1))
-    a, z = max(row0, top), min(row1, bottom)
     band = max(1, DEPTHWISE_BAND_BYTES // (sh * W * C * x4.itemsize))  # output rows
+    no_bias, no_residual = np.empty(0, np.float32), np.empty((0, 0), np.float32)
     for n in range(N):
-        for oh in range(row0, row1):
-            inner = a <= oh < z
-            for ow in range(Ow):
-                if inner and left <= ow < right:
-                    continue
-                o = np.uint64(((n * Oh + oh) * Ow + ow) * C)
-                _pixel_by_taps(x, w, b, out, o, n, oh * sh - ph, ow * sw - pw, dh, dw, lo, hi,
-                               x4.shape, kh, kw)
-        if right <= left:
-            continue
-        for r0 in range(a, z, band):
-            rows = min(z, r0 + band) - r0
-            for block in range(C // _tiles.LANES):
-                c0 = block * _tiles.LANES
-                _tiles.depthwise_segment(
-                    kh * kw, x, ((n * H + r0 * sh - ph) * W + left * sw - pw) * C + c0, sw * C,
-                    taps, vectors[block], b[c0:c0 + _tiles.LANES], lo, hi, out,
-                    ((n * Oh + r0) * Ow + left) * C + c0, C, right - left, rows, sh * W * C,
-                    Ow * C)
+        for r0 in range(row0, row1, band):
+            r1 = min(row1, r0 + band)
+            for oh in range(r0, r1):
+                inner = top <= oh < bottom
+                for ow in range(Ow):
+                    if inner and left <= ow < right:
+                        continue
+                    o = np.uint64(((n * Oh + oh) * Ow + ow) * C)
+                    _pixel_by_taps(x, w, b, out, o, n, oh * sh - ph, ow * sw - pw, dh, dw, lo,
+                                   hi, x4.shape, kh, kw)
+            a, z = max(r0, top), min(r1, bottom)
+            if right > left and z > a:
+                for block in range(C // _tiles.LANES):
+                    c0 = block * _tiles.LANES
+                    _tiles.depthwise_segment(
+                        kh * kw, x, ((n * H + a * sh - ph) * W + left * sw - pw) * C + c0,
+                        sw * C, taps, vectors[block], b[c0:c0 + _tiles.LANES], lo, hi, out,
+                        ((n * Oh + a) * Ow + left) * C + c0, C, right - left, z - a,
+                        sh * W * C, Ow * C)
+            if code:
+                epilogue_loops(out4[n, r0:r1].reshape((r1 - r0) * Ow, C), no_bias, False,
+                               no_residual, code, p0, p1, 0, (r1 - r0) * Ow)
 
 
 def _depthwise_vector_piece(block, row0, row1):  # pragma: no cover
     """_depthwise_vector_rows' piece function (ops/cpu/compiled.py: the helpers run its pieces
     without Python), its arguments from the block `split_rows` made."""
-    v = _compiled.array_at(block, (30,), np.int64)
-    f = _compiled.array_at(block, (30,), np.float64)
+    v = _compiled.array_at(block, (33,), np.int64)
+    f = _compiled.array_at(block, (33,), np.float64)
     _depthwise_vector_rows(
         _compiled.array_at(v[0], (v[1], v[2], v[3], v[4]), np.float32),
         _compiled.array_at(v[5], (v[6], v[7], v[8]), np.float32),
@@ -694,7 +712,7 @@ def _depthwise_vector_piece(block, row0, row1):  # pragma: no cover
         _compiled.array_at(v[15], (v[16],), np.float32),
         _compiled.array_at(v[17], (v[18], v[19], v[20], v[21]), np.float32),
         v[22], v[23], v[24], v[25], v[26], v[27], np.float32(f[28]), np.float32(f[29]),
-        row0, row1)
+        v[30], np.float32(f[31]), np.float32(f[32]), row0, row1)
 
 
 # --- optional compiled depthwise kernels (numba: ops/cpu/compiled.py), one for 3x3 windows and

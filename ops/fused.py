@@ -19,11 +19,12 @@ from __future__ import annotations
 import numpy as np
 
 from ember.ops.cpu import blas as _blas, compiled as _compiled
-from ember.ops._epilogue import (ACTIVATIONS, PointwiseRoute, epilogue, pointwise_route,
-                                 tiles_pointwise_fits, tiles_pointwise_route, with_defaults)
+from ember.ops._epilogue import (ACTIVATIONS, PointwiseRoute, activation_in_loops, epilogue,
+                                 pointwise_route, tiles_pointwise_fits, tiles_pointwise_route,
+                                 with_defaults)
 from ember.ops._layout import pixel_rows
-from ember.ops.conv import (Conv, RouteMemo, clamps_in_pass, pointwise_cl_fits,
-                            pointwise_weights)
+from ember.ops.conv import (Conv, RouteMemo, clamps_in_pass, depthwise_activates,
+                            pointwise_cl_fits, pointwise_weights)
 from ember.ops.linalg import CachedPack, Gemm7, matmul, product_lowering
 from ember.ops.registry import OpImpl, register
 
@@ -61,6 +62,11 @@ class FusedConv(Conv, _Activated):
                                                             self.activation_args)
         self._clamp = {"": (-np.inf, np.inf), "Relu": (0.0, np.inf),
                        "Clip": tuple(params[:2])}.get(name)
+        # another activation the depthwise vector kernel applies to its rows in cache
+        # (SiLU, HardSwish): a clamp of (lo, hi, code, p0, p1) (conv.depthwise_activates)
+        in_loops = activation_in_loops(name, params, np.float32)
+        self._activating = None if self._clamp is not None or in_loops is None \
+            else (-np.inf, np.inf, *in_loops)
         self._fused_routes = RouteMemo()   # where run's whole result is the route's
 
     def run(self, x, w, b=None, z=None):
@@ -71,6 +77,10 @@ class FusedConv(Conv, _Activated):
             kernel, _, _, begin, end = self.geometry(x, w)
             if clamps_in_pass(self.xp, x, w, self.group, kernel, begin, end):
                 return super().run(x, w, b, clamp=self._clamp, routes=self._fused_routes)
+        if self._activating is not None and z is None:
+            kernel, _, _, begin, end = self.geometry(x, w)
+            if depthwise_activates(self.xp, x, w, self.group, kernel, begin, end):
+                return super().run(x, w, b, clamp=self._activating, routes=self._fused_routes)
         if b is not None and self.xp is np and x.dtype in (np.float32, np.float64) \
                 and b.size == w.shape[0] and x.ndim >= 3:
             # the epilogue adds the bias: the convolution then neither copies its input

@@ -937,7 +937,7 @@ def test_fused_conv_gelu_matches_onnxruntime(kernels, layout, approximate, monke
     if kernels == "numba":
         pytest.importorskip("numba")
     else:
-        for loops in (_epilogue._epilogue_loops, activations._gelu_erf32_loops):
+        for loops in (_epilogue.epilogue_loops, activations._gelu_erf32_loops):
             monkeypatch.setitem(_compiled._compiled, loops, None)
     rng = np.random.default_rng(9)
     c, m = 24, 40
@@ -1577,8 +1577,11 @@ def test_depthwise_as_vector_code_matches_onnxruntime(case, batch, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_depthwise_vector_rows_give_the_same_bits_however_split(monkeypatch):
-    """The vector kernel's rows in uneven pieces, or over the pool, give one thread's bits."""
+@pytest.mark.parametrize("activation", ["", "HardSwish"])
+def test_depthwise_vector_rows_give_the_same_bits_however_split(activation, monkeypatch):
+    """The vector kernel's rows in uneven pieces, or over the pool, give one thread's bits;
+    with an activation in its loops (FusedConv's HardSwish), the bits of the unactivated
+    rows then numpy's HardSwish."""
     pytest.importorskip("numba")
     compiled = _tiles.depthwise_kernel(conv._depthwise_vector_rows)
     if compiled is None:
@@ -1589,8 +1592,18 @@ def test_depthwise_vector_rows_give_the_same_bits_however_split(monkeypatch):
     b = rng.standard_normal(48).astype(np.float32)
     vectors, taps = conv._vector_weights(wt, 19, 1, 1, None)
     a, c = (np.empty((2, 23, 19, 48), np.float32) for _ in range(2))
-    geometry = (1, 1, 1, 1, 1, 1, np.float32(0), np.float32(6))
+    plain = (1, 1, 1, 1, 1, 1, np.float32(-np.inf), np.float32(np.inf), 0, np.float32(0),
+             np.float32(0))
+    geometry = plain[:6] + (np.float32(0), np.float32(6), 0, np.float32(0), np.float32(0))
+    if activation:
+        code, p0, p1 = _epilogue.activation_in_loops(activation, [], np.float32)
+        geometry = plain[:8] + (code, np.float32(p0), np.float32(p1))
+        want = np.empty_like(x)
+        compiled(x, vectors, taps, wt, b, want, *plain, 0, 23)
+        _epilogue.activate_in_place(np, want, activation, [])
     compiled(x, vectors, taps, wt, b, a, *geometry, 0, 23)
+    if activation:
+        np.testing.assert_array_equal(a, want)
     for i in range(0, 23, 5):
         compiled(x, vectors, taps, wt, b, c, *geometry, i, min(23, i + 5))
     np.testing.assert_array_equal(a, c)

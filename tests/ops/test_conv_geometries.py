@@ -14,6 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ember
+from ember.ops import fused
 from ember.ops.cpu import tiles
 
 ort = pytest.importorskip("onnxruntime")
@@ -171,6 +172,27 @@ def test_few_output_channels_leave_the_tiles(M, kernel):
     proto = _model([_conv("conv", "x", "w", "b", out="c", pads=[1, 1, 1, 1]),
                     helper.make_node("Tanh", ["c"], ["y"])], x.shape, inits)
     _check(proto, x, [kernel])
+
+
+@wide_tiles
+@pytest.mark.parametrize("kernel, stride", [(3, 1), (5, 2)])
+def test_depthwise_activations_in_the_vector_kernel(kernel, stride, monkeypatch):
+    """MobileNetV3's and EfficientNet's depthwise convolutions with HardSwish or SiLU: the
+    activation applied by the vector kernel to its rows (FusedConv), with no epilogue pass
+    after it, on an image whose border pixels are most of it (9 x 11)."""
+    monkeypatch.setattr(fused, "epilogue", lambda *args: pytest.fail("an epilogue pass"))
+    x = _rand(1, 32, 9, 11)
+    inits = {"w0": _rand(32, 32, 1, 1, seed=1) / 6, "w1": _rand(32, 1, kernel, kernel, seed=2),
+             "b1": _rand(32, seed=3), "w2": _rand(32, 1, kernel, kernel, seed=4)}
+    pads = [kernel // 2] * 4
+    proto = _model([_conv("c0", "x", "w0", out="a", pads=[0] * 4),
+                    _conv("d1", "a", "w1", "b1", out="d", group=32, pads=pads,
+                          strides=[stride] * 2),
+                    helper.make_node("HardSwish", ["d"], ["dh"]),
+                    _conv("d2", "dh", "w2", out="e", group=32, pads=pads),
+                    helper.make_node("Sigmoid", ["e"], ["es"]),
+                    helper.make_node("Mul", ["e", "es"], ["y"])], x.shape, inits)
+    _check(proto, x, ["numpy", "cpu.depthwise-vector", "cpu.depthwise-vector"])
 
 
 @wide_tiles

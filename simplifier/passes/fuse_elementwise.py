@@ -96,16 +96,22 @@ def _grow(sink: Node, steps: dict, taken: set[int], index: GraphIndex) -> list[N
     return group
 
 
+# steps numpy computes in several passes or by slow functions (a Sigmoid is four passes)
+_FORMULAS = {"Sigmoid", "Tanh", "Exp", "Log", "Sin", "Cos", "Erf", "Gelu", "GeluTanh", "Pow",
+             "HardSwish", "HardSigmoid"}
+
+
 def _large_alone(group: list[Node], steps: dict, index: GraphIndex) -> bool:
-    """Whether a group of one op is worth a chain of its own: a result of at least
-    CHAIN_ALONE_MIN values (its sizes' product; a named dim, a batch, counts as 1), where
-    the compiled loop on the run's threads beats numpy's single-threaded pass (a broadcast
-    Mul of an SE block, a detector's Sigmoid)."""
+    """Whether a group of one op is worth a chain of its own, where the compiled loop on the
+    run's threads beats numpy: a result of at least CHAIN_FORMULA_ALONE_MIN values for a
+    formula (a detector's Sigmoid), of CHAIN_ALONE_MIN for a single pass (an SE block's
+    broadcast Mul); a named dim, a batch, counts as 1."""
     if len(group) != 1 or steps[id(group[0])][0] == "Identity":
         return False
     shape = index.known_shape(group[0].outputs[0])
-    return shape is not None and \
-        math.prod(d for d in shape if isinstance(d, int)) >= tuning.CHAIN_ALONE_MIN
+    least = tuning.CHAIN_FORMULA_ALONE_MIN if steps[id(group[0])][0] in _FORMULAS \
+        else tuning.CHAIN_ALONE_MIN
+    return shape is not None and math.prod(d for d in shape if isinstance(d, int)) >= least
 
 
 def _chain_node(group: list[Node], steps: dict, index: GraphIndex) -> Node | None:

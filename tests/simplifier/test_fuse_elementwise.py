@@ -348,10 +348,11 @@ def test_small_tensors_run_numpys_operations(monkeypatch):
 
 
 def test_one_large_op_is_a_chain_and_a_small_one_stays():
-    """A single elementwise op over at least CHAIN_ALONE_MIN values (an SE block's broadcast
-    Mul, a detector's Sigmoid) becomes a chain of one step, for the loop on the run's
-    threads; a small one stays a plain node."""
-    for shape, fused in (((1, 64, 32, 32), [["Mul"]]), ((1, 8, 4, 4), [])):
+    """A single one-pass elementwise op over at least CHAIN_ALONE_MIN values (an SE block's
+    broadcast Mul) becomes a chain of one step, for the loop on the run's threads, and a
+    formula (a detector's Sigmoid) from CHAIN_FORMULA_ALONE_MIN values; a small one stays a
+    plain node."""
+    for shape, fused in (((1, 64, 64, 64), [["Mul"]]), ((1, 64, 32, 32), [])):
         x = RNG.standard_normal(shape).astype(np.float32)
         s = RNG.standard_normal((1, shape[1], 1, 1)).astype(np.float32)
         proto = make_model([helper.make_node("Mul", ["x", "s"], ["y"])],
@@ -359,10 +360,12 @@ def test_one_large_op_is_a_chain_and_a_small_one_stays():
                            [tensor("y", list(shape))])
         assert math.prod(shape) >= tuning.CHAIN_ALONE_MIN or not fused
         check(proto, {"x": x, "s": s}, fused, exact=True)
-    x = RNG.standard_normal((1, 80, 1000)).astype(np.float32) * 6
-    proto = make_model([helper.make_node("Sigmoid", ["x"], ["y"])],
-                       [tensor("x", [1, 80, 1000])], [tensor("y", [1, 80, 1000])])
-    check(proto, {"x": x}, [["Sigmoid"]])
+    for shape, fused in (((1, 80, 120), [["Sigmoid"]]), ((1, 20, 100), [])):
+        x = RNG.standard_normal(shape).astype(np.float32) * 6
+        proto = make_model([helper.make_node("Sigmoid", ["x"], ["y"])],
+                           [tensor("x", list(shape))], [tensor("y", list(shape))])
+        assert (math.prod(shape) >= tuning.CHAIN_FORMULA_ALONE_MIN) == bool(fused)
+        check(proto, {"x": x}, fused)
 
 
 def test_a_strided_view_is_read_in_its_memory_order():

@@ -35,7 +35,7 @@ import numpy as np
 
 from ember import config
 from ember.ops import activations as _act, elementwise as _elementwise
-from ember.ops._layout import in_memory_order
+from ember.ops._layout import memory_order, moved
 from ember.ops._lowering import compiled_rows
 from ember.ops.cpu import compiled as _compiled, tuning
 from ember.ops.cpu.compiled import exp_float32, tanh_float32
@@ -442,6 +442,19 @@ def layout(shapes: list[tuple[int, ...]]) -> Layout | None:
                   np.array([size for size, _ in outer], np.int64), strides)
 
 
+class _Route(NamedTuple):
+    """The compiled loop's call for one set of input geometries (ElementwiseChain._route)."""
+    order: tuple[int, ...] | None    # the inputs' axes in memory order (in_memory_order)
+    back: tuple[int, ...] | None     # the transpose taking the result back
+    shape: tuple[int, ...]           # the result's, in memory order
+    out_dtype: np.dtype
+    kernel: Any
+    piece: Any
+    rows: int                        # the loop's rows, split among the threads
+    ns_per_row: float                # split_rows' estimate
+    sizes: tuple                     # (inner, nsub, chunk, dims, strides): the loop's
+
+
 @register(OP_TYPE, versions=[1], domain=DOMAIN)
 class ElementwiseChain(OpImpl):
     defaults = {"ops": [], "args": [], "params": []}
@@ -466,7 +479,6 @@ class ElementwiseChain(OpImpl):
             available += 1
         self._program = (tuple(self.steps), tuple(self.slots))
         self._prm = np.array(self.constants, np.float32)
-        self._layouts: dict[tuple, Layout | None] = {}  # by the inputs' shapes
 
     def run(self, *inputs):
         small = _small(inputs)
@@ -494,19 +506,41 @@ class ElementwiseChain(OpImpl):
     def _compiled(self, inputs) -> np.ndarray | None:
         """The compiled loop's result, or None where it does not serve (no numba, input dtypes
         the program does not take, shapes that do not broadcast)."""
+        signature = tuple((getattr(x, "shape", None), getattr(x, "strides", None),
+                           getattr(x, "dtype", None)) for x in inputs) \
+            + (_compiled.run_threads(),)
+        last = self.__dict__.get("_last_route")
+        if last is not None and last[0] == signature:
+            route = last[1]
+        else:
+            route = self._route(inputs)
+            if route is not None:   # one tuple, replaced whole: threads read old or new
+                self._last_route = (signature, route)
+        if route is None:
+            return None
+        order, back, shape, out_dtype, kernel, piece, rows, ns_per_row, sizes = route
+        out = np.empty(shape, out_dtype)
+        if out.size == 0:
+            return out if back is None else out.transpose(back)
+        flat = [np.ascontiguousarray(x if order is None else moved(x, order)).reshape(-1)
+                for x in inputs]
+        _compiled.split_rows(kernel, rows, out.reshape(-1), *sizes, self._prm, *flat,
+                             ns_per_row=ns_per_row, piece=piece)
+        return out if back is None else out.transpose(back)
+
+    def _route(self, inputs) -> _Route | None:
+        """The loop's call worked out for inputs like these (their shapes, strides and
+        dtypes, and the run's thread count), or None where it does not serve."""
         kinds = [kind_of(getattr(x, "dtype", None)) for x in inputs]
         if None in kinds:
             return None
         result = result_kinds(self.steps, self.slots, kinds)
         if result is None:
             return None
-        inputs, back = in_memory_order(inputs)
-        shapes = tuple(x.shape for x in inputs)
-        plan = self._layouts.get(shapes, False)
-        if plan is False:
-            if len(self._layouts) >= 64:   # shapes that change from run to run: kept few
-                self._layouts.clear()
-            plan = self._layouts[shapes] = layout(list(shapes))
+        order = memory_order(inputs)
+        back = None if order is None else tuple(int(axis) for axis in np.argsort(order))
+        shapes = [x.shape if order is None else moved(x, order).shape for x in inputs]
+        plan = layout(shapes)
         if plan is None:
             return None
         out_dtype = np.dtype(np.float32 if result[-1] == "f" else bool)
@@ -514,18 +548,13 @@ class ElementwiseChain(OpImpl):
                                          tuple(x.dtype for x in inputs), out_dtype)
         if kernel is None:
             return None
-        out = np.empty(plan.shape, out_dtype)
-        if out.size == 0:
-            return out if back is None else out.transpose(back)
-        flat = [np.ascontiguousarray(x).reshape(-1) for x in inputs]
         inner = plan.inner
         chunk = min(inner, _CHUNK) or 1
         nsub = -(-inner // chunk)
-        rows = (out.size // inner if inner else 0) * nsub
-        _compiled.split_rows(kernel, rows, out.reshape(-1), inner, nsub, chunk, plan.dims,
-                             plan.strides, self._prm, *flat,
-                             ns_per_row=chunk * _NS_PER_STEP * len(self.steps), piece=piece)
-        return out if back is None else out.transpose(back)
+        rows = (math.prod(plan.shape) // inner if inner else 0) * nsub
+        return _Route(order, back, plan.shape, out_dtype, kernel, piece, rows,
+                      chunk * _NS_PER_STEP * len(self.steps),
+                      (inner, nsub, chunk, plan.dims, plan.strides))
 
     def lower(self, inputs):
         lowering = compiled_rows(f"{len(self.steps)} elementwise steps in one loop, split "

@@ -223,7 +223,7 @@ INT_DEPTHWISE_PLANE_WIDTH = 16  # output rows this wide at stride 1 vectorise al
 
 # ---------------------------------------------------------------- ops/elementwise_chain.py
 
-CHAIN_COMPILED_MIN = 1 << 12  # inputs all below this many values: numpy's ops, not the loop
+CHAIN_COMPILED_MIN = 1 << 6   # inputs all below this many values: numpy's ops, not the loop
 CHAIN_ALONE_MIN = 1 << 18     # a single one-pass elementwise op this large: a chain
 CHAIN_FORMULA_ALONE_MIN = 1 << 13   # a single Sigmoid, Tanh, Exp... this large: a chain
 # history: docs/performance.md#chain_compiled_min-opselementwise_chainpy

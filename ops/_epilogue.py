@@ -44,22 +44,25 @@ def activate_in_place(xp, y, name: str, params: list[float]) -> None:
         y[...] = wide
         return
     t = y.dtype.type
-    params = with_defaults(name, params)
     if name == "Relu":
         xp.maximum(y, 0, out=y)
-    elif name == "LeakyRelu":
-        xp.copyto(y, y * t(params[0]), where=y < 0)
-    elif name == "Clip":
-        lo, hi = params[:2]
-        xp.clip(y, lo, hi, out=y)
-    elif name == "Sigmoid":
+        return
+    if name == "Sigmoid":
         with np.errstate(over="ignore"):
             xp.negative(y, out=y)
             xp.exp(y, out=y)
             y += 1
             xp.reciprocal(y, out=y)
-    elif name == "Tanh":
+        return
+    if name == "Tanh":
         xp.tanh(y, out=y)
+        return
+    params = with_defaults(name, params)  # (the activations above have none)
+    if name == "LeakyRelu":
+        xp.copyto(y, y * t(params[0]), where=y < 0)
+    elif name == "Clip":
+        lo, hi = params[:2]
+        xp.clip(y, lo, hi, out=y)
     elif name == "HardSigmoid":
         alpha, beta = params[:2]
         y *= t(alpha)

@@ -236,6 +236,7 @@ def _gru_out_loops(n, XWt, Gzr, h, y):  # pragma: no cover - numba
 
 
 # ---------------------------------------------------------------- shared driver
+_FLOAT32 = np.dtype(np.float32)
 _RECURRENCE_BY_DTYPE = Lowering("by geometry", "float32: compiled recurrences; other dtypes: "
                                 "numpy steps (the input's dtype is known in the run)")
 _RECURRENCE_TEAM = Lowering("cpu.recurrence", "each direction in one compiled call: threads in "
@@ -577,11 +578,102 @@ class _RecurrentBase(OpImpl):
         self._column_blocks = (kept + ((Rt, packed),))[-self.num_directions:]
         return packed
 
-    def _team_run(self, kernel, XW, H, *args):
+    def _team_run(self, kernel, XW, H, *args, cuts=None):
+        """The team kernel over one direction; `cuts` (a kept route's, `_team_route`): one
+        thread's chunk bounds, the kernel then called here as run_in_lockstep calls it on one
+        thread, without working its split out again."""
         seq, batch, G = XW.shape
+        if cuts is not None:
+            kernel(XW, *args, cuts, 0, np.zeros(seq * 2, np.int64))
+            return
         _compiled.run_in_lockstep(kernel, H, seq, XW, *args,
-                                  min_units=-(-tuning.RNN_TEAM_MIN_MACS // (batch * G)),
+                                  min_units=self._team_min_units(batch, G),
                                   piece=self.team_piece)
+
+    @staticmethod
+    def _team_min_units(batch, G):
+        return -(-tuning.RNN_TEAM_MIN_MACS // (batch * G))
+
+    # --- a kept route for the team kernels: a model's node gets inputs of the same shapes and
+    # the same weights run after run, and checking them, choosing the kernel and setting up
+    # its one thread again is a large share of a small recurrence's time
+    def _team_route(self, X, W, R, B, states, extra):
+        """The route of `_fast_team` for these inputs, or None where the team kernel does not
+        take them (then `run`'s checks and general path as before). Kept while X and the
+        initial states keep their shapes, strides and dtypes, the run its thread count, and
+        W, R and B are the same read-only arrays (constants); one tuple, replaced whole."""
+        signature = [type(X), X.shape, X.strides, X.dtype, _compiled.run_threads()]
+        for s in states:
+            signature.append(None if s is None else (type(s), s.shape, s.strides, s.dtype))
+        signature = tuple(signature)
+        kept = self.__dict__.get("_kept_team_route")
+        if kept is not None and kept[0] == signature and kept[1] is W and kept[2] is R \
+                and kept[3] is B:
+            return kept[4]
+        if type(X) is not np.ndarray or self.xp is not np or X.dtype != np.float32 \
+                or not all(s is None or (type(s) is np.ndarray and s.dtype == np.float32)
+                           for s in states):
+            return None
+        route = self._new_team_route(X, W, R, B, states, extra)
+        if route is not None and all(isinstance(a, np.ndarray) and not a.flags.writeable
+                                     for a in (W, R, B) if a is not None):
+            self._kept_team_route = (signature, W, R, B, route)
+        return route
+
+    def _new_team_route(self, X, W, R, B, states, extra):
+        if not self.fast:
+            return None
+        # the general path's checks (its errors where the inputs are wrong)
+        out_dtype, cdt, Xc, lens, H, _ = self._prepare(X, W, R, B, None, list(states))
+        kernel = self._team_kernel(cdt, True, extra)
+        if kernel is None or out_dtype != np.float32:
+            return None
+        seq, batch, _ = Xc.shape
+        G = self.n_gates * H
+        Wt, bias, Rs, Rts, Rbs = self._prepared(W, R, B, cdt, H)
+        min_units = self._team_min_units(batch, G)
+        # run_in_lockstep's split: one thread (its cuts then [0, H]) where the run's threads
+        # or the units do not make two chunks
+        one = min(_compiled.run_threads(), H // max(1, min_units)) <= 1
+        cuts = np.array([0, H], np.int64) if one else None
+        directions = tuple((self.dir_name == "reverse" or d == 1,
+                            self._team_weights(Rs[d], Rbs[d], Rts[d], H))
+                           for d in range(self.num_directions))
+        return (H, G, Wt, bias, kernel, directions, cuts)
+
+    def _fast_team(self, route, X, states):
+        """`_fast` and `_finish_fast` on a kept route (`_team_route`): the same steps, without
+        the checks and choices made when it was kept."""
+        H, G, Wt, bias, kernel, directions, cuts = route
+        if self.lay == 1:
+            X = X.transpose(1, 0, 2)
+            states = [None if s is None else s.transpose(1, 0, 2) for s in states]
+        seq, batch, width = X.shape
+        D = len(directions)
+        XW = _blas.product(np, X.reshape(seq * batch, width), Wt).reshape(seq, batch, D * G)
+        XW += bias
+        Y = np.empty((D, seq, batch, H), np.float32).transpose(1, 0, 2, 3)
+        if D == 1:  # the whole of XW and Y, their single state as views with the axis added
+            reverse, weights = directions[0]
+            final = self._team_direction(kernel, XW, Y[:, 0], reverse,
+                                         [None if s is None else s[0] for s in states],
+                                         weights, cuts, H)
+            if self.lay == 0:  # `_finish_fast`: its arrays are C-ordered float32 already
+                return (Y, *(f[None] for f in final))
+            return self._finish_fast(Y, [f[None] for f in final], _FLOAT32)
+        finals = [[] for _ in range(len(states))]
+        for d, (reverse, weights) in enumerate(directions):
+            final = self._team_direction(kernel, XW[:, :, d * G:(d + 1) * G], Y[:, d], reverse,
+                                         [None if s is None else s[d] for s in states],
+                                         weights, cuts, H)
+            for i, f in enumerate(final):
+                finals[i].append(f)
+        return self._finish_fast(Y, [np.stack(f, axis=0) for f in finals], _FLOAT32)
+
+    def _recur_team(self, kernel, XW, Y, reverse, init, R, Rb, Rt):
+        H = R.shape[1]
+        return self._team_direction(kernel, XW, Y, reverse, init,
+                                    self._team_weights(R, Rb, Rt, H), None, H)
 
     @staticmethod
     def _last_h(Y, h0, reverse):
@@ -673,6 +765,10 @@ class _GRU(_RecurrentBase):
 
     def run(self, X, W, R, B=None, sequence_lens=None, initial_h=None):
         self.settle_lowering(X, W, R, B, sequence_lens, initial_h)
+        if sequence_lens is None and self.team_loops is not None:
+            route = self._team_route(X, W, R, B, (initial_h,), None)
+            if route is not None:
+                return self._fast_team(route, X, [initial_h])
         out_dtype, cdt, Xc, lens, H, states = self._prepare(X, W, R, B, sequence_lens,
                                                             [initial_h])
         lbr = bool(getattr(self, "linear_before_reset", 0))
@@ -709,12 +805,13 @@ class _GRU(_RecurrentBase):
     def _team_lowers(self, inputs) -> bool:
         return self._lbr()
 
-    def _recur_team(self, kernel, XW, Y, reverse, init, R, Rb, Rt):
-        H = R.shape[1]
+    def _team_weights(self, R, Rb, Rt, H):
+        return R, self._by_rows(Rt, H), np.ascontiguousarray(Rb[2 * H:])
+
+    def _team_direction(self, kernel, XW, Y, reverse, init, weights, cuts, H):
         XW, h0 = self._team_start(XW, init, H)
         G = np.empty(XW.shape[1:], np.float32)
-        self._team_run(kernel, XW, H, R, self._by_rows(Rt, H),
-                       np.ascontiguousarray(Rb[2 * H:]), Y, h0, G, reverse)
+        self._team_run(kernel, XW, H, *weights, Y, h0, G, reverse, cuts=cuts)
         return (self._last_h(Y, h0, reverse),)
 
     def _lbr(self):
@@ -828,6 +925,11 @@ class _LSTM(_RecurrentBase):
 
     def run(self, X, W, R, B=None, sequence_lens=None, initial_h=None, initial_c=None, P=None):
         self.settle_lowering(X, W, R, B, sequence_lens, initial_h, initial_c, P)
+        if sequence_lens is None and P is None:
+            route = self._team_route(X, W, R, B, (initial_h, initial_c),
+                                     (None, bool(self.input_forget)))
+            if route is not None:
+                return self._fast_team(route, X, [initial_h, initial_c])
         out_dtype, cdt, Xc, lens, H, states = self._prepare(X, W, R, B, sequence_lens,
                                                             [initial_h, initial_c])
         D = self.num_directions
@@ -873,12 +975,14 @@ class _LSTM(_RecurrentBase):
     def _team_lowers(self, inputs) -> bool:
         return (len(inputs) < 8 or inputs[7] is None) and not self.input_forget
 
-    def _recur_team(self, kernel, XW, Y, reverse, init, R, Rb, Rt):
-        H = R.shape[1]
+    def _team_weights(self, R, Rb, Rt, H):
+        return R, self._by_rows(Rt, H)
+
+    def _team_direction(self, kernel, XW, Y, reverse, init, weights, cuts, H):
         XW, h0 = self._team_start(XW, init, H)
         c = self._state(np, init[1], XW.shape[1], H, np.float32)
         G = np.empty(XW.shape[1:], np.float32)
-        self._team_run(kernel, XW, H, R, self._by_rows(Rt, H), Y, h0, c, G, reverse)
+        self._team_run(kernel, XW, H, *weights, Y, h0, c, G, reverse, cuts=cuts)
         return (self._last_h(Y, h0, reverse), c)
 
     def _recur(self, d, XW, Y, ts, init, Rt, Rb, masks, H, cdt, extra):

@@ -70,6 +70,15 @@ _FOLDABLE = frozenset({
     "Equal", "Less", "Greater", "Not", "And", "Or", "Where"})
 # A folded value is kept only up to this size: the fold is for shape data, not weights.
 _FOLD_MAX_BYTES = 1 << 16
+# Ops whose CPU kernels call no BLAS on any route (tree walks, ufuncs, views, casts): a plan of
+# these alone runs without setting the BLAS libraries' thread counts (`Plan.calls_blas`).
+# Only ops known to be so are named; any other op may call BLAS.
+_NO_BLAS = frozenset({
+    ("ai.onnx.ml", "TreeEnsembleClassifier"), ("ai.onnx.ml", "TreeEnsembleRegressor"),
+    ("ai.onnx.ml", "TreeEnsemble"), ("ai.onnx.ml", "ZipMap"),
+    ("", "Identity"), ("", "Cast"), ("", "Reshape"), ("", "Flatten"), ("", "Squeeze"),
+    ("", "Unsqueeze"), ("", "Shape"), ("", "Add"), ("", "Sub"), ("", "Mul"), ("", "Div"),
+    ("", "Relu"), ("", "Sigmoid")})
 
 
 def needed_nodes(graph: Graph, outputs: Sequence[str], available: set[str]) -> list[Node]:
@@ -164,10 +173,16 @@ class Plan:
             read.update(step.inputs, (s for _, s in step.scope))
         self.unread_inputs = frozenset(k for k, s in enumerate(self.input_slots)
                                        if s not in read)
+        # whether a run may call BLAS, so that Session.run sets its libraries' thread counts
+        # (ops/cpu/threads.py): decided here, once, from the ops (`_NO_BLAS`)
+        self.calls_blas = self.backend.name != "cpu" or any(
+            (step.node.domain, step.node.op_type) not in _NO_BLAS for step in self.steps)
         # what `run` reads per step, bound once: the kernel's run method, a getter of its
         # arguments from the slots, and the slots it writes and frees
-        self._program = tuple((step.kernel.run, _getter(step.inputs), step.outputs, step.frees,
-                               step.scope) for step in self.steps)
+        self._program = tuple((step.kernel.run, _getter(step.inputs),
+                               step.outputs[0] if step.outputs else _DISCARD,
+                               step.outputs, step.frees, step.scope, step.node)
+                              for step in self.steps)
         # a getter of the outputs' values (C code): a subgraph's plan runs once a call of its
         # node or an iteration of its loop, so its entry and exit are kept short
         self._results = _getter(tuple(self.output_slots))
@@ -361,24 +376,27 @@ class Plan:
         """Run with `feeds` aligned to `input_names`; `scope` gives outer-scope values."""
         env = self._start(feeds, scope)
         cap = limits.current()  # the running session's max_tensor_bytes
-        i = -1
-        try:  # the hot loop: no generator, each step's bound kernel and slots fetched once
-            for i, (run, arguments, outputs, frees, scope_slots) in enumerate(self._program):
+        node = None
+        # the hot loop: no generator, no step counter (a failure names the loop's `node`),
+        # each step's bound kernel and slots fetched once
+        try:
+            for run, arguments, first, outputs, frees, scope_slots, node in self._program:
                 if scope_slots:
                     result = run(*arguments(env), scope={n: env[s] for n, s in scope_slots})
                 else:
                     result = run(*arguments(env))
                 if type(result) is np.ndarray:
                     if result.nbytes > cap:
-                        raise limits.too_big(result.nbytes, cap,
-                                             f"output '{self.steps[i].node.outputs[0]}'")
-                    env[outputs[0]] = result
+                        raise limits.too_big(result.nbytes, cap, f"output '{node.outputs[0]}'")
+                    env[first] = result
                 else:
-                    _store(outputs, result, env, cap, self.steps[i].node)
+                    _store(outputs, result, env, cap, node)
                 for s in frees:
                     env[s] = None
         except Exception as exc:
-            located = _located(exc, self.steps[i].node)
+            if node is None:
+                raise
+            located = _located(exc, node)
             if located is exc:
                 raise
             raise located from exc
@@ -433,13 +451,16 @@ def _store(outputs: tuple[int, ...], result: Any, env: list[Any], cap: int, node
     """A kernel's result into its output slots; scalars become 0-d arrays. Tensors (host or
     device arrays: anything with `nbytes`) over `cap` bytes are refused."""
     values = result if type(result) is tuple else (result,)
-    for k, (s, value) in enumerate(zip(outputs, values)):
-        if isinstance(value, _SCALARS):
-            value = np.asarray(value)
-        elif getattr(value, "nbytes", 0) > cap:
-            name = node.outputs[k] if k < len(node.outputs) else f"#{k}"
-            raise limits.too_big(value.nbytes, cap, f"output '{name}'")
+    k = 0
+    for s, value in zip(outputs, values):
+        if type(value) is not np.ndarray or value.nbytes > cap:  # most values pass this test
+            if isinstance(value, _SCALARS):
+                value = np.asarray(value)
+            elif getattr(value, "nbytes", 0) > cap:
+                name = node.outputs[k] if k < len(node.outputs) else f"#{k}"
+                raise limits.too_big(value.nbytes, cap, f"output '{name}'")
         env[s] = value
+        k += 1
 
 
 def _located(exc: Exception, node: Node) -> Exception:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -100,6 +101,12 @@ class Session:
         self._input_types = {v.name: v.type for v in graph.inputs}
         self._plain = {v.name: plain for v in graph.inputs
                        if (plain := _plain_check(v.type)) is not None}
+        # each input of the plans (all take the graph's inputs, in order) with its summary
+        # for `_passes` (None: the full check), read by every run's `_check_feeds`
+        self._feed_order = tuple((name, self._plain.get(name))
+                                 for name in self._plan.input_names)
+        # the host's arrays and the device's told apart in outputs (None: one and the same)
+        self._on_device = self._backend.is_device_array if self.backend != "cpu" else None
 
     @property
     def plan(self) -> Plan:
@@ -162,7 +169,8 @@ class Session:
                 and self.backend != "cpu" and self._backend.is_device_array(value))
             plan = self._plan_for(None if outputs is None else tuple(outputs), device_outputs,
                                   device_inputs)
-        self._engine.enter(self.threads)
+        engine = self._engine
+        engine.enter(self.threads, plan.calls_blas)
         cap = limits.enter(self.max_tensor_bytes)
         try:
             if self.profiler is None:
@@ -171,9 +179,8 @@ class Session:
                 values = self.profiler.run(plan, ordered, self._backend.synchronize)
         finally:
             limits.leave(cap)
-            self._engine.leave()
-        on_device = self._backend.is_device_array if self.backend != "cpu" else None
-        values = owned_outputs(values, ordered, on_device)
+            engine.leave()
+        values = owned_outputs(values, ordered, self._on_device)
         if device_outputs:
             cpu = get_backend("cpu")
             values = [OrtValue(v, self._backend if self._backend.is_device_array(v) else cpu)
@@ -230,13 +237,16 @@ class Session:
                                          for i in self.inputs if i.name in missing))
         symbols: dict[str, tuple[int, str]] = {}
         ordered = []
-        plain = self._plain
-        for name in plan.input_names:
+        for name, plain in self._feed_order:
             if name not in feeds:
                 ordered.append(graph.initializers[name])
                 continue
             value = feeds[name]
-            if name in plain and _passes(name, value, plain[name], symbols):
+            # a feed of the input's whole fixed shape, tested here: no call
+            if plain is not None and (
+                    (type(value) is np.ndarray and value.shape == plain.exact
+                     and value.dtype == plain.dtype)
+                    or _passes(name, value, plain, symbols)):
                 ordered.append(value)
             else:
                 ordered.append(self._check_one(name, value, symbols))
@@ -253,6 +263,10 @@ class _Plain(NamedTuple):
     fixed: tuple[tuple[int, int], ...]  # (axis, size) of each fixed dim
     symbolic: tuple[tuple[int, str], ...]  # (axis, name) of each symbolic dim
     exact: tuple[int, ...] | None  # the whole shape, where every dim is fixed
+    # a getter of the fixed dims' sizes from a shape (C code, no generator a call), and what
+    # it gives for a fitting shape; None where no dim is fixed
+    pick: Any = None
+    sizes: Any = None
 
 
 def _plain_check(t: Any) -> _Plain | None:
@@ -264,14 +278,16 @@ def _plain_check(t: Any) -> _Plain | None:
     fixed = tuple((axis, d) for axis, d in enumerate(t.shape) if isinstance(d, int) and d > 0)
     symbolic = tuple((axis, d) for axis, d in enumerate(t.shape) if isinstance(d, str) and d)
     exact = tuple(d for _, d in fixed) if len(fixed) == len(t.shape) else None
-    return _Plain(t.dtype, len(t.shape), fixed, symbolic, exact)
+    pick = itemgetter(*(axis for axis, _ in fixed)) if fixed else None
+    sizes = None if not fixed else fixed[0][1] if len(fixed) == 1 else tuple(d for _, d in fixed)
+    return _Plain(t.dtype, len(t.shape), fixed, symbolic, exact, pick, sizes)
 
 
 def _passes(name: str, value: Any, plain: _Plain, symbols: dict[str, tuple[int, str]]) -> bool:
     """Whether a feed passes `check_input` as it is, by `_plain_check`'s summary, recording
     its symbolic dims in `symbols` as `check_input` does: a cheap test for the common feed;
     anything else takes the full check (and its error message)."""
-    dtype, rank, fixed, symbolic, exact = plain
+    dtype, rank, _, symbolic, exact, pick, sizes = plain
     if type(value) is not np.ndarray or value.dtype != dtype:
         return False
     shape = value.shape
@@ -279,7 +295,7 @@ def _passes(name: str, value: Any, plain: _Plain, symbols: dict[str, tuple[int, 
         return shape == exact
     if rank is None:
         return True
-    if len(shape) != rank or any(shape[a] != d for a, d in fixed):
+    if len(shape) != rank or (pick is not None and pick(shape) != sizes):
         return False
     for axis, dim in symbolic:
         if symbols.setdefault(dim, (shape[axis], name))[0] != shape[axis]:
@@ -406,9 +422,33 @@ def owned_outputs(values: list[Any], feeds: Sequence[Any], on_device=None) -> li
     and Constant values are read-only arrays (the plan marks them so), so an output that is
     not writable is one of them or a view of one. `on_device` tells the backend's device
     arrays (left as they are) from host arrays."""
+    if on_device is None and _all_fresh(values, feeds):
+        return values
     feed_roots = {id(_root(a)) for a in _arrays(feeds)}
     returned: dict[int, list[np.ndarray]] = {}  # root buffer -> outputs already given out
     return [_owned(v, feed_roots, returned, on_device) for v in values]
+
+
+def _all_fresh(values: list[Any], feeds: Sequence[Any]) -> bool:
+    """Whether `_owned` gives every one of `values` back as it is, by a shorter test that
+    covers the common run: each a distinct, writable, C-ordered (`carray`) host array that
+    owns its memory (no base), and no feed's root. Arrays without a base are no views, so none
+    shares memory with another; `_owned` tests them the same way, one by one."""
+    ids = set()
+    for value in values:
+        if type(value) is not np.ndarray or value.base is not None or not value.flags.carray:
+            return False
+        ids.add(id(value))
+    if len(ids) != len(values):
+        return False
+    for feed in feeds:
+        if type(feed) is np.ndarray:
+            if id(feed if feed.base is None else _root(feed)) in ids:
+                return False
+        elif isinstance(feed, (np.ndarray, list, tuple)):
+            if any(id(_root(a)) in ids for a in _arrays((feed,))):
+                return False
+    return True
 
 
 def _owned(value: Any, feed_roots: set[int], returned: dict[int, list[np.ndarray]],

@@ -147,9 +147,13 @@ class RunThreads:
         # runs in flight, read by compiled code: the kernel pool's helpers spin for the next
         # job only while it is above 0 (ember.ops.cpu.compiled)
         self.in_flight = np.zeros(1, np.int64)
-        self._saved: list[tuple[_Lib, Any]] = []  # each library's count before the first run
+        # each library's count before the first run in flight that calls BLAS; None while
+        # no such run is in flight (the libraries are as their users left them)
+        self._saved: list[tuple[_Lib, Any]] | None = None
         self._target: int | None = None  # the count the runs in flight asked for
-        self._blas: int | None = None  # BLAS's own count during them (blas_count(_target))
+        # BLAS's own count during the runs in flight that call it (blas_count of the latest's
+        # threads), None while there are none
+        self._blas: int | None = None
         # blas_count per run thread count: asked once, as its answer is the process's (whether
         # the pool runs the products), and a run that asks again pays for it every call
         self._counts: dict[int, int] = {}
@@ -165,45 +169,54 @@ class RunThreads:
         """The BLAS libraries found (when this was made, or by the last refresh)."""
         return self._libs
 
-    def enter(self, threads: int) -> None:
+    def enter(self, threads: int, blas: bool = True) -> None:
         """A run starts: BLAS uses `threads` threads (one where ember's pool runs the products)
-        until the last run in flight calls `leave`."""
-        blas = self._counts.get(threads)
-        if blas is None:  # first: its first call may load numba, and a BLAS with it
-            blas = self._counts[threads] = self._blas_count(threads)  # (adopt_new_libraries)
+        until the last run in flight calls `leave`. A run whose plan calls no BLAS
+        (`blas` False: Plan.calls_blas) leaves the libraries as they are, but is in flight
+        all the same: the kernel pool's threads and `run_threads` serve it as any run."""
+        count = self._counts.get(threads)
+        if count is None:  # first: its first call may load numba, and a BLAS with it
+            count = self._counts[threads] = self._blas_count(threads)  # (adopt_new_libraries)
+        # every run enters and leaves: plain loops and locals, no list built but the saved
+        # counts (a microsecond of a small model's call)
         with self._lock:
-            if self._active == 0:
-                self._saved = saved = [(lib, lib.get()) for lib in self._libs]
-                for lib, count in saved:
-                    if count != blas:
-                        lib.set(blas)
-            elif threads != self._target:
-                for lib, _ in self._saved:
-                    lib.set(blas)
-            self._target, self._blas = threads, blas
-            self._active += 1
-            self.in_flight[0] = self._active
+            if blas:
+                if self._saved is None:  # the first run in flight that calls BLAS
+                    saved = []
+                    for lib in self._libs:
+                        was = lib.get()
+                        if was != count:
+                            lib.set(count)
+                        saved.append((lib, was))
+                    self._saved = saved
+                elif count != self._blas:
+                    for lib, _ in self._saved:
+                        lib.set(count)
+                self._blas = count
+            self._target = threads
+            self._active = self.in_flight[0] = self._active + 1
 
     def leave(self) -> None:
         with self._lock:
-            self._active -= 1
-            self.in_flight[0] = self._active
-            if self._active == 0:
-                blas = self._blas
-                for lib, count in self._saved:
-                    if count is not None and count != blas:
-                        lib.set(count)
-                self._saved = []
+            active = self._active = self.in_flight[0] = self._active - 1
+            if not active:
+                saved = self._saved
+                if saved is not None:
+                    blas = self._blas
+                    for lib, count in saved:
+                        if count is not None and count != blas:
+                            lib.set(count)
+                    self._saved = None
                 self._target = self._blas = None
 
     def adopt_new_libraries(self) -> None:
         """Look the BLAS libraries up again after something loaded one (numba's CPU target
         loads scipy's OpenBLAS, and numba comes with the first compiled kernel, inside a run):
-        one loaded during runs in flight gets their thread count now, and its own back when
-        they end."""
+        one loaded while runs that call BLAS are in flight gets their thread count now, and
+        its own back when they end."""
         found = self.refresh()
         with self._lock:
-            if self._active == 0:
+            if self._saved is None:
                 return
             known = {lib.controller.filepath for lib, _ in self._saved}
             for lib in found:

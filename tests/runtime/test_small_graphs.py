@@ -2,7 +2,9 @@
 geometry is done once (Slice's index from constant bounds, Pad's gather indices) and must
 give what the op gives for every shape fed; a run enters and leaves the CPU engine leaving
 BLAS's thread counts as they were; Loop checks its bounds without a call per iteration; a
-one-direction LSTM's states come back as buffers of their own."""
+one-direction LSTM's states come back as buffers of their own. What a node keeps per input
+geometry (the recurrences' route, Gemm's checks) gives the bits of the general path, and a
+plan whose ops call no BLAS leaves BLAS's thread counts alone."""
 from __future__ import annotations
 
 import numpy as np
@@ -242,3 +244,145 @@ def test_gemm_bias_broadcast_matches_onnxruntime_and_a_bad_bias_is_refused():
                              opset=13), simplify=False)
     with pytest.raises(ember.errors.EmberError, match="does not broadcast"):
         sess.run({"x": np.zeros((3, 128), np.float32)})
+
+
+def test_plans_set_blas_thread_counts_only_where_an_op_may_call_blas():
+    """A plan of ops known to call no BLAS (`calls_blas` False) leaves the libraries' counts
+    as they are, yet its run is in flight with its threads (the kernel pool's helpers and
+    `run_threads` serve it); a run that calls BLAS beside it sets them, and the last run
+    out restores them."""
+    cpu = engine.current()
+    relu = ember.load(_model([h.make_node("Relu", ["x"], ["y"])], [_vi("x", F, [2])],
+                             [_vi("y", F, [2])]))
+    matmul = ember.load(_model([h.make_node("MatMul", ["x", "w"], ["y"])], [_vi("x", F, [1, 2])],
+                               [_vi("y", F, None)],
+                               [numpy_helper.from_array(np.ones((2, 2), np.float32), "w")]))
+    assert not relu.plan.calls_blas and matmul.plan.calls_blas
+    before = cpu.runs.current_threads()
+    cpu.enter(3, False)
+    assert cpu.runs.current_threads() == before
+    assert cpu.run_threads() == 3 and cpu.in_flight[0] >= 1
+    cpu.enter(3)
+    assert all(c == cpu._blas_count(3) for c in cpu.runs.current_threads())
+    cpu.leave()
+    cpu.leave()
+    assert cpu.runs.current_threads() == before
+    assert cpu.run_threads() == cpu.runs._cores
+    for sess in (relu, matmul, relu):
+        shape = (2,) if sess is relu else (1, 2)
+        sess.run({"x": np.ones(shape, np.float32)})
+        assert cpu.runs.current_threads() == before
+
+
+@pytest.mark.parametrize("shape", [[2, "n", 3], ["n", 4], [2, 4]])
+def test_feed_checks_refuse_wrong_sizes_as_before(shape):
+    """Feeds checked by the input's summary (fixed sizes picked out at once): a right feed
+    passes, a wrong size or dtype is the InputError naming the dimension."""
+    sess = ember.load(_model([h.make_node("Relu", ["x"], ["y"])], [_vi("x", F, shape)],
+                             [_vi("y", F, None)]))
+    good = tuple(5 if isinstance(d, str) else d for d in shape)
+    x = np.ones(good, np.float32)
+    np.testing.assert_array_equal(sess.run({"x": x})["y"], x)
+    for axis, d in enumerate(shape):
+        if isinstance(d, int):
+            bad = list(good)
+            bad[axis] += 1
+            with pytest.raises(ember.errors.InputError, match=f"size {d} in dimension {axis}"):
+                sess.run({"x": np.ones(bad, np.float32)})
+    with pytest.raises(ember.errors.InputError, match="expects dtype float32"):
+        sess.run({"x": np.ones(good, np.float64)})
+
+
+def _recurrence(op, H, I, direction, layout, states, rng, lens=False):
+    """An LSTM (or GRU with linear_before_reset) over x [seq, batch, I] (layout 0) or
+    [batch, seq, I] (layout 1) of any seq and batch, with constant weights, its initial
+    states as inputs where `states`, and sequence_lens as an input where `lens`."""
+    D = 2 if direction == "bidirectional" else 1
+    gates = 4 if op == "LSTM" else 3
+    inits = [numpy_helper.from_array(
+        (rng.standard_normal(shape) * 0.3).astype(np.float32), name)
+        for name, shape in (("W", (D, gates * H, I)), ("R", (D, gates * H, H)),
+                            ("B", (D, 2 * gates * H)))]
+    n_states = 2 if op == "LSTM" else 1
+    state_names = ["h0", "c0"][:n_states]
+    names = ["x", "W", "R", "B", "lens" if lens else ""] + (state_names if states else [])
+    attrs = {"linear_before_reset": 1} if op == "GRU" else {}
+    node = h.make_node(op, names, ["y", "hn", "cn"][:1 + n_states], hidden_size=H,
+                       direction=direction, layout=layout, **attrs)
+    x_shape = ["s", "b", I] if layout == 0 else ["b", "s", I]
+    state_shape = [D, "b", H] if layout == 0 else ["b", D, H]
+    inputs = [_vi("x", F, x_shape)] + ([_vi("lens", T.INT32, ["b"])] if lens else []) + \
+        ([_vi(n, F, state_shape) for n in state_names] if states else [])
+    return _model([node], inputs, [_vi(n, F, None) for n in ["y", "hn", "cn"][:1 + n_states]],
+                  inits, opset=14)
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+@pytest.mark.parametrize("direction,layout,states,H", [
+    ("forward", 0, True, 32), ("forward", 0, False, 32), ("reverse", 1, True, 32),
+    ("bidirectional", 0, True, 32), ("bidirectional", 1, False, 32),
+    ("bidirectional", 0, True, 256)])
+def test_recurrence_kept_route_gives_the_general_paths_bits(op, direction, layout, states, H):
+    """The compiled recurrences' route kept per input geometry (on one thread, or at H 256
+    threads in lockstep): every shape fed, in turn and again, gives the bits of the general
+    path (the same op given full sequence_lens, which checks everything anew each call) and
+    onnxruntime's values; a session shared by threads gives each thread the sequential
+    bits."""
+    I = 24
+    rng = np.random.default_rng(7)
+    kept = ember.load(_recurrence(op, H, I, direction, layout, states, np.random.default_rng(1)))
+    general = ember.load(_recurrence(op, H, I, direction, layout, states,
+                                     np.random.default_rng(1), lens=True))
+    # (onnxruntime runs no batch-first recurrence: layout 1 is compared with the general path)
+    ref = _onnxruntime(_recurrence(op, H, I, direction, layout, states,
+                                   np.random.default_rng(1))) if layout == 0 else None
+    D = 2 if direction == "bidirectional" else 1
+    feeds_list = []
+    for seq, batch in [(1, 1), (5, 2), (1, 1), (3, 1), (5, 2)]:
+        x = rng.standard_normal((seq, batch, I) if layout == 0 else (batch, seq, I))
+        feeds = {"x": x.astype(np.float32)}
+        if states:
+            shape = (D, batch, H) if layout == 0 else (batch, D, H)
+            feeds["h0"] = rng.standard_normal(shape).astype(np.float32)
+            if op == "LSTM":
+                feeds["c0"] = rng.standard_normal(shape).astype(np.float32)
+        feeds_list.append(feeds)
+        got = kept.run(feeds)
+        want = general.run({**feeds, "lens": np.full(batch, seq, np.int32)})
+        theirs = ref.run(None, feeds) if ref is not None else [None] * len(got)
+        for name, value in zip(got, theirs):
+            np.testing.assert_array_equal(got[name], want[name])
+            if value is not None:
+                np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5)
+    sequential = [kept.run(f) for f in feeds_list]
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(4) as pool:
+        shared = list(pool.map(kept.run, feeds_list * 4))
+    for k, out in enumerate(shared):
+        for name in out:
+            np.testing.assert_array_equal(out[name], sequential[k % len(feeds_list)][name])
+
+
+@pytest.mark.parametrize("alpha,beta,activation", [(1.0, 1.0, "Sigmoid"), (0.5, 2.0, "Relu"),
+                                                   (1.0, 0.0, None)])
+def test_gemm_kept_checks_match_onnxruntime_for_every_shape(alpha, beta, activation):
+    """Gemm (fused with its activation) keeps its checks, B's view and C scaled while A keeps
+    its shape and B and C are the same constants: each shape fed in turn and again gives
+    onnxruntime's values, the bits of its first run, and a wrong A is still refused."""
+    rng = np.random.default_rng(5)
+    w = numpy_helper.from_array(rng.standard_normal((4, 128)).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal((4,)).astype(np.float32), "b")
+    nodes = [h.make_node("Gemm", ["x", "w", "b"], ["g" if activation else "y"], transB=1,
+                         alpha=alpha, beta=beta)]
+    if activation:
+        nodes.append(h.make_node(activation, ["g"], ["y"]))
+    model = _model(nodes, [_vi("x", F, ["m", "k"])], [_vi("y", F, None)], [w, b], opset=13)
+    sess, ref = ember.load(model), _onnxruntime(model)
+    first = {}
+    for m in (1, 3, 1, 2, 3):
+        x = np.random.default_rng(m).standard_normal((m, 128)).astype(np.float32)
+        got = sess.run({"x": x})["y"]
+        np.testing.assert_allclose(got, ref.run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(got, first.setdefault(m, got))
+    with pytest.raises(ember.errors.EmberError, match="inner dimensions differ"):
+        sess.run({"x": np.ones((1, 64), np.float32)})

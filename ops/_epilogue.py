@@ -10,7 +10,7 @@ import numpy as np
 
 from ember.ops.cpu import blas as _blas, compiled as _compiled, tiles as _tiles, tuning
 from ember.ops._dtypes import is_narrow_float, widen
-from ember.ops._layout import channels_last, pixel_rows
+from ember.ops._layout import channels_last, pixel_rows, pixel_stride
 from ember.ops.activations import (gelu, gelu_erf_float32, gelu_tanh_float32, sigmoid,
                                    sigmoid_float32)
 from ember.ops.registry import Lowering
@@ -445,12 +445,13 @@ class PointwiseRoute:
 
 def tiles_pointwise_fits(x, w, b, group, strides, begin, end) -> bool:
     """Whether a 1x1 convolution of x by w (+ bias b) runs as `TilesPointwiseRoute` in runs:
-    float32, a channels-last x, constant (read-only) weights and bias, group 1, stride 1, no
-    pads, AVX-512, and conv's size rule."""
+    float32, a channels-last x (or a channel slice of one: `pixel_stride`), constant
+    (read-only) weights and bias, group 1, stride 1, no pads, AVX-512, and conv's size
+    rule."""
     return (x.dtype == np.float32 and x.ndim == 4 and group == 1 and w.shape[2:] == (1, 1)
             and not w.flags.writeable and (b is None or not b.flags.writeable)
             and all(s == 1 for s in strides) and not any(begin) and not any(end)
-            and pixel_rows(x) is not None and _blas.in_run() and _tiles.kernel() is not None
+            and pixel_stride(x) is not None and _blas.in_run() and _tiles.kernel() is not None
             and tiles_pointwise_size(x, w))
 
 
@@ -493,12 +494,14 @@ class TilesPointwiseRoute:
             (lo, hi), code = (-np.inf, np.inf), _epilogue_code(activation, params, x.dtype)
         self.plan = None if code is None else _compiled.piece_address(_tiles_pointwise_piece)
         p0, p1 = loop_parameters(activation, params)
-        pixels = np.arange(L, dtype=np.int64) * C
+        step = pixel_stride(x)   # C, or more for a channel slice of an image
+        pixels = np.arange(L, dtype=np.int64) * step
         taps = np.zeros(1, np.int64)
         self.kept = (packed, packed_bias, pixels, taps)   # the block holds their addresses
         self.rows_shape, self.out_shape = (N, H, W, M), (L, M)
         self.template = np.zeros(_TILES_FIELDS, np.int64)
-        self.template[:] = (0, L * C, _address(pixels), L, _address(taps), C, _address(packed),
+        extent = (L - 1) * step + C   # the values from the first pixel's to the last's end
+        self.template[:] = (0, extent, _address(pixels), L, _address(taps), C, _address(packed),
                             blocks, _address(packed_bias), 0, 0, 0, M, band, 0, code or 0, 0, 0,
                             0)
         self.template[[9, 10, 16, 17]] = np.array([lo, hi, p0, p1], np.float64).view(np.int64)
@@ -527,7 +530,7 @@ def _tiles_pointwise_piece(block, t0, t1):  # pragma: no cover
     L, C, blocks, M = v[3], v[5], v[7], v[12]
     out = _compiled.array_at(v[11], (L, M), np.float32)
     _tiles.conv_tiles_loops(
-        _compiled.array_at(v[0], (L * C,), np.float32), L * C,
+        _compiled.array_at(v[0], (v[1],), np.float32), v[1],
         _compiled.array_at(v[2], (L,), np.int64), _compiled.array_at(v[4], (1,), np.int64), C,
         _compiled.array_at(v[6], (blocks, C, _tiles.BLOCK), np.float32),
         _compiled.array_at(v[8], (blocks * _tiles.BLOCK,), np.float32),

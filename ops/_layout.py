@@ -20,6 +20,28 @@ def pixel_rows(x):
     return rows.reshape(-1, x.shape[1]) if rows.flags.c_contiguous else None
 
 
+def pixel_stride(x) -> int | None:
+    """The distance in values between neighbouring pixels of x (N, C, *spatial), where each
+    pixel's C channels are contiguous and the pixels, image after image, are evenly spaced
+    (a channels-last image: C; a channel slice of one, a Split's part: the whole image's
+    channels); else None."""
+    if x.ndim < 3 or x.strides[1] != x.itemsize and x.shape[1] > 1:
+        return None
+    step = None
+    for n, st in zip(reversed((x.shape[0],) + x.shape[2:]),
+                     reversed((x.strides[0],) + x.strides[2:])):
+        if n == 1:
+            continue
+        if step is None:
+            if st % x.itemsize or st // x.itemsize < x.shape[1]:
+                return None
+            step, expected = st // x.itemsize, st
+        if st != expected:
+            return None
+        expected = st * n
+    return x.shape[1] if step is None else step
+
+
 def memory_order(inputs: tuple) -> tuple[int, ...] | None:
     """The axes of the first dense input of the inputs' broadcast shape in its memory's order
     (a channels-last image between convolutions: (0, 2, 3, 1)), where that is a permutation

@@ -14,7 +14,7 @@ import numpy as np
 
 from ember import limits
 from ember.ops.cpu import compiled as _compiled, tuning
-from ember.ops._layout import channels_last
+from ember.ops._layout import channels_last, memory_order
 from ember.ops.registry import Lowering, PORTABLE, OpImpl, register
 
 
@@ -258,7 +258,82 @@ class Transpose(OpImpl):
             return y
         if x.ndim >= 2 and perm == list(range(x.ndim - 2)) + [x.ndim - 1, x.ndim - 2]:
             return swap_last_axes(self.xp, x)
+        if self.xp is np:
+            kept = _in_source_order(self, x, y, perm)
+            if kept is not None:
+                return kept
         return y.copy()  # copy() keeps 0-d arrays 0-d
+
+
+def _in_source_order(op, x, y, perm):
+    """The transpose y of x copied into memory in x's order of axes, where x is dense in an
+    order other than C's (a channels-last image, or a view of one), the axes the permutation
+    moves taking their places in y's own order: a channel shuffle (Reshape, Transpose,
+    Reshape) of a channels-last image stays channels-last, where a C-ordered copy made it
+    planar and the convolutions after it left their fast routes. None for a C-ordered x, or
+    without numba. Worked out once per geometry of x (`_remembered`)."""
+    if x.flags.c_contiguous:
+        return None
+    plan = _remembered(op, (x.shape, x.strides, x.dtype), _source_order_plan, x, y, perm)
+    if plan is None:
+        return None
+    memory, back, rows = plan
+    source = y.transpose(memory)   # y's values in the copy's order: a gather of x's memory
+    out = np.empty(source.shape, source.dtype)
+    # numpy's copy ran an inner loop per pair of a shuffle's values: several times slower
+    _compiled.jit(_gather_rows)(source.reshape(rows), out.reshape(rows), 0, rows[0])
+    return out.transpose(back)
+
+
+def _source_order_plan(x, y, perm):
+    """(the copy's axes of y in memory order, the transpose back, its three-axis shape) for
+    `_in_source_order`, or None."""
+    order = memory_order((x,))
+    if order is None or _compiled.jit(_gather_rows) is None:
+        return None
+    moved = [axis for i, axis in enumerate(perm) if axis != i]
+    theirs = iter(sorted(perm.index(axis) for axis in moved))   # y's axes, in y's order
+    memory = [next(theirs) if axis in moved else perm.index(axis) for axis in order]
+    rows = _three_axes(y.transpose(memory))
+    if rows is None:
+        return None
+    return tuple(memory), tuple(int(a) for a in np.argsort(memory)), rows
+
+
+def _three_axes(view) -> tuple[int, int, int] | None:
+    """A shape of at most three axes `view` reshapes to without a copy (its size-1 axes
+    dropped, neighbours that are one run of memory merged; leading ones of size 1 added), or
+    None where it takes more."""
+    shape, strides = [], []
+    for n, st in zip(view.shape, view.strides):
+        if n == 1:
+            continue
+        if shape and strides[-1] == n * st:
+            shape[-1] *= n
+            strides[-1] = st
+        else:
+            shape.append(n)
+            strides.append(st)
+    if len(shape) > 3:
+        return None
+    return tuple([1] * (3 - len(shape)) + shape)
+
+
+@_compiled.kernel_math
+def _gather_rows(source, out, row0, row1):  # pragma: no cover - numba
+    """out[r] = source[r] for rows [row0, row1) of a strided 3-axis `source`, the inner loop
+    along whichever of the last two axes reads memory in order (a shuffle's 2 groups are
+    the short one)."""
+    if source.strides[1] <= source.strides[2]:
+        for r in range(row0, row1):
+            for j in range(source.shape[2]):
+                for i in range(source.shape[1]):
+                    out[r, i, j] = source[r, i, j]
+    else:
+        for r in range(row0, row1):
+            for i in range(source.shape[1]):
+                for j in range(source.shape[2]):
+                    out[r, i, j] = source[r, i, j]
 
 
 def swap_last_axes(xp, x):

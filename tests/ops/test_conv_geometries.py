@@ -196,6 +196,30 @@ def test_depthwise_activations_in_the_vector_kernel(kernel, stride, monkeypatch)
 
 
 @wide_tiles
+def test_channel_shuffle_keeps_the_image_channels_last():
+    """ShuffleNet's unit: a channel shuffle (Reshape, Transpose, Reshape) of a channels-last
+    image copied in the image's memory order, then split: each half a channel slice of a
+    channels-last image, which the 1x1 tiles read where it lies (`pixel_stride`)."""
+    x = _rand(1, 24, 9, 10)
+    inits = {"w0": _rand(24, 24, 3, 3, seed=1) / 15, "w1": _rand(16, 12, 1, 1, seed=2) / 3,
+             "b1": _rand(16, seed=3), "w2": _rand(20, 12, 1, 1, seed=4) / 3}
+    proto = _model([_conv("c0", "x", "w0", out="a", pads=[1] * 4),
+                    helper.make_node("Reshape", ["a", "s5"], ["r"]),
+                    helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1, 3, 4]),
+                    helper.make_node("Reshape", ["t", "s4"], ["u"]),
+                    helper.make_node("Split", ["u", "half"], ["p", "q"], axis=1),
+                    _conv("c1", "p", "w1", "b1", out="m"),
+                    helper.make_node("Relu", ["m"], ["mr"]),
+                    _conv("c2", "q", "w2", out="n"),
+                    helper.make_node("Concat", ["mr", "n"], ["y"], axis=1)], x.shape, inits)
+    proto.graph.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
+                                   (("s5", [1, 2, 12, 9, 10]), ("s4", [1, 24, 9, 10]),
+                                    ("half", [12, 12])))
+    proto.opset_import[0].version = 18
+    _check(proto, x, ["cpu.tiles", "cpu.tiles-pointwise", "cpu.tiles-pointwise"])
+
+
+@wide_tiles
 def test_narrow_blocks_of_sixteen_channels_or_fewer():
     """A stem of 16 channels (planar RGB in, stride 2), a 3x3 of 16, a 1x1 of 40 (a last block
     of 8) and one of 24: blocks of at most 16 columns take the tiles' one-vector loop."""

@@ -454,9 +454,10 @@ def _group_norm_rows(x, scale, bias, epsilon, y, row0, row1):  # pragma: no cove
         for k in range(K):
             ck = stats[1] * scale[g, k]
             bk = bias[g, k]
-            base = k * L
+            # slices: an index `base + i` costs a wraparound test, and the loop its vectors
+            xs, ys = xr[k * L:(k + 1) * L], yr[k * L:(k + 1) * L]
             for i in range(L):
-                yr[base + i] = (xr[base + i] - m) * ck + bk
+                ys[i] = (xs[i] - m) * ck + bk
 
 
 # A channels-last image's sums run over fixed blocks of this many pixels (the rows the threads

@@ -82,7 +82,7 @@ def _merge_heads(y):
     return y.transpose(0, 2, 1, 3).reshape(b, s, n * h)
 
 
-def _scores(xp, q, k, scale):
+def attention_scores(xp, q, k, scale):
     """scale * Q K' for q (B, N, S, H) and k (B, Nkv, T, H), N a multiple of Nkv: the query
     heads of one kv head fold into the row axis of one batched matmul (no K copy)."""
     b, n, s, h = q.shape
@@ -93,7 +93,7 @@ def _scores(xp, q, k, scale):
     return scores
 
 
-def _weighted(xp, probs, v):
+def weighted_values(xp, probs, v):
     """probs (B, N, S, T) x v (B, Nkv, T, Hv) -> (B, N, S, Hv)."""
     b, n, s, t = probs.shape
     nkv = v.shape[1]
@@ -222,11 +222,11 @@ class _PaddedAttention(OpImpl):
     def _attend(self, q, k, v, bias):
         """softmax(scale * Q K' + bias) V for BNSH q, k, v; also the pre-softmax scores."""
         scale = self.scale or 1.0 / math.sqrt(q.shape[-1])
-        scores = _scores(self.xp, q, k, scale)
+        scores = attention_scores(self.xp, q, k, scale)
         if bias is not None:
             scores += bias
         probs = _softmax(self.xp, scores)
-        return _weighted(self.xp, probs, v), scores
+        return weighted_values(self.xp, probs, v), scores
 
 
 @register("Attention", versions=[1], domain=_DOMAIN)
@@ -615,7 +615,7 @@ class GroupQueryAttention(OpImpl):
         probs = _softmax(xp, scores, extra)
         if self.qk_mode == 2:
             qk_out = probs
-        y = _weighted(xp, probs, v_all[:, :, :total])
+        y = weighted_values(xp, probs, v_all[:, :, :total])
         results = (_merge_heads(y).astype(out_dtype, copy=False),
                    k_all.astype(out_dtype, copy=False), v_all.astype(out_dtype, copy=False))
         if self.n_outputs > 3:
@@ -711,7 +711,7 @@ class GroupQueryAttention(OpImpl):
         batch, n, q_len, head = q.shape
         total = keys.shape[2]
         scale = self.scale or 1.0 / math.sqrt(head)
-        scores = _scores(xp, q, keys, scale)
+        scores = attention_scores(xp, q, keys, scale)
         if self.softcap > 0:
             cap = work.type(self.softcap)
             scores = xp.tanh(scores / cap) * cap

@@ -37,6 +37,8 @@ import numpy as np
 
 from ember.ops import _integer as _int, _xp
 from ember.ops._layout import channels_last, memory_order, moved
+from ember.ops.microsoft.attention import attention_scores, weighted_values
+from ember.ops.reduction import softmax
 from ember.ops.registry import OpImpl, Sketch, register
 from ember.ops._lowering import numba_serves, remembered_route
 from ember.ops.cpu import qlinear as _qlinear
@@ -934,12 +936,6 @@ class MatMulIntegerToFloat(_MatMulIntegerToFloatBase):
 # QAttention
 
 
-def _softmax_rows(xp, s):
-    m = xp.max(s, axis=-1, keepdims=True)
-    e = xp.exp(s - m)
-    return e / xp.sum(e, axis=-1, keepdims=True)
-
-
 @register("QAttention", versions=[1], domain=_MS)
 class QAttention(_QOp):
     """com.microsoft Attention on quantised input and weights: QKV =
@@ -1009,13 +1005,16 @@ class QAttention(_QOp):
             v = xp.concatenate([pk[1], v], axis=2)
         total = past_len + seq
         alpha = _F32(self.scale) if self.scale else _F32(1 / math.sqrt(head))
-        scores = xp.matmul(q, xp.swapaxes(k, -1, -2)) * alpha
+        # the float Attention's core: the products on the engine's threads (one thread's
+        # BLAS call per head otherwise), the softmax by Softmax's compiled rows
+        scores = attention_scores(xp, q, k, alpha)
         bias_mask = self.mask(xp, mask_index, batch, seq, total, past_len)
         if bias_mask is not None:
-            scores = scores + bias_mask[:, None]
-        with np.errstate(over="ignore"):
-            probs = _softmax_rows(xp, scores)
-        out = xp.matmul(probs, v).transpose(0, 2, 1, 3).reshape(batch, seq, hidden)
+            scores += bias_mask[:, None]
+        probs = softmax(xp, scores, -1)
+        out = weighted_values(xp, probs, v).transpose(0, 2, 1, 3).reshape(batch, seq, hidden)
+        if self.n_outputs < 2:
+            return out.astype(out_dtype)
         present = xp.stack([k, v]).astype(out_dtype)
         return out.astype(out_dtype), present
 

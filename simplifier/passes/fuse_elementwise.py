@@ -9,7 +9,8 @@ Groups are grown from their output backwards, over producers whose every reader 
 the group. A group becomes a node when it holds at least two steps (or one, over a large
 result: `_large_alone`) and its inputs' shapes are
 known (sizes or named symbols) and each broadcasts into the output's shape (a scalar, a
-per-channel or trailing tensor...): shapes unknown, the nodes stay as they are.
+per-channel or trailing tensor...), or its inputs are one tensor and scalars (rank 0), whose
+result has the tensor's shape whatever it is: otherwise, shapes unknown, the nodes stay.
 
 The pass runs late (simplifier/__init__.py: `LATE`), once the other passes have settled: the
 fusions that take elementwise nodes into larger ops (activations into a Conv, a scale into a
@@ -116,11 +117,11 @@ def _large_alone(group: list[Node], steps: dict, index: GraphIndex) -> bool:
 
 def _chain_node(group: list[Node], steps: dict, index: GraphIndex) -> Node | None:
     """The ElementwiseChain node for `group` (producers first, its output last), or None where
-    the shapes are not known or an input does not broadcast into the output."""
+    an input does not broadcast into the output, or the output's shape is not known and the
+    inputs are not one tensor and scalars (a MatMulInteger's Cast and scale Mul after
+    com.microsoft ops, whose shapes onnx's inference does not know)."""
     out_name = group[-1].outputs[0]
     out_shape = index.known_shape(out_name)
-    if out_shape is None:
-        return None
     members = {id(n) for n in group}
     slots: dict[str, int] = {}
     inputs: list[str] = []
@@ -128,10 +129,13 @@ def _chain_node(group: list[Node], steps: dict, index: GraphIndex) -> Node | Non
         for name in steps[id(node)][1]:
             producer = index.producer.get(name)
             if name not in slots and (producer is None or id(producer) not in members):
-                if not _broadcasts_into(index.known_shape(name), out_shape):
+                if out_shape is not None and \
+                        not _broadcasts_into(index.known_shape(name), out_shape):
                     return None
                 slots[name] = len(inputs)
                 inputs.append(name)
+    if out_shape is None and sum(index.known_shape(name) != () for name in inputs) != 1:
+        return None   # (one input of unknown shape and scalars: the output has its shape)
     ops, args, params = [], [], []
     for i, node in enumerate(group):
         name, operands, constants = steps[id(node)]

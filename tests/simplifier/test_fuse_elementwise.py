@@ -407,3 +407,23 @@ def test_pieces_on_the_board_same_bits(monkeypatch):
     kernel = bind(node, lookup("ai.ember", OP_TYPE, 1), dict(node.attrs))
     got = kernel.run(x, b)
     np.testing.assert_allclose(got, kernel.portable([x, b]), rtol=1e-6, atol=1e-7)
+
+
+def test_one_tensor_of_unknown_shape_and_scalars_fuse():
+    """After com.microsoft ops onnx's inference knows no shapes: a MatMulInteger's Cast and
+    its scale Mul (the scales' product a scalar) still fuse, the output having the one
+    tensor's shape; two tensors of unknown shapes do not (their broadcast is unknown)."""
+    a = RNG.integers(-1000, 1000, (3, 5, 7)).astype(np.int32)
+    proto = make_model([helper.make_node("Mul", ["sa", "sb"], ["s"]),
+                        helper.make_node("Cast", ["a"], ["f"], to=F),
+                        helper.make_node("Mul", ["f", "s"], ["y"])],
+                       [tensor("a", None, TensorProto.INT32), tensor("sa", [])],
+                       [tensor("y", None)], [const("sb", np.float32(0.5))])
+    graph = check(proto, {"a": a, "sa": np.array(0.02, np.float32)},
+                  [["Mul", "CastFloat", "Mul"]], exact=True)
+    assert len(graph.nodes) == 1
+    x = RNG.standard_normal((4, 6)).astype(np.float32)
+    proto = make_model([helper.make_node("Add", ["x", "z"], ["t"]),
+                        helper.make_node("Sigmoid", ["t"], ["y"])],
+                       [tensor("x", None), tensor("z", None)], [tensor("y", None)])
+    check(proto, {"x": x, "z": x[:1]}, [])

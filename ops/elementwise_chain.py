@@ -37,7 +37,7 @@ from ember import config
 from ember.ops import activations as _act, elementwise as _elementwise
 from ember.ops._layout import memory_order, moved
 from ember.ops._lowering import compiled_rows
-from ember.ops.cpu import compiled as _compiled, tuning
+from ember.ops.cpu import compiled as _compiled, tiles as _tiles, tuning
 from ember.ops.cpu.compiled import exp_float32, tanh_float32
 from ember.ops.activations import sigmoid_float32
 from ember.ops.elementwise import _ERF32_P, _ERF32_Q, erf
@@ -519,7 +519,7 @@ class ElementwiseChain(OpImpl):
         if route is None:
             return None
         order, back, shape, out_dtype, kernel, piece, rows, ns_per_row, sizes = route
-        out = np.empty(shape, out_dtype)
+        out = _tiles.empty(shape, out_dtype)
         if out.size == 0:
             return out if back is None else out.transpose(back)
         flat = [np.ascontiguousarray(x if order is None else moved(x, order)).reshape(-1)

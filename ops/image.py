@@ -23,7 +23,7 @@ from ember import limits
 from ember.ops import _xp
 from ember.ops._layout import channels_last
 from ember.ops._lowering import compiled_rows, numba_serves
-from ember.ops.cpu import compiled as _compiled, tuning
+from ember.ops.cpu import compiled as _compiled, tiles as _tiles, tuning
 from ember.ops.registry import PORTABLE, Lowering, OpImpl, register
 
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def _resize_compiled(x, out_shape, scales, *, mode: str, ct: str, nearest_mode: 
     widx, ww = _compiled_plan(mode, ct, w, ow, float(scales[3]), *options)
     if last:  # a convolution's channels-last image: resized in its layout, rows of C values
         pixels = x.transpose(0, 2, 3, 1)
-        y = np.empty((n, oh, ow, c), np.float32)
+        y = _tiles.empty((n, oh, ow, c))
         if nearest:
             _compiled.split_rows(kernel, n * oh, pixels, hidx[:, 0], widx[:, 0], y,
                                  ns_per_row=tuning.RESIZE_NS_PER_TAP * ow * c,
@@ -268,7 +268,7 @@ def _resize_compiled(x, out_shape, scales, *, mode: str, ct: str, nearest_mode: 
                                  piece=_resize_cl_piece)
         return y.transpose(0, 3, 1, 2)
     planes = np.ascontiguousarray(x).reshape(n * c, h, w)
-    y = np.empty((n * c, oh, ow), np.float32)
+    y = _tiles.empty((n * c, oh, ow))
     if nearest:
         _compiled.split_rows(kernel, n * c * oh, planes, hidx[:, 0], widx[:, 0], y,
                              ns_per_row=tuning.RESIZE_NS_PER_TAP * ow,
@@ -344,8 +344,8 @@ def _resize_nearest_rows(x, hidx, widx, y, row0, row1):  # pragma: no cover - nu
         p = r // oh
         oy = r - p * oh
         src, dst = x[p, hidx[oy]], y[p, oy]
-        for ox in range(ow):
-            dst[ox] = src[widx[ox]]
+        for ox in range(ow):  # a uint64 index: no negative-index wraparound test per value
+            dst[ox] = src[np.uint64(widx[ox])]
 
 
 def _resize_cl_piece(block, row0, row1):  # pragma: no cover - numba
@@ -408,13 +408,16 @@ def _resize_channels_last_rows(x, hidx, hw, widx, ww, y, row0, row1):  # pragma:
 @_compiled.kernel_math
 def _resize_nearest_channels_last_rows(x, hidx, widx, y, row0, row1):  # pragma: no cover
     """`_resize_nearest_rows` over channels-last images: each output pixel's C values copied."""
-    oh, ow = y.shape[1], y.shape[2]
+    oh, ow, c = y.shape[1], y.shape[2], y.shape[3]
     for r in range(row0, row1):
         n = r // oh
         oy = r - n * oh
         src, dst = x[n, hidx[oy]], y[n, oy]
         for ox in range(ow):
-            dst[ox, :] = src[widx[ox], :]
+            # an element loop: a slice assignment costs numba two views and a generic copy
+            at = np.uint64(widx[ox])
+            for ci in range(c):
+                dst[ox, ci] = src[at, ci]
 
 
 # (nearest, channels-last) -> the kernel

@@ -23,7 +23,7 @@ import math
 import numpy as np
 from onnx import helper
 
-from ember.ops.cpu import compiled as _compiled, tuning
+from ember.ops.cpu import compiled as _compiled, tiles as _tiles, tuning
 from ember.ops import _xp
 from ember.ops._dtypes import is_narrow_float, widen
 from ember.ops._layout import channels_last, pixel_rows
@@ -108,7 +108,7 @@ def _channel_affine_compiled(x, k, shift):
         if kernel is None:
             return None
         rows = pixel_rows(x)
-        y = np.empty((x.shape[0],) + x.shape[2:] + (x.shape[1],), np.float32)
+        y = _tiles.empty((x.shape[0],) + x.shape[2:] + (x.shape[1],))
         _compiled.split_rows(kernel, rows.shape[0], rows, np.ascontiguousarray(k.reshape(-1)),
                              np.ascontiguousarray(shift.reshape(-1)), y.reshape(rows.shape),
                              ns_per_row=tuning.CHANNEL_AFFINE_NS * rows.shape[1],
@@ -118,7 +118,7 @@ def _channel_affine_compiled(x, k, shift):
     if kernel is None:
         return None
     rows = np.ascontiguousarray(x).reshape(x.shape[0] * x.shape[1], -1)
-    y = np.empty(rows.shape, np.float32)
+    y = _tiles.empty(rows.shape)
     _compiled.split_rows(kernel, rows.shape[0], rows, np.ascontiguousarray(k.reshape(-1)),
                          np.ascontiguousarray(shift.reshape(-1)), y,
                          ns_per_row=tuning.CHANNEL_AFFINE_NS * rows.shape[1],
@@ -407,7 +407,7 @@ def _group_norm_compiled(x, groups, scale, bias, epsilon):
     if kernel is None:
         return None
     rows = np.ascontiguousarray(x).reshape(x.shape[0] * groups, -1)
-    y = np.empty(rows.shape, np.float32)
+    y = _tiles.empty(rows.shape)
     _compiled.split_rows(kernel, rows.shape[0], rows, np.ascontiguousarray(scale),
                          np.ascontiguousarray(bias), float(epsilon), y,
                          ns_per_row=tuning.GROUPNORM_NS * rows.shape[1],
@@ -496,7 +496,7 @@ def _group_norm_channels_last(x, groups, scale, bias, epsilon):
     means = np.repeat(mean, k, axis=1)
     factors = np.repeat(inv, k, axis=1) * scale.reshape(1, c)
     shifts = np.ascontiguousarray(np.broadcast_to(bias.reshape(1, c), (n, c)))
-    y = np.empty((n,) + x.shape[2:] + (c,), np.float32)
+    y = _tiles.empty((n,) + x.shape[2:] + (c,))
     _compiled.split_rows(norm_kernel, rows.shape[0], rows, means, factors, shifts, pixels,
                          y.reshape(-1, c), ns_per_row=tuning.CHANNEL_AFFINE_NS * c,
                          piece=_channel_norm_piece)
@@ -650,7 +650,7 @@ def _rmsnorm_compiled(x, axis, scale, epsilon):
     if kernel is None:
         return None
     rows = np.ascontiguousarray(x).reshape(-1, D)
-    y = np.empty(rows.shape, np.float32)
+    y = _tiles.empty(rows.shape)
     _compiled.split_rows(kernel, rows.shape[0], rows, np.ascontiguousarray(scale).reshape(D),
                          float(epsilon), y, ns_per_row=tuning.LAYERNORM_NS * D,
                          piece=_rmsnorm_piece)

@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from ember import limits
-from ember.ops.cpu import compiled as _compiled, tuning
+from ember.ops.cpu import compiled as _compiled, tiles as _tiles, tuning
 from ember.ops import _xp
 from ember.ops._layout import channels_last
 from ember.ops.conv import (auto_pads, check_window_attributes, compute_dtype, ints, out_size,
@@ -281,7 +281,7 @@ def _maxpool2d(x, kernel, strides, dilations, begin, outs):
         rows_kernel = _compiled.jit(_maxpool2d_channels_last_rows)
         if rows_kernel is None:
             return None
-        out = np.empty((N, oh, ow, C), x.dtype)
+        out = _tiles.empty((N, oh, ow, C), x.dtype)
         _compiled.split_rows(rows_kernel, N * oh, x.transpose(0, 2, 3, 1), out, *geometry,
                              _lowest(x.dtype), ns_per_row=tuning.MAXPOOL_NS * ow * C * taps,
                              piece=_CHANNELS_LAST_PIECES.get(x.dtype.type))
@@ -293,7 +293,7 @@ def _maxpool2d(x, kernel, strides, dilations, begin, outs):
     if rows_kernel is None:
         return None
     planes = np.ascontiguousarray(x).reshape(N * C, *x.shape[2:])
-    out = np.empty((N * C, oh, ow), x.dtype)
+    out = _tiles.empty((N * C, oh, ow), x.dtype)
     _compiled.split_rows(rows_kernel, N * C, planes, out, *geometry,
                          ns_per_row=tuning.MAXPOOL_NS * oh * ow * taps)
     return out.reshape(N, C, oh, ow)

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from ember.ops.cpu import compiled as _compiled, tuning
+from ember.ops.cpu import compiled as _compiled, tiles as _tiles, tuning
 from ember.ops import _xp
 from ember.ops.cpu.compiled import exp_float32
 from ember.ops._dtypes import widen
@@ -469,7 +469,7 @@ def _softmax_compiled(xp, x, axis, empty_rows_zero):
     if kernel is None:
         return None
     rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
-    out = np.empty_like(rows)
+    out = _tiles.empty(rows.shape, rows.dtype)
     _compiled.split_rows(kernel, rows.shape[0], rows, out, empty_rows_zero,
                          ns_per_row=tuning.SOFTMAX_NS_PER_VALUE * rows.shape[1],
                          piece=_softmax_rows_piece)

@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from ember import limits
-from ember.ops.cpu import compiled as _compiled, tuning
+from ember.ops.cpu import compiled as _compiled, tiles as _tiles, tuning
 from ember.ops._layout import channels_last, memory_order
 from ember.ops.registry import Lowering, PORTABLE, OpImpl, register
 
@@ -279,7 +279,7 @@ def _in_source_order(op, x, y, perm):
         return None
     memory, back, rows = plan
     source = y.transpose(memory)   # y's values in the copy's order: a gather of x's memory
-    out = np.empty(source.shape, source.dtype)
+    out = _tiles.empty(source.shape, source.dtype)
     # numpy's copy ran an inner loop per pair of a shuffle's values: several times slower
     _compiled.jit(_gather_rows)(source.reshape(rows), out.reshape(rows), 0, rows[0])
     return out.transpose(back)
@@ -461,7 +461,7 @@ def _concat_channels_last(xs):
     float32 channels-last inputs are copied pixel by pixel on the run's threads, each
     thread its own rows (`_concat_pixels`)."""
     N, _, H, W = xs[0].shape
-    out = np.empty((N, H, W, sum(x.shape[1] for x in xs)), xs[0].dtype)
+    out = _tiles.empty((N, H, W, sum(x.shape[1] for x in xs)), xs[0].dtype)
     if len(xs) == 2 and xs[0].dtype == np.float32 and all(channels_last(x) for x in xs):
         kernel = _compiled.jit(_concat_pixels)
         if kernel is not None:

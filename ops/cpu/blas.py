@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from ember import config
-from ember.ops.cpu import compiled as _compiled, threads as _threads, tuning
+from ember.ops.cpu import compiled as _compiled, threads as _threads, tiles as _tiles, tuning
 from ember.ops.cpu.process import current
 
 _address = _compiled.address  # an array's data pointer
@@ -111,7 +111,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
         return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)
     shape, fields = plan
     if out is None:
-        out = np.empty(shape, a.dtype)
+        out = _tiles.empty(shape, a.dtype)
     _on_board(_with_addresses(fields, a, b, out))
     return out
 

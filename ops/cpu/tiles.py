@@ -662,13 +662,14 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
 
 # From 32 MB, glibc maps every allocation afresh (its mmap threshold stops there, where
 # ember.ops.cpu.memory sets it) and unmaps it when freed, so each page faults again on its
-# first write; with transparent huge pages each fault clears 2 MB. So such buffers are kept,
-# up to _KEEP_BUFFERS of them (a bound on the memory kept), and handed out again once nothing
-# refers to them (numpy views hold their base: a buffer is free when only this list does).
+# first write; with transparent huge pages each fault clears 2 MB, and in a virtual machine
+# the kernel's time on them can exceed the kernels' own. So such buffers are kept, up to
+# KEEP_BUFFER_BYTES of them (ops/cpu/tuning.py: a bound on the memory kept), and handed out
+# again once nothing refers to them (numpy views hold their base: a buffer is free when only
+# this list does).
 # The list is the process's CPU engine's (`kept`, with `kept_lock`: ember.ops.cpu.engine), as
 # glibc's heap is the process's. Not a tuning value: glibc's limit (ops/linalg.py reads it).
 KEEP_FROM_BYTES = _memory.MMAP_THRESHOLD
-_KEEP_BUFFERS = 4
 
 
 def _keeping() -> bool:
@@ -689,11 +690,17 @@ def _buffer(nbytes: int) -> np.ndarray:
             if nbytes <= kept[i].size <= 2 * nbytes:
                 return kept[i]
         buffer = np.empty(nbytes, np.uint8)
-        if len(kept) >= _KEEP_BUFFERS:
-            if not free:
-                return buffer  # all in use: this one is not kept
-            del kept[free[0]]  # the oldest free one makes room
-        kept.append(buffer)
+        total = sum(b.size for b in kept) + nbytes
+        dropped = []
+        for i in free:   # the oldest free ones make room, if need be
+            if total <= tuning.KEEP_BUFFER_BYTES:
+                break
+            total -= kept[i].size
+            dropped.append(i)
+        for i in reversed(dropped):
+            del kept[i]
+        if total <= tuning.KEEP_BUFFER_BYTES:
+            kept.append(buffer)   # (else all in use: this one is not kept)
         return buffer
 
 

@@ -178,6 +178,7 @@ ALIGN_FROM_BYTES = 64 << 10  # arrays this large are cache-line aligned: smaller
 THREAD_TIMEOUT = 18  # log2 of the cycles OpenBLAS's workers spin: a run's products, not after
 # history: docs/performance.md#thread_timeout-opscputhreadspy
 TRIM_THRESHOLD = 256 << 20  # freed bytes glibc keeps at its heap's top for the next run
+KEEP_BUFFER_BYTES = 2 << 30  # tiles.empty keeps freed buffers of 32 MiB and more up to this
 # history: docs/performance.md#keep_freed_memory-opscpumemorypy
 
 # ---------------------------------------------------------------- ops/ml.py: tree ensembles

@@ -56,9 +56,9 @@ def test_the_users_own_malloc_settings_and_the_opt_out_are_left_alone():
 
 def test_a_large_buffer_is_handed_out_again_only_once_nothing_refers_to_it(monkeypatch):
     """ops/cpu/tiles.empty from 32 MB: a freed buffer is reused, one still referred to (by the
-    array or any view of it) is not, and at most _KEEP_BUFFERS are kept (in the process's CPU
-    engine's list)."""
-    from ember.ops.cpu import engine, tiles as _tiles
+    array or any view of it) is not, and at most KEEP_BUFFER_BYTES are kept (in the process's
+    CPU engine's list)."""
+    from ember.ops.cpu import engine, tiles as _tiles, tuning
     monkeypatch.setenv("EMBER_KEEP_MEMORY", "1")
     monkeypatch.setattr(engine.current(), "kept", [])
     n = _tiles.KEEP_FROM_BYTES // 4 + 1024
@@ -78,9 +78,14 @@ def test_a_large_buffer_is_handed_out_again_only_once_nothing_refers_to_it(monke
     assert address(_tiles.empty((n,))) != held  # a view keeps it in use
     del view
     assert address(_tiles.empty((n // 4,))) != held  # far smaller: not this buffer
-    alive = [_tiles.empty((n,)) for _ in range(_tiles._KEEP_BUFFERS + 2)]
-    assert len(engine.current().kept) == _tiles._KEEP_BUFFERS
+    size = engine.current().kept[0].size
+    monkeypatch.setattr(tuning, "KEEP_BUFFER_BYTES", 4 * size)   # four buffers of n floats
+    alive = [_tiles.empty((n,)) for _ in range(6)]
+    assert len(engine.current().kept) == 4
     assert all(a.flags.c_contiguous and address(a) % 64 == 0 for a in alive)
+    del alive
+    again = _tiles.empty((n,))
+    assert any(again.base is b for b in engine.current().kept)   # a kept one, freed
 
 
 def test_a_large_output_held_by_the_user_is_not_overwritten_by_the_next_run():

@@ -267,11 +267,12 @@ class Transpose(OpImpl):
 
 def _in_source_order(op, x, y, perm):
     """The transpose y of x copied into memory in x's order of axes, where x is dense in an
-    order other than C's (a channels-last image, or a view of one), the axes the permutation
-    moves taking their places in y's own order: a channel shuffle (Reshape, Transpose,
-    Reshape) of a channels-last image stays channels-last, where a C-ordered copy made it
-    planar and the convolutions after it left their fast routes. None for a C-ordered x, or
-    without numba. Worked out once per geometry of x (`_remembered`)."""
+    order other than C's (a channels-last image, or a view of one) and the permutation moves
+    only its innermost axes in memory, those taking their places in y's own order: a channel
+    shuffle (Reshape, Transpose, Reshape) of a channels-last image stays channels-last, where
+    a C-ordered copy made it planar and the convolutions after it left their fast routes.
+    None otherwise (a transpose of attention's heads keeps its C-ordered copy, which the
+    products after it read best), or without numba. Worked out once per geometry of x."""
     if x.flags.c_contiguous:
         return None
     plan = _remembered(op, (x.shape, x.strides, x.dtype), _source_order_plan, x, y, perm)
@@ -292,6 +293,8 @@ def _source_order_plan(x, y, perm):
     if order is None or _compiled.jit(_gather_rows) is None:
         return None
     moved = [axis for i, axis in enumerate(perm) if axis != i]
+    if set(moved) != set(order[len(order) - len(moved):]):
+        return None   # not a reordering of the innermost axes (a shuffle of the channels)
     theirs = iter(sorted(perm.index(axis) for axis in moved))   # y's axes, in y's order
     memory = [next(theirs) if axis in moved else perm.index(axis) for axis in order]
     rows = _three_axes(y.transpose(memory))

@@ -97,8 +97,9 @@ def _grow(sink: Node, steps: dict, taken: set[int], index: GraphIndex) -> list[N
     return group
 
 
-# steps numpy computes in several passes or by slow functions (a Sigmoid is four passes)
-_FORMULAS = {"Sigmoid", "Tanh", "Exp", "Log", "Sin", "Cos", "Erf", "Gelu", "GeluTanh", "Pow",
+# steps numpy computes in several passes or by slow functions (a Sigmoid is four passes);
+# not Pow, whose squares numpy computes as products and the loop by pow()
+_FORMULAS = {"Sigmoid", "Tanh", "Exp", "Log", "Sin", "Cos", "Erf", "Gelu", "GeluTanh",
              "HardSwish", "HardSigmoid"}
 
 

@@ -366,6 +366,11 @@ def test_one_large_op_is_a_chain_and_a_small_one_stays():
                            [tensor("x", list(shape))], [tensor("y", list(shape))])
         assert (math.prod(shape) >= tuning.CHAIN_FORMULA_ALONE_MIN) == bool(fused)
         check(proto, {"x": x}, fused)
+    x = RNG.standard_normal((1, 80, 120)).astype(np.float32)   # numpy squares by products
+    proto = make_model([helper.make_node("Pow", ["x", "two"], ["y"])],
+                       [tensor("x", [1, 80, 120])], [tensor("y", [1, 80, 120])],
+                       [const("two", np.float32(2))])
+    check(proto, {"x": x}, [])
 
 
 def test_a_strided_view_is_read_in_its_memory_order():

@@ -276,7 +276,7 @@ def _in_source_order(op, x, y, perm):
     if x.flags.c_contiguous:
         return None
     plan = _remembered(op, (x.shape, x.strides, x.dtype), _source_order_plan, x, y, perm)
-    if plan is None:
+    if not plan:
         return None
     memory, back, rows = plan
     source = y.transpose(memory)   # y's values in the copy's order: a gather of x's memory
@@ -288,18 +288,18 @@ def _in_source_order(op, x, y, perm):
 
 def _source_order_plan(x, y, perm):
     """(the copy's axes of y in memory order, the transpose back, its three-axis shape) for
-    `_in_source_order`, or None."""
+    `_in_source_order`, or False (remembered too: the C-ordered copy serves)."""
     order = memory_order((x,))
     if order is None or _compiled.jit(_gather_rows) is None:
-        return None
+        return False
     moved = [axis for i, axis in enumerate(perm) if axis != i]
     if set(moved) != set(order[len(order) - len(moved):]):
-        return None   # not a reordering of the innermost axes (a shuffle of the channels)
+        return False   # not a reordering of the innermost axes (a shuffle of the channels)
     theirs = iter(sorted(perm.index(axis) for axis in moved))   # y's axes, in y's order
     memory = [next(theirs) if axis in moved else perm.index(axis) for axis in order]
     rows = _three_axes(y.transpose(memory))
     if rows is None:
-        return None
+        return False
     return tuple(memory), tuple(int(a) for a in np.argsort(memory)), rows
 
 

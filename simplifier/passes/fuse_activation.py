@@ -25,10 +25,10 @@ def fuse_activations(graph: Graph, ctx: Context) -> bool:
     for act in graph.nodes:
         if act.domain or not index.alive(act) or not act.inputs:
             continue
-        params = activation_params(act, index)
+        swish = _swish_sigmoid(act, index)   # Mul(x, Sigmoid(x)): read twice, by these two
+        params = [1.0] if swish is not None else activation_params(act, index)
         if params is None:
             continue
-        swish = _swish_sigmoid(act, index)   # Mul(x, Sigmoid(x)): read twice, by these two
         x = act.inputs[0] if swish is None else swish.inputs[0]
         producer = index.producer.get(x)
         if producer is None or id(producer) in index.dead or \
@@ -55,8 +55,6 @@ def activation_params(node: Node, index: GraphIndex) -> list[float] | None:
         return []
     if op == "Swish":
         return [float(node.attrs.get("alpha", 1.0))]
-    if op == "Mul":
-        return [1.0] if _swish_sigmoid(node, index) is not None else None
     if op == "LeakyRelu":
         return [float(node.attrs.get("alpha", 0.01))]
     if op == "HardSigmoid":

@@ -525,11 +525,20 @@ class _Ir:
         self.builder.call(store, [value, self.at_item(ptr, index, kind),
                                   ir.Constant(self.i32, 1), mask])
 
+    def limits(self, y_zero, lo, hi):
+        """The requantising epilogue's constants from y_zero, lo and hi (float32 holding
+        integers): the splats of lo - y_zero and hi - y_zero (float) and of y_zero (int32)."""
+        b = self.builder
+        return (self.splat(b.fsub(lo, y_zero)), self.splat(b.fsub(hi, y_zero)),
+                self.splat(b.fptosi(y_zero, self.i32)))
+
     def epilogue(self, mode, c, mult, fbias, limits, out_p, at, mask):
         """The 16 int32 sums `c` (C with the zero points' terms) through the epilogue `mode`
         (integer.py), stored at out_p[at] under `mask`: int32; requantised, rint(float32(c)
-        * mult) + y_zero clipped to [lo, hi] (`limits`: their splats) as 8 bits; or float32,
-        float32(c) * mult + fbias."""
+        * mult) + y_zero clipped to [lo, hi] (`limits`, from `limits()`) as 8 bits; or
+        float32, float32(c) * mult + fbias. The clip comes before the rounding, to
+        [lo - y_zero, hi - y_zero], and the rounding is the conversion's (to nearest even):
+        the same integers, as both bounds are, in fewer instructions than rint, add and clip."""
         b = self.builder
         if mode == _integer.INT32:
             self.masked_store(c, out_p, at, mask)
@@ -538,11 +547,15 @@ class _Ir:
         if mode == _integer.FLOAT32:
             self.masked_store(b.fadd(y, fbias), out_p, at, mask)
             return
-        y_zero, lo, hi = limits
-        y = b.fadd(b.call(self.function("llvm.rint.v16f32", self.fvec, [self.fvec]), [y]), y_zero)
-        y = b.select(b.fcmp_ordered("<", y, lo), lo, y)
-        y = b.select(b.fcmp_ordered(">", y, hi), hi, y)
-        self.masked_store(b.trunc(b.fptosi(y, self.ivec), self.ir.VectorType(self.i8, 16)),
+        low, high, y_zero = limits
+        y = b.select(b.fcmp_ordered("<", y, low), low, y)
+        y = b.select(b.fcmp_ordered(">", y, high), high, y)
+        convert = self.function("llvm.x86.avx512.mask.cvtps2dq.512", self.ivec,
+                                [self.fvec, self.ivec, self.ir.IntType(16), self.i32])
+        q = b.call(convert, [y, self.ir.Constant(self.ivec, [0] * 16),
+                             self.ir.Constant(self.ir.IntType(16), -1),
+                             self.ir.Constant(self.i32, 4)])   # 4: the current rounding
+        self.masked_store(b.trunc(b.add(q, y_zero), self.ir.VectorType(self.i8, 16)),
                           out_p, at, mask)
 
 
@@ -585,15 +598,22 @@ def _emit_vnni_tile(R, mode, context, builder, sig, args):
                        builder.load(v.at_item(zw_p, ch, ivec), align=4),
                        builder.load(v.at_item(mult_p, ch, fvec), align=4),
                        builder.load(v.at_item(fbias_p, ch, fvec), align=4)))
-    limits = [v.splat(x) for x in (y_zero, lo, hi)]
+    limits = v.limits(y_zero, lo, hi)
+    # the weights' zero points' term only where one is not 0 (per-channel int8 weights are
+    # symmetric: the multiply would be most of a short sum's epilogue)
+    zero_points = builder.or_(*[builder.bitcast(builder.icmp_signed("!=", zw, ir.Constant(
+        ivec, [0] * 16)), ir.IntType(16)) for _, _, zw, _, _ in halves])
+    weighted = builder.icmp_unsigned("!=", zero_points, ir.Constant(ir.IntType(16), 0))
+    c_p = cgutils.alloca_once(builder, ivec)
     for r in range(R):
         with builder.if_then(builder.icmp_signed("<", const(r), rows)):
-            total = v.splat(builder.load(builder.gep(sums_p, [const(r)])))
             row_at = builder.add(out_at, builder.mul(const(r), ldo))
             for h, (mask, fixed, zw, mult, fbias) in enumerate(halves):
-                c = builder.sub(builder.add(builder.load(accs[2 * r + h]), fixed),
-                                builder.mul(zw, total))
-                v.epilogue(mode, c, mult, fbias, limits, out_p,
+                builder.store(builder.add(builder.load(accs[2 * r + h]), fixed), c_p)
+                with builder.if_then(weighted):
+                    total = v.splat(builder.load(builder.gep(sums_p, [const(r)])))
+                    builder.store(builder.sub(builder.load(c_p), builder.mul(zw, total)), c_p)
+                v.epilogue(mode, builder.load(c_p), mult, fbias, limits, out_p,
                            builder.add(row_at, const(16 * h)), mask)
     return context.get_dummy_value()
 
@@ -625,7 +645,7 @@ def _emit_depthwise_tile(R, mode, context, builder, sig, args):
     fixed = builder.load(v.at_item(fixed_p, c0, ivec), align=4)
     mult = builder.load(v.at_item(mult_p, c0, fvec), align=4)
     fbias = builder.load(v.at_item(fbias_p, c0, fvec), align=4)
-    limits = [v.splat(x) for x in (y_zero, lo, hi)]
+    limits = v.limits(y_zero, lo, hi)
     for r in range(R):
         with builder.if_then(builder.icmp_signed("<", const(r), rows)):
             c = builder.add(builder.fptosi(builder.load(accs[r]), ivec), fixed)

@@ -547,6 +547,25 @@ def float32_from_bits(bits):
     return np.int32(bits).view(np.float32)
 
 
+def fma_float32(x, y, z):
+    """float32 x * y + z rounded once: compiled, the CPU's fused multiply-add (llvm.fma,
+    which loops vectorise; libm's fmaf where the CPU has none). In Python, exactly emulated:
+    the float64 product is exact, the float64 sum is rounded to odd (stepped one ulp toward
+    its lost part when that is not zero and the sum's last bit is even), so rounding it to
+    float32 is not a double rounding."""
+    p = np.float64(np.float32(x)) * np.float64(np.float32(y))
+    c = np.float64(np.float32(z))
+    t = p + c
+    back = t - p
+    lost = (p - (t - back)) + (c - back)
+    bits = np.float64(t).view(np.int64)
+    # nextafter(t, toward lost) as numpy's: one step up or down in magnitude of the sign and
+    # magnitude bits; never at an infinity (numpy's step from inf rounds back to inf)
+    step = np.int64((lost > 0.0) == (t > 0.0)) * 2 - 1
+    odd = (lost != 0.0) & ((bits & 1) == 0) & (abs(t) < np.inf)
+    return np.float32(np.int64(bits + step * np.int64(odd)).view(np.float64))
+
+
 # exp: x = k ln2 + r (ln2 split in two for an exact k ln2), e^r by Cephes' expf polynomial on
 # |r| <= ln2 / 2, 2^k built in the exponent bits (as 2^(k-1) * 2, so k = 128 stays finite).
 _LOG2E, _LN2_HI, _LN2_LO = np.float32(1.4426950408889634), np.float32(0.693359375), \
@@ -679,8 +698,10 @@ def _register_math(numba: Any) -> None:
 
 @Once
 def _register_intrinsics(numba: Any) -> None:
-    """float32_from_bits, the barrier's and the pieces' compiled forms: once per process."""
+    """float32_from_bits, fma_float32, the barrier's and the pieces' compiled forms: once per
+    process."""
     from llvmlite import ir
+    from numba.core import cgutils
     from numba.extending import intrinsic, overload
 
     @intrinsic
@@ -692,6 +713,21 @@ def _register_intrinsics(numba: Any) -> None:
     @overload(float32_from_bits)
     def _float32_from_bits(bits):
         return lambda bits: bitcast_int32_float32(np.int32(bits))
+
+    @intrinsic
+    def fused_float32(typingctx, x, y, z):
+        def codegen(context, builder, signature, args):
+            f32 = ir.FloatType()
+            fma = cgutils.get_or_insert_function(builder.module,
+                                                 ir.FunctionType(f32, [f32, f32, f32]),
+                                                 "llvm.fma.f32")
+            return builder.call(fma, list(args))
+        f32 = numba.types.float32
+        return f32(f32, f32, f32), codegen
+
+    @overload(fma_float32)
+    def _fma_float32(x, y, z):
+        return lambda x, y, z: fused_float32(np.float32(x), np.float32(y), np.float32(z))
 
     _register_barrier(numba, ir, intrinsic, overload)
     _register_pieces(numba, ir, intrinsic, overload)

@@ -6,16 +6,11 @@ Each computes an element with the numpy kernel's operations, in its order and ro
 bits are the numpy kernel's (tests/ops/test_qlinear_compiled.py compares them):
 - float32 arithmetic stays float32 (numba compiles without contraction or reassociation), and
   np.rint rounds half to even as numpy's does;
-- the fused multiply-add onnxruntime's QLinearAdd rounds with (MLAS's FMA) is `fma32`: the
-  product of two float32 is exact in float64, and the float64 sum is rounded to odd (the same
-  steps as quantized.py's numpy `_fma32`), so its rounding to float32 is the correctly rounded
-  fma's;
+- the fused multiply-add onnxruntime's QLinearAdd rounds with (MLAS's FMA) is `fma32`, the
+  CPU's own (compiled.fma_float32), whose bits quantized.py's numpy `_fma32` emulates;
 - values are clipped to the output type's range before the cast, which is then exact; a NaN
   never reaches a cast: the callers send non-finite scales to numpy, and QuantizeLinear maps a
   NaN the way its numpy kernel does.
-A large QLinearAdd looks each pair of codes up in a 256 x 256 table that the same loop
-computed (`add_table`; its op keeps it while the parameters stay the same), the same bits
-for a quarter of the time.
 
 Operands are cut into (P, Q, R) blocks (`broadcast_blocks`): R the innermost, contiguous run,
 an operand either full along an axis or broadcast (extent 1). The threads share rows of
@@ -28,8 +23,6 @@ import numpy as np
 from ember.ops._layout import in_memory_order
 from ember.ops.cpu import compiled as _compiled
 from ember.ops.cpu import tuning
-
-_INF = np.float64(np.inf)
 
 
 def serves(size: int, minimum: int | None = None) -> bool:
@@ -84,32 +77,16 @@ def _blocks(x, shape):
 # ------------------------------------------------------------------ QLinearAdd, QLinearMul
 
 
-def add(a, b, ra, rb, fixed, lo, hi, plan, table=None):
+def add(a, b, ra, rb, fixed, lo, hi, plan):
     """QLinearAdd's fma32(A, rA, fma32(B, rB, fixed)), rounded and saturated, A and B in
-    `plan`'s blocks (broadcast_blocks); ra, rb, fixed finite float32. With `table`
-    (`add_table`'s for these parameters) each value is looked up rather than computed."""
+    `plan`'s blocks (broadcast_blocks); ra, rb, fixed finite float32."""
     out_shape, a_shape, b_shape = plan
     out = np.empty(out_shape, a.dtype)
-    if table is not None:
-        rows, chunk, ns = chunked_rows(out_shape, tuning.PAIR_LOOKUP_NS)
-        a, b = _blocks(a, a_shape).view(np.uint8), _blocks(b, b_shape).view(np.uint8)
-        _compiled.split_rows(_compiled.jit(_pair_lookup_rows), rows, a, b,
-                             table.view(np.uint8).reshape(-1), out.view(np.uint8), chunk,
-                             ns_per_row=ns)
-        return out
     rows, chunk, ns = chunked_rows(out_shape, tuning.QLINEAR_ADD_NS)
     _compiled.split_rows(_compiled.jit(_add_rows), rows, _blocks(a, a_shape), _blocks(b, b_shape),
                          out, np.float32(ra), np.float32(rb), np.float32(fixed), chunk,
                          np.float32(lo), np.float32(hi), ns_per_row=ns)
     return out
-
-
-def add_table(ra, rb, fixed, lo, hi, dtype):
-    """QLinearAdd's code for every pair of codes, table[A's byte, B's byte] (256 x 256), by
-    `add`'s loop: looking a pair up gives the bits computing it does."""
-    codes = np.arange(256, dtype=np.uint8).view(dtype)
-    plan = ((256, 1, 256), (256, 1, 1), (1, 1, 256))
-    return add(codes, codes, ra, rb, fixed, lo, hi, plan).reshape(256, 256)
 
 
 def mul(a, b, za, zb, zc, multiplier, lo, hi, plan):
@@ -124,23 +101,7 @@ def mul(a, b, za, zb, zc, multiplier, lo, hi, plan):
     return out
 
 
-@_compiled.kernel_math
-def fma32(x, y, z):
-    """float32 x * y + z rounded once, as quantized.py's `_fma32`: the float64 product is
-    exact, the float64 sum is rounded to odd (stepped one ulp toward its lost part when that
-    is not zero and the sum's last bit is even), so rounding it to float32 is not a double
-    rounding."""
-    p = np.float64(x) * np.float64(y)
-    c = np.float64(z)
-    t = p + c
-    back = t - p
-    lost = (p - (t - back)) + (c - back)
-    bits = np.float64(t).view(np.int64)
-    # nextafter(t, toward lost) as numpy's: one step up or down in magnitude of the sign and
-    # magnitude bits; never at an infinity (numpy's step from inf rounds back to inf)
-    step = np.int64((lost > 0.0) == (t > 0.0)) * 2 - 1
-    odd = (lost != 0.0) & ((bits & 1) == 0) & (abs(t) < _INF)
-    return np.float32(np.int64(bits + step * np.int64(odd)).view(np.float64))
+fma32 = _compiled.fma_float32
 
 
 def _add_rows(a, b, out, ra, rb, fixed, chunk, lo, hi, row0, row1):  # pragma: no cover
@@ -164,28 +125,6 @@ def _add_rows(a, b, out, ra, rb, fixed, chunk, lo, hi, row0, row1):  # pragma: n
             for r in range(o.size):
                 o[r] = min(max(np.rint(fma32(np.float32(ar[r]), ra,
                                              fma32(np.float32(br[r]), rb, fixed))), lo), hi)
-
-
-def _pair_lookup_rows(a, b, table, out, chunk, row0, row1):  # pragma: no cover
-    """out = table[256 a + b], a, b and out bytes, in (P, Q, R) blocks as `_add_rows`'."""
-    P, Q, R = out.shape
-    pieces = (R + chunk - 1) // chunk
-    for row in range(row0, row1):
-        p, q, r0, r1 = _row_span(row, pieces, Q, R, chunk)
-        ar = _run(a, p, q, r0, r1)
-        br = _run(b, p, q, r0, r1)
-        o = out[p, q, r0:r1]
-        if b.shape[2] == 1:
-            bc = np.intp(br[0])
-            for r in range(o.size):
-                o[r] = table[np.intp(ar[r]) * 256 + bc]
-        elif a.shape[2] == 1:
-            ac = np.intp(ar[0]) * 256
-            for r in range(o.size):
-                o[r] = table[ac + np.intp(br[r])]
-        else:
-            for r in range(o.size):
-                o[r] = table[np.intp(ar[r]) * 256 + np.intp(br[r])]
 
 
 @_compiled.kernel_math

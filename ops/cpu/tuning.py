@@ -204,13 +204,10 @@ INT_GROUP_ROWS = 8  # a grouped 8-bit convolution's least output channels a grou
 QLINEAR_COMPILED_MIN = 1 << 14  # values below which numpy's passes are as fast as a call
 # history: docs/performance.md#the-quantised-element-wise-loops-opscpuqlinearpy
 QLINEAR_CHUNK = 1 << 14  # values of R a compiled row holds: a flat tensor still splits
-QLINEAR_ADD_NS = 1.2  # QLinearAdd's compiled time per value (two emulated fma)
+QLINEAR_ADD_NS = 0.15  # QLinearAdd's compiled time per value (two fused multiply-adds)
 # history: docs/performance.md#the-quantised-element-wise-loops-opscpuqlinearpy
-QLINEAR_ADD_COMPILED_MIN = 1 << 11  # QLinearAdd's: numpy's emulated fma take ~11 ns a value
+QLINEAR_ADD_COMPILED_MIN = 1  # QLinearAdd's: numpy's emulated fma lose at every size
 # history: docs/performance.md#the-quantised-element-wise-loops-opscpuqlinearpy
-QLINEAR_ADD_TABLE_MIN = 1 << 16  # from here a table of all code pairs: it costs as much once
-# history: docs/performance.md#the-quantised-element-wise-loops-opscpuqlinearpy
-PAIR_LOOKUP_NS = 0.3  # QLinearAdd's look-up in that table, per value
 QLINEAR_MUL_NS = 0.5  # QLinearMul's compiled time per value
 QUANTIZE_NS = 0.15  # a compiled QuantizeLinear's time per value (a float32 division)
 DEQUANTIZE_NS = 0.06  # a compiled DequantizeLinear's time per value

@@ -306,11 +306,8 @@ class QLinearAdd(_QLinearBinary):
         lo, hi = _int_range(a.dtype)
         if _compiled_serves(self, _size(plan), lambda: np.isfinite([ra, rb, fixed]).all(),
                             self.compiled_min):
-            table = self.pair_table(ra, rb, fixed, a.dtype) \
-                if _size(plan) >= tuning.QLINEAR_ADD_TABLE_MIN else None
-
             def kernel(a, b):
-                return _qlinear.add(a, b, ra, rb, fixed, lo, hi, plan, table)
+                return _qlinear.add(a, b, ra, rb, fixed, lo, hi, plan)
         else:
             def kernel(a, b):
                 with np.errstate(all="ignore"):
@@ -318,16 +315,6 @@ class QLinearAdd(_QLinearBinary):
                                                                      fixed))
                 return _saturate(xp, xp.rint(total), a.dtype)
         return _BinaryRoute(kernel, swap, order, np.broadcast_shapes(a.shape, b.shape))
-
-    def pair_table(self, ra, rb, fixed, dtype):
-        """The compiled loop's code for every pair of codes (qlinear.add_table), kept for the
-        next run with the same parameters (constants, in a quantised model)."""
-        key = (float(ra), float(rb), float(fixed), np.dtype(dtype))
-        kept = self.__dict__.get("_pair_table")
-        if kept is None or kept[0] != key:
-            kept = (key, _qlinear.add_table(ra, rb, fixed, *_int_range(dtype), dtype))
-            self._pair_table = kept   # one assignment: threads sharing the node see either
-        return kept[1]
 
 
 class _BinaryRoute:

@@ -326,6 +326,46 @@ def _tanh_loops(x, out):  # pragma: no cover - numba
         out[i] = _compiled.tanh_float32(x[i])
 
 
+def _fma_loops(x, y, z, out):  # pragma: no cover - numba
+    for i in range(x.shape[0]):
+        out[i] = _compiled.fma_float32(x[i], y[i], z[i])
+
+
+def test_fma_float32_rounds_once_compiled_and_in_python(monkeypatch):
+    """fma_float32 is x * y + z rounded once to float32 (the oracle: the exact sum as a
+    fraction, rounded to the nearest float32 by float64 steps that cannot double-round:
+    the exact value's float64 neighbours decide it), compiled (the CPU's fma) and in
+    Python (the emulation), ties included."""
+    from fractions import Fraction
+    pytest.importorskip("numba")
+    monkeypatch.delenv("EMBER_NUMBA", raising=False)
+    rng = np.random.default_rng(5)
+    n = 3000
+    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-20, 20, n)).astype(np.float32)
+    y = (rng.standard_normal(n) * 10.0 ** rng.integers(-20, 20, n)).astype(np.float32)
+    z = (-(x.astype(np.float64) * y) * (1 + rng.standard_normal(n) * 1e-7)).astype(np.float32)
+    z[::3] = rng.standard_normal(n)[::3].astype(np.float32)   # no cancellation either
+    x[:4], y[:4], z[:4] = 1 + 2.0 ** -12, 1 + 2.0 ** -12, [0, 2.0 ** -60, -(2.0 ** -60), 1]
+    got = np.empty(n, np.float32)
+    _compiled.jit(_fma_loops)(x, y, z, got)
+
+    def nearest(exact):
+        lo = np.float32(float(exact))   # within one float32 step of the exact value
+        below = lo if Fraction(float(lo)) <= exact else np.nextafter(lo, np.float32(-np.inf))
+        above = np.nextafter(below, np.float32(np.inf))
+        d0, d1 = exact - Fraction(float(below)), Fraction(float(above)) - exact
+        if d0 != d1:
+            return below if d0 < d1 else above
+        return below if int(below.view(np.int32)) % 2 == 0 else above
+
+    for i in range(n):
+        exact = Fraction(float(x[i])) * Fraction(float(y[i])) + Fraction(float(z[i]))
+        want = nearest(exact)
+        assert got[i] == want, (x[i], y[i], z[i], got[i], want)
+        if i % 10 == 0:
+            assert _compiled.fma_float32(x[i], y[i], z[i]) == want
+
+
 @pytest.mark.parametrize("name", ["exp", "tanh"])
 def test_compiled_exp_and_tanh_are_within_2_ulp(name, monkeypatch):
     pytest.importorskip("numba")

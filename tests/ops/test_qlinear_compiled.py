@@ -212,13 +212,10 @@ def binary_params(rng, dtype, halves):
     return list(zip(scales, zps.tolist()))
 
 
-@pytest.mark.parametrize("op", ["QLinearAdd", "QLinearAdd-table", "QLinearMul"])
+@pytest.mark.parametrize("op", ["QLinearAdd", "QLinearMul"])
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8])
 @pytest.mark.parametrize("shapes", SHAPES)
 def test_binary_same_bits_as_numpy(monkeypatch, op, dtype, shapes):
-    """QLinearAdd computed per value, and looked up in its table of all code pairs."""
-    op, _, table = op.partition("-")
-    monkeypatch.setattr(tuning, "QLINEAR_ADD_TABLE_MIN", 1 if table else NUMPY)
     rng = np.random.default_rng(len(str(shapes)))
     a, b = codes(rng, dtype, shapes[0]), codes(rng, dtype, shapes[1])
     for halves in (True, False):
@@ -244,14 +241,13 @@ def test_binary_against_onnxruntime(monkeypatch, op, shapes):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")   # numpy's kernel on a zero C_scale
 def test_binary_scales_as_feeds_and_unfinite_ratios(monkeypatch):
-    """Parameters fed at run time take the compiled loop (QLinearAdd's table of code pairs
-    made anew when they change); a zero C_scale (infinite ratios) takes numpy's kernel."""
+    """Parameters fed at run time take the compiled loop; a zero C_scale (infinite ratios)
+    takes numpy's kernel."""
     rng = np.random.default_rng(3)
     a, b = codes(rng, np.uint8, (4, 128, 128)), codes(rng, np.uint8, (4, 128, 128))
     params = [(0.02, 100), (0.03, 120), (0.05, 128)]
     model, feeds = binary_model("QLinearAdd", np.uint8, a, b, params, constant=False)
     session = ember.load(model, "cpu")
-    assert a.size >= tuning.QLINEAR_ADD_TABLE_MIN
     for sc in (0.05, 0.07, 0.05):
         feeds["sc"] = f32(sc)
         results = []

@@ -56,10 +56,17 @@ def infer_shapes(graph: Graph, ctx: Context) -> bool:
                                                      data_prop=propagate)
     except Exception:  # inference is advice: a model it cannot handle is simplified without
         return False
+    return _learn(graph, inferred.graph, ctx.scratch.setdefault(_DECODED, {}))
+
+
+def _learn(graph: Graph, inferred: onnx.GraphProto, decoded: dict) -> bool:
+    """Fill graph.value_info from `inferred` (the same graph as inference returned it), and
+    each subgraph's from its counterpart (onnx's inference types the bodies of If, Loop and
+    Scan too: without their types, the fusions would leave a body's Conv + Relu apart).
+    Returns whether anything new was learnt."""
     learnt = False
     known = {v.name for v in graph.inputs} | {v.name for v in graph.outputs}
-    decoded = ctx.scratch.setdefault(_DECODED, {})
-    for info in inferred.graph.value_info:
+    for info in inferred.value_info:
         if info.name in known or info.name in graph.initializers:
             continue
         value_type = _decode(info, decoded)
@@ -69,6 +76,21 @@ def infer_shapes(graph: Graph, ctx: Context) -> bool:
         if old is None or old.type != value_type and _more_specific(value_type, old.type):
             graph.value_info[info.name] = ValueInfo(info.name, value_type)
             learnt = True
+    # a body's counterpart: the exported node with the same outputs, its attribute by name
+    exported = {tuple(n.output): n for n in inferred.node
+                if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                       for a in n.attribute)}
+    for node in graph.nodes:
+        twin = exported.get(tuple(node.outputs)) if node.subgraphs() else None
+        if twin is None:
+            continue
+        bodies = {a.name: [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+                  for a in twin.attribute}
+        for name, value in node.attrs.items():
+            subs = [value] if isinstance(value, Graph) else value \
+                if isinstance(value, list) and value and isinstance(value[0], Graph) else []
+            for sub, inferred_sub in zip(subs, bodies.get(name, ())):
+                learnt |= _learn(sub, inferred_sub, decoded)
     return learnt
 
 

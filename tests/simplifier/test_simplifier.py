@@ -139,6 +139,30 @@ def test_export_round_trip_is_valid_and_identical():
     np.testing.assert_array_equal(after["names"], np.array(["a", "b"], dtype=object))
 
 
+def test_bodies_are_typed_so_their_conv_and_relu_fuse():
+    """onnx's inference types an If's branches too; with those types the fusions that need
+    them (Conv + Relu) work inside the branches, and the result is still onnxruntime's."""
+    w = const("w", rand(4, 2, 3))
+
+    def branch(name, act):
+        return helper.make_graph(
+            [helper.make_node("Conv", ["x", "w"], [name + "_c"], pads=[1, 1]),
+             helper.make_node(act, [name + "_c"], [name + "_o"])], name, [],
+            [tensor(name + "_o", None)])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=branch("then", "Relu"),
+                              else_branch=branch("other", "Sigmoid"))]
+    proto = make_model(nodes, [tensor("x", [1, 2, 9])], [tensor("y", None)],
+                       [const("zero", np.float32(0)), w])
+    model = simplified_matches(proto, {"x": rand(1, 2, 9)})
+    branches = model.graph.nodes[-1].subgraphs()
+    assert [[n.op_type for n in b.nodes] for b in branches] == [["FusedConv"], ["FusedConv"]]
+    for x in (rand(1, 2, 9) + 3, rand(1, 2, 9) - 3):   # each branch taken
+        np.testing.assert_allclose(ember.load(proto).run({"x": x})["y"],
+                                   ort_outputs(proto, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
 # -- folding, dead code, CSE, no-ops ---------------------------------------------------------
 
 def test_constant_folding_folds_constants_and_static_shapes():

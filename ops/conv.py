@@ -374,13 +374,15 @@ def _im2col_chunked(win, wm, dtype, outs, ones_row):
 # every other kernel reads any strides.
 
 
-def clamps_in_pass(xp, x, w, group, kernel, begin, end) -> bool:
+def clamps_in_pass(xp, x, w, group, kernel, strides, dilations, begin, end) -> bool:
     """Whether conv_nd can clip this convolution's result (`clamp`) in its own pass over the
     output: the depthwise kernels' and the tiles' (with bias, the whole of a ReLU6 block's
-    Conv + Clip)."""
+    Conv + Clip), and the small 1-D convolutions computed directly."""
     return xp is np and (_depthwise_fast(x, w, group, kernel, begin, end)
                          or _tiled_fits(x, w, group, begin, end)
-                         or _grouped_fits(x, w, group, begin, end))
+                         or _grouped_fits(x, w, group, begin, end)
+                         or x.ndim == 3 and _direct_fits(x, w, group, out_size(
+                             x.shape[2:], kernel, strides, dilations, begin, end)))
 
 
 def _depthwise_fast(x, w, group, kernel, begin, end):

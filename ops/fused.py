@@ -74,8 +74,9 @@ class FusedConv(Conv, _Activated):
         if route is not None:   # (a depthwise route takes no residual)
             return route.run(x) if z is None else route.run(x, z)
         if self._clamp is not None and z is None:
-            kernel, _, _, begin, end = self.geometry(x, w)
-            if clamps_in_pass(self.xp, x, w, self.group, kernel, begin, end):
+            kernel, strides, dilations, begin, end = self.geometry(x, w)
+            if clamps_in_pass(self.xp, x, w, self.group, kernel, strides, dilations, begin,
+                              end):
                 return super().run(x, w, b, clamp=self._clamp, routes=self._fused_routes)
         if self._activating is not None and z is None:
             kernel, _, _, begin, end = self.geometry(x, w)

@@ -296,10 +296,14 @@ def test_threads_sharing_a_session_get_the_sequential_bits():
 @pytest.mark.parametrize("C,L,M,k,stride,dilation,pads", [
     (1, 640, 258, 256, 128, 1, (0, 0)), (129, 4, 128, 3, 1, 1, (1, 1)),
     (16, 9, 24, 3, 2, 2, (2, 1)), (5, 7, 3, 4, 1, 1, (0, 3))])
-def test_small_1d_convolutions_run_directly(C, L, M, k, stride, dilation, pads):
+def test_small_1d_convolutions_run_directly(C, L, M, k, stride, dilation, pads, monkeypatch):
     """A streaming audio step's 1-D convolutions (cpu.direct), chained: the second reads the
-    first's channels-last result, then a ReLU fused into the convolution clips it; bias,
-    strides, dilations and asymmetric pads; the bits from threads and from one thread."""
+    first's channels-last result, then a ReLU fused into the convolution clips it, in the
+    kernel (no epilogue pass after it); bias, strides, dilations and asymmetric pads; the
+    bits from threads and from one thread."""
+    def no_epilogue(*args, **kwargs):
+        raise AssertionError("the fused ReLU ran as a pass of its own")
+    monkeypatch.setattr(fused.FusedConv, "finish", no_epilogue)
     first = _conv("a", "x", "w1", "b1", out="h", kernel_shape=[k], strides=[stride],
                   dilations=[dilation], pads=list(pads))
     second = _conv("b", "h", "w2", "b2", out="z", kernel_shape=[3], pads=[1, 1])

@@ -141,7 +141,9 @@ _EPILOGUE_CODES = {"": 0, "Relu": 1, "LeakyRelu": 2, "Clip": 3, "HardSigmoid": 4
                    "HardSwish": 5}
 _GELU_CODES = (6, 7)     # GELU's erf form, its tanh approximation: float32 only
 _SWISH_CODE = 8          # float32 only: exp by exp_float32 (compiled.py), within 3 ulp of numpy's
-_FORMULA_CODES = (*_GELU_CODES, _SWISH_CODE)   # long formulas: compiled at any size
+_SIGMOID_CODE = 9        # float32 only: sigmoid_float32, as the elementwise chains compute it
+# long formulas (numpy computes each in several passes): compiled at any size
+_FORMULA_CODES = (*_GELU_CODES, _SWISH_CODE, _SIGMOID_CODE)
 _EPILOGUE_EMPTY = {t: (np.empty(0, t), np.empty((0, 0), t)) for t in (np.float32, np.float64)}
 
 
@@ -218,6 +220,8 @@ def _epilogue_code(activation: str, params: list[float], dtype) -> int | None:
         return None if dtype != np.float32 else _GELU_CODES[bool(params and params[0])]
     if activation == "Swish":
         return None if dtype != np.float32 else _SWISH_CODE
+    if activation == "Sigmoid":
+        return None if dtype != np.float32 else _SIGMOID_CODE
     return _EPILOGUE_CODES.get(activation)
 
 
@@ -317,6 +321,9 @@ def epilogue_loops(y, bias, bias_per_row, z, code, p0, p1, row0, row1):  # pragm
             for c in range(C):
                 v = out[c]
                 out[c] = v * sigmoid_float32(v * p0)
+        elif code == 9:                                     # Sigmoid, float32 only
+            for c in range(C):
+                out[c] = sigmoid_float32(out[c])
 
 
 # --- the epilogue in a product's pieces: where a fused op's result is one product on the board

@@ -455,16 +455,19 @@ def softmax(xp, x, axis: int, empty_rows_zero: bool = False):
         return e
 
 
-_SOFTMAX_BY_GEOMETRY = Lowering("by geometry", "compiled rows for float32 over the last axis "
-                                "where large enough, else numpy: the shape is known in the run")
+_SOFTMAX_BY_GEOMETRY = Lowering("by geometry", "compiled rows or columns for float32 where "
+                                "large enough, else numpy: the shape is known in the run")
 
 
 def _softmax_compiled(xp, x, axis, empty_rows_zero):
-    """softmax by `_softmax_rows_loops` (numba) where it serves: float32 on the CPU, over the
-    last axis, rows split among the run's threads. Else None."""
-    if xp is not np or x.dtype != np.float32 or axis % x.ndim != x.ndim - 1 \
-            or x.size < tuning.SOFTMAX_COMPILED_MIN:
+    """softmax by `_softmax_rows_loops` (numba) where it serves: float32 on the CPU, rows
+    split among the run's threads; over another axis than the last, by
+    `_softmax_columns_loops`. Else None."""
+    if xp is not np or x.dtype != np.float32 or x.size < tuning.SOFTMAX_COMPILED_MIN:
         return None
+    axis %= x.ndim
+    if axis != x.ndim - 1:
+        return _softmax_columns(x, axis, empty_rows_zero)
     kernel = _compiled.jit(_softmax_rows_loops, fastmath={"contract"})
     if kernel is None:
         return None
@@ -474,6 +477,73 @@ def _softmax_compiled(xp, x, axis, empty_rows_zero):
                          ns_per_row=tuning.SOFTMAX_NS_PER_VALUE * rows.shape[1],
                          piece=_softmax_rows_piece)
     return out.reshape(x.shape)
+
+
+def _softmax_columns(x, axis, empty_rows_zero):
+    """softmax over `axis`, not the last, of float32 x: as (P, A, Q) with A the axis, each
+    piece SOFTMAX_COLUMNS of the Q columns of one p, the A values of a column in A rows of
+    memory (a detector's DFL: (1, 16, 4, 8400) over axis 1; a segmentation's classes over
+    NCHW's channels). numpy reduces such an axis in strided passes, several times slower."""
+    kernel = _compiled.jit(_softmax_columns_loops, fastmath={"contract"})
+    if kernel is None:
+        return None
+    P, A = math.prod(x.shape[:axis]), x.shape[axis]
+    Q = x.size // (P * A)
+    x3 = np.ascontiguousarray(x).reshape(P, A, Q)
+    out = _tiles.empty((P, A, Q), np.float32)
+    chunk = min(Q, tuning.SOFTMAX_COLUMNS)
+    _compiled.split_rows(kernel, P * -(-Q // chunk), x3, out, empty_rows_zero, chunk,
+                         ns_per_row=tuning.SOFTMAX_NS_PER_VALUE * A * chunk,
+                         piece=_softmax_columns_piece)
+    return out.reshape(x.shape)
+
+
+def _softmax_columns_piece(block, r0, r1):  # pragma: no cover - numba
+    """`_softmax_columns_loops`' piece function, its arguments from the block."""
+    v = _compiled.array_at(block, (10,), np.int64)
+    _softmax_columns_loops(_compiled.array_at(v[0], (v[1], v[2], v[3]), np.float32),
+                           _compiled.array_at(v[4], (v[5], v[6], v[7]), np.float32),
+                           v[8] != 0, v[9], r0, r1)
+
+
+@_compiled.kernel_math(fastmath={"contract"})
+def _softmax_columns_loops(x, out, empty_rows_zero, chunk, r0, r1):  # pragma: no cover
+    """`_softmax_rows_loops`' steps over axis 1 of x (P, A, Q), for the pieces [r0, r1) of
+    `chunk` columns of one p each: the columns' max over A (0 where not finite), e =
+    exp(x - max) and its sum, in A order, then e times the reciprocal of the sum. Loops
+    along the contiguous columns, which LLVM vectorises."""
+    P, A, Q = x.shape
+    chunks = (Q + chunk - 1) // chunk
+    inf = np.float32(np.inf)
+    m = np.empty(chunk, np.float32)
+    total = np.empty(chunk, np.float32)
+    for r in range(r0, r1):
+        p, q0 = r // chunks, (r % chunks) * chunk
+        n = min(chunk, Q - q0)
+        for j in range(n):
+            m[j] = -inf
+            total[j] = np.float32(0)
+        for a in range(A):
+            row = x[p, a, q0:q0 + n]
+            for j in range(n):
+                m[j] = max(m[j], row[j])
+        for j in range(n):
+            if m[j] != m[j] or m[j] == inf or m[j] == -inf:
+                m[j] = np.float32(0)
+        for a in range(A):
+            row, dst = x[p, a, q0:q0 + n], out[p, a, q0:q0 + n]
+            for j in range(n):
+                e = exp_float32(row[j] - m[j])
+                dst[j] = e
+                total[j] += e
+        for j in range(n):
+            if empty_rows_zero and total[j] == 0:
+                total[j] = np.float32(1)
+            total[j] = np.float32(1) / total[j]
+        for a in range(A):
+            dst = out[p, a, q0:q0 + n]
+            for j in range(n):
+                dst[j] = dst[j] * total[j]
 
 
 def _softmax_rows_piece(block, r0, r1):  # pragma: no cover - numba
@@ -592,14 +662,14 @@ class Softmax1(_SoftmaxBase):
         return softmax(self.xp, x, axis)
 
     def lower(self, inputs):
-        """`_softmax_compiled`'s test: float32 over the last axis, and large enough."""
+        """`_softmax_compiled`'s test: float32, and large enough."""
         x = inputs[0]
         if x is None or x.dtype != np.float32 or not x.static() or not x.shape:
             return PORTABLE if x is not None and x.dtype is not None else _SOFTMAX_BY_GEOMETRY
-        # coerced to 2-D, the softmax is over the last axis of the (rows, -1) matrix
-        last = self.coerce_2d or int(self.axis) % len(x.shape) == len(x.shape) - 1
-        if last and math.prod(x.shape) >= tuning.SOFTMAX_COMPILED_MIN:
-            return compiled_rows("softmax by rows")
+        if math.prod(x.shape) >= tuning.SOFTMAX_COMPILED_MIN:
+            # coerced to 2-D, the softmax is over the last axis of the (rows, -1) matrix
+            last = self.coerce_2d or int(self.axis) % len(x.shape) == len(x.shape) - 1
+            return compiled_rows("softmax by rows" if last else "softmax by columns")
         return PORTABLE
 
 

@@ -104,6 +104,8 @@ SPATIAL_MEAN_NS_PER_VALUE = 1.0  # a global average pool's time per value, in a 
 SPATIAL_MEAN_MAX_PIXELS = 4096  # more rows summed in order lose what numpy's pairwise sums keep
 SOFTMAX_COMPILED_MIN = 1 << 12  # elements below which a compiled softmax is not worth its call
 SOFTMAX_NS_PER_VALUE = 1.3  # the compiled softmax's time per element
+SOFTMAX_COLUMNS = 256  # columns a piece of a softmax over another axis than the last
+# history: docs/performance.md#softmax_columns-opsreductionpy
 # history: docs/performance.md#softmax_ns_per_value-opsreductionpy
 
 # ---------------------------------------------------------------- ops/pool.py, ops/shape.py

@@ -28,6 +28,7 @@ its numpy kernel and onnxruntime:
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -610,8 +611,8 @@ def test_a_recurrence_shared_by_threads_gives_sequential_bits(monkeypatch):
             np.testing.assert_array_equal(got[key], want[key])
 
 
-def _softmax_model(shape, masked_rows):
-    graph = helper.make_graph([helper.make_node("Softmax", ["x"], ["y"], axis=-1)], "softmax",
+def _softmax_model(shape, masked_rows, axis=-1):
+    graph = helper.make_graph([helper.make_node("Softmax", ["x"], ["y"], axis=axis)], "softmax",
                               [helper.make_tensor_value_info("x", F, list(shape))],
                               [helper.make_tensor_value_info("y", F, None)])
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
@@ -622,21 +623,55 @@ def _softmax_model(shape, masked_rows):
 
 @pytest.fixture(params=["numpy", "numba"])
 def softmax_kernel(request, monkeypatch):
-    if request.param == "numpy":
-        monkeypatch.setitem(_compiled._compiled, reduction._softmax_rows_loops, None)
-    else:
-        pytest.importorskip("numba")
-        monkeypatch.delitem(_compiled._compiled, reduction._softmax_rows_loops, raising=False)
-        monkeypatch.delenv("EMBER_NUMBA", raising=False)
+    for loops in (reduction._softmax_rows_loops, reduction._softmax_columns_loops):
+        if request.param == "numpy":
+            monkeypatch.setitem(_compiled._compiled, loops, None)
+        else:
+            pytest.importorskip("numba")
+            monkeypatch.delitem(_compiled._compiled, loops, raising=False)
+            monkeypatch.delenv("EMBER_NUMBA", raising=False)
     return request.param
 
 
-@pytest.mark.parametrize("shape", [(2, 12, 128, 128), (3, 77, 1000), (64, 13)])
-def test_softmax_matches_onnxruntime(softmax_kernel, shape):
-    proto, feeds = _softmax_model(shape, masked_rows=5)
+@pytest.mark.parametrize("shape,axis", [((2, 12, 128, 128), -1), ((3, 77, 1000), -1),
+                                        ((64, 13), -1), ((1, 16, 4, 8400), 1),
+                                        ((2, 21, 40, 37), 1), ((3, 700, 9), -2),
+                                        ((5, 3, 300), 0)])
+def test_softmax_matches_onnxruntime(softmax_kernel, shape, axis):
+    """Over the last axis (rows), and over another (columns: a detector's DFL over 16 bins,
+    a segmentation's classes over NCHW's channels)."""
+    proto, feeds = _softmax_model(shape, masked_rows=5, axis=axis)
     want = ort.InferenceSession(proto, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
-    got = ember.load(proto).run(feeds)["y"]
+    session = ember.load(proto)
+    got = session.run(feeds)["y"]
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+    if softmax_kernel == "numba" and math.prod(shape) >= tuning.SOFTMAX_COMPILED_MIN:
+        assert session.kernels[0][2] == "cpu.compiled"
+
+
+def test_softmax_columns_give_the_same_bits_however_split_and_keep_its_edge_cases(
+        monkeypatch):
+    """The column kernel: any cut into pieces (columns a piece, threads) gives the same
+    bits; a column all -inf gives NaN (zeros for attention's masked rows), one with a NaN
+    NaN, one with +inf NaN where numpy's gives NaN."""
+    pytest.importorskip("numba")
+    monkeypatch.delenv("EMBER_NUMBA", raising=False)
+    x = (np.random.default_rng(4).standard_normal((2, 9, 1000)) * 8).astype(np.float32)
+    x[0, :, 3] = -np.inf
+    x[1, 4, 5] = np.nan
+    x[1, 2, 7] = np.inf
+    whole = reduction._softmax_columns(x, 1, False)
+    for columns in (1, 7, 256, 5000):
+        monkeypatch.setattr(tuning, "SOFTMAX_COLUMNS", columns)
+        np.testing.assert_array_equal(reduction._softmax_columns(x, 1, False), whole)
+    with np.errstate(invalid="ignore"):
+        m = x.max(1, keepdims=True)
+        m[~np.isfinite(m)] = 0
+        e = np.exp(x - m)
+        want = e / e.sum(1, keepdims=True)
+    np.testing.assert_array_equal(np.isnan(whole), np.isnan(want))
+    np.testing.assert_allclose(whole, want, rtol=2e-6, atol=1e-8)
+    np.testing.assert_array_equal(reduction._softmax_columns(x, 1, True)[0, :, 3], 0)
 
 
 def test_softmax_rows_give_the_same_bits_however_split_and_keep_its_edge_cases():

@@ -14,7 +14,7 @@ import numpy as np
 
 from ember import limits
 from ember.ops.cpu import compiled as _compiled, tiles as _tiles, tuning
-from ember.ops._layout import channels_last, memory_order
+from ember.ops._layout import channels_last, memory_order, pixel_stride
 from ember.ops.registry import Lowering, PORTABLE, OpImpl, register
 
 
@@ -448,35 +448,43 @@ class Concat(OpImpl):
 
 def _mostly_channels_last(xs) -> bool:
     """Whether 4-D images concatenated along their channels are mostly channels-last views
-    (the CPU convolutions' results), with matching shapes and one dtype."""
+    (the CPU convolutions' results, or channel slices of one: a Split's parts), with
+    matching shapes and one dtype."""
     first = xs[0]
     if first.ndim != 4 or any(x.ndim != 4 or x.dtype != first.dtype or
                               x.shape[0] != first.shape[0] or x.shape[2:] != first.shape[2:]
                               for x in xs):
         return False
-    return 2 * sum(x.size for x in xs if channels_last(x)) >= sum(x.size for x in xs)
+    return 2 * sum(x.size for x in xs if _pixels_apart(x)) >= sum(x.size for x in xs)
+
+
+def _pixels_apart(x) -> bool:
+    """Whether x's pixels each hold their channels in a run, evenly spaced, and not also a
+    planar image (one channel, or one pixel)."""
+    return not x.flags.c_contiguous and pixel_stride(x) is not None
 
 
 def _concat_channels_last(xs):
     """The channel concatenation written channels-last, returned as a (N, C, H, W) view: each
-    channels-last input is then copied in contiguous runs of its channels, where numpy's
-    channels-first result made a transposing copy of it (UNet's skip connections). Two
-    float32 channels-last inputs are copied pixel by pixel on the run's threads, each
-    thread its own rows (`_concat_pixels`)."""
+    input whose pixels hold their channels in a run (`_pixels_apart`) is copied pixel by
+    pixel on the run's threads, each thread its own rows (`_copy_pixels`), where numpy's
+    channels-first result made a transposing copy of it (UNet's skip connections, a C2f
+    block's Split parts and bottlenecks); any other input by numpy."""
     N, _, H, W = xs[0].shape
     out = _tiles.empty((N, H, W, sum(x.shape[1] for x in xs)), xs[0].dtype)
-    if len(xs) == 2 and xs[0].dtype == np.float32 and all(channels_last(x) for x in xs):
-        kernel = _compiled.jit(_concat_pixels)
-        if kernel is not None:
-            a, b = (x.transpose(0, 2, 3, 1).reshape(N * H * W, x.shape[1]) for x in xs)
-            rows = out.reshape(N * H * W, -1)
-            _compiled.split_rows(kernel, rows.shape[0], a, b, rows,
-                                 ns_per_row=tuning.CONCAT_NS_PER_VALUE * rows.shape[1],
-                                 piece=_concat_pixels_piece)
-            return out.transpose(0, 3, 1, 2)
+    rows = out.reshape(N * H * W, -1)
+    kernel = _compiled.jit(_copy_pixels) if xs[0].dtype == np.float32 else None
     c0 = 0
     for x in xs:
-        out[..., c0:c0 + x.shape[1]] = x.transpose(0, 2, 3, 1)
+        step = pixel_stride(x) if kernel is not None and not x.flags.c_contiguous else None
+        if step is None:
+            out[..., c0:c0 + x.shape[1]] = x.transpose(0, 2, 3, 1)
+        else:   # x's memory from its first value to its last, as one run
+            span = (N * H * W - 1) * step + x.shape[1]
+            flat = np.lib.stride_tricks.as_strided(x, (span,), (x.itemsize,))
+            _compiled.split_rows(kernel, rows.shape[0], flat, step, x.shape[1], rows, c0,
+                                 ns_per_row=tuning.CONCAT_NS_PER_VALUE * x.shape[1],
+                                 piece=_copy_pixels_piece)
         c0 += x.shape[1]
     return out.transpose(0, 3, 1, 2)
 
@@ -486,22 +494,22 @@ def _concat_channels_last(xs):
 
 
 @_compiled.kernel_math
-def _concat_pixels(a, b, out, row0, row1):  # pragma: no cover - numba
-    """Pixels [row0, row1) of out (pixels, A + B): a's channels, then b's."""
-    width, rest = a.shape[1], b.shape[1]
-    for r in range(row0, row1):   # plain loops: numba's slice copies have a cost each a row
+def _copy_pixels(src, step, width, out, c0, row0, row1):  # pragma: no cover - numba
+    """Pixels [row0, row1) of out (pixels, C), its channels [c0, c0 + width): pixel r's
+    `width` values at src[r * step] on."""
+    for r in range(row0, row1):
+        # loops over slices indexed from 0: an index numba cannot prove non-negative keeps
+        # the loop scalar (slice assignment costs a call a row)
+        values, dst = src[r * step:r * step + width], out[r, c0:c0 + width]
         for c in range(width):
-            out[r, c] = a[r, c]
-        for c in range(rest):
-            out[r, width + c] = b[r, c]
+            dst[c] = values[c]
 
 
-def _concat_pixels_piece(block, row0, row1):  # pragma: no cover - numba
-    """_concat_pixels' piece function (ops/cpu/compiled.py), its arguments from the block."""
-    v = _compiled.array_at(block, (9,), np.int64)
-    _concat_pixels(_compiled.array_at(v[0], (v[1], v[2]), np.float32),
-                   _compiled.array_at(v[3], (v[4], v[5]), np.float32),
-                   _compiled.array_at(v[6], (v[7], v[8]), np.float32), row0, row1)
+def _copy_pixels_piece(block, row0, row1):  # pragma: no cover - numba
+    """_copy_pixels' piece function (ops/cpu/compiled.py), its arguments from the block."""
+    v = _compiled.array_at(block, (8,), np.int64)
+    _copy_pixels(_compiled.array_at(v[0], (v[1],), np.float32), v[2], v[3],
+                 _compiled.array_at(v[4], (v[5], v[6]), np.float32), v[7], row0, row1)
 
 
 # ----------------------------------------------------------------------------- Split

@@ -1773,24 +1773,36 @@ def test_split_kernels_run_their_pieces_on_the_board(case, monkeypatch):
 
 
 @pytest.mark.parametrize("in_run", [False, True])
-def test_channels_last_concat_of_two_images_copies_them_pixel_by_pixel(in_run):
-    """Concat of two channels-last float32 images along the channels (UNet's skips): the
-    compiled copy (shape._concat_pixels, its pieces on the board in a run) gives numpy's
-    concatenation, channels-last."""
+def test_channels_last_concat_copies_its_images_pixel_by_pixel(in_run, monkeypatch):
+    """Concat along the channels of channels-last float32 images (UNet's skips), of channel
+    slices of one (a C2f block's Split parts) and of a planar image: the compiled copy
+    (shape._copy_pixels, its pieces on the board in a run) of each input whose pixels hold
+    their channels in a run, numpy's of the planar one; numpy's concatenation,
+    channels-last, and no numpy copy of the channels-last inputs."""
     pytest.importorskip("numba")
     from ember.ops import shape
     rng = np.random.default_rng(3)
     a, b = (np.ascontiguousarray(rng.standard_normal((2, 37, 29, c)).astype(np.float32))
             .transpose(0, 3, 1, 2) for c in (24, 40))
+    split = b[:, 8:24]                                  # 16 channels, pixels 40 apart
+    planar = rng.standard_normal((2, 5, 37, 29)).astype(np.float32)
+    copied = []
+    kernel = _compiled.jit(shape._copy_pixels)
+    monkeypatch.setitem(_compiled._compiled, shape._copy_pixels,
+                        lambda *args: (copied.append(args[2]), kernel(*args)))
     if in_run:
         engine.current().enter(2)
     try:
-        got = shape._concat_channels_last([a, b])
+        pair = shape._concat_channels_last([a, b])
+        mixed = shape._concat_channels_last([split, a, planar, b[:, :3]])
     finally:
         if in_run:
             engine.current().leave()
-    assert _layout.channels_last(got)
-    np.testing.assert_array_equal(got, np.concatenate([a, b], axis=1))
+    assert _layout.channels_last(pair) and _layout.channels_last(mixed)
+    np.testing.assert_array_equal(pair, np.concatenate([a, b], axis=1))
+    np.testing.assert_array_equal(mixed, np.concatenate([split, a, planar, b[:, :3]], axis=1))
+    if not in_run:   # (in a run the pieces go on the board, not through this function)
+        assert sorted(set(copied)) == [3, 16, 24, 40]
 
 
 @pytest.mark.parametrize("kernel, out_channels", [(1, 96), (3, 64), (1, 40)])

@@ -175,9 +175,11 @@ def _epilogue_compiled(y, row, z, activation: str, params: list[float], channels
             rows = y.reshape(-1, _row_length(y.shape))
     elif row is None:
         order = (0, *range(2, y.ndim), 1)      # channels-last: the channels are the rows' axis
-        rows = y.transpose(order).reshape(-1, y.shape[1])
         if channels is not None:
+            rows = y.transpose(order).reshape(-1, y.shape[1])
             bias = channels
+        else:   # long rows of the memory: a row of a few channels would cost a loop each
+            rows = y.transpose(order).reshape(-1, _row_length(y.transpose(order).shape))
     else:
         return False
     if z is not None and z.strides != y.strides:

@@ -689,10 +689,9 @@ def _register_math(numba: Any) -> None:
         _register_intrinsics(numba)
         for fn, options in _kernel_math:
             if fn not in _kernel_math_registered:
-                if options:
-                    register_jitable(**options)(fn)
-                else:
-                    register_jitable(fn)
+                # numpy's error model, as the kernels': with Python's, a division checks its
+                # divisor for zero and keeps the loop calling it from vectorising
+                register_jitable(**{"error_model": "numpy", **options})(fn)
                 _kernel_math_registered.add(fn)
 
 

@@ -453,9 +453,9 @@ _CONV_ND = Lowering("numpy", "conv_nd: patches and BLAS products (a channels-las
 
 
 def _depthwise_vector_fits(x, kernel) -> bool:
-    """Whether the depthwise vector code serves x: AVX-512, float32, whole vectors of
-    channels, a window it was compiled for."""
-    return (_tiles.WIDE and x.dtype == np.float32 and x.shape[1] % _tiles.LANES == 0
+    """Whether the depthwise vector code serves x: AVX-512, float32, a window it was
+    compiled for (any channels: the last block of fewer than LANES runs masked)."""
+    return (_tiles.WIDE and x.dtype == np.float32
             and math.prod(kernel) in _tiles.DEPTHWISE_TAPS)
 
 
@@ -494,7 +494,11 @@ class _DepthwiseRoute:
         (kh, kw), (sh, sw), (dh, dw), (Oh, Ow) = kernel, strides, dilations, outs
         wt = _remembered(cache, "dw-taps", lambda: np.ascontiguousarray(
             w.reshape(C, kh, kw).transpose(1, 2, 0)))
-        self.b = np.zeros(C, x.dtype) if bias is None else np.ascontiguousarray(bias)
+        # the vector kernel reads the bias in whole vectors: zeros past C
+        Cb = -(-C // _tiles.LANES) * _tiles.LANES if vector else C
+        self.b = np.zeros(Cb, x.dtype)
+        if bias is not None:
+            self.b[:C] = bias
         lo, hi = (x.dtype.type(v) for v in (clamp or (-np.inf, np.inf))[:2])
         self.geometry = (begin[0], begin[1], sh, sw, dh, dw, lo, hi)
         if vector:   # then the activation (code, p0, p1), a clamp's fields 2-4 (none: 0)
@@ -633,10 +637,10 @@ def route_key(x, clamp):
             _blas.in_run())
 
 
-# The depthwise convolution as explicit vector code (ops/cpu/tiles.py; AVX-512, channels a
-# multiple of 16, 3x3 / 5x5 / 7x7 windows): the pixels whose whole window lies inside the
-# image, 4 output pixels by 16 channels at a time with the window's weights in registers;
-# the border pixels as in `_depthwise_rows`. Outputs are allocated 64-byte aligned: a vector
+# The depthwise convolution as explicit vector code (ops/cpu/tiles.py; AVX-512, 3x3 / 5x5 /
+# 7x7 windows, a last block of fewer than 16 channels masked): the pixels whose whole window
+# lies inside the image, 4 output pixels by 16 channels at a time with the window's weights
+# in registers; the border pixels as in `_depthwise_rows`. Outputs are allocated 64-byte aligned: a vector
 # load across two cache lines is much slower. Not on AVX2, where LLVM vectorises the numba
 # loops below to the same width and the vector code gains nothing.
 #
@@ -647,12 +651,16 @@ def route_key(x, clamp):
 
 
 def _vector_weights(wt, W, dh, dw, cache):
-    """(weights (C / LANES, T, LANES), each tap's offset in a (H, W, C) image), kept."""
+    """(weights (ceil(C / LANES), T, LANES), zeros past C, and each tap's offset in a (H, W,
+    C) image), kept."""
     kh, kw, C = wt.shape
 
     def make():
-        vectors = _tiles.empty((C // _tiles.LANES, kh * kw, _tiles.LANES))
-        vectors[...] = wt.reshape(kh * kw, C // _tiles.LANES, _tiles.LANES).transpose(1, 0, 2)
+        blocks = -(-C // _tiles.LANES)
+        whole = np.zeros((kh * kw, blocks * _tiles.LANES), np.float32)
+        whole[:, :C] = wt.reshape(kh * kw, C)
+        vectors = _tiles.empty((blocks, kh * kw, _tiles.LANES))
+        vectors[...] = whole.reshape(kh * kw, blocks, _tiles.LANES).transpose(1, 0, 2)
         taps = (np.arange(kh, dtype=np.int64)[:, None] * (dh * W)
                 + np.arange(kw, dtype=np.int64) * dw).reshape(-1) * C
         return vectors, taps
@@ -662,8 +670,9 @@ def _vector_weights(wt, W, dh, dw, cache):
 @_compiled.kernel_math
 def _depthwise_vector_rows(x4, vectors, taps, w3, b, out4, ph, pw, sh, sw, dh, dw, lo, hi,
                            code, p0, p1, row0, row1):  # pragma: no cover
-    """As `_depthwise_rows` (rows [row0, row1) of every image), float32, C a multiple of
-    LANES: the inner pixels by `_tiles.depthwise_segment`, the border ones by
+    """As `_depthwise_rows` (rows [row0, row1) of every image), float32, `b` and `vectors`
+    in whole vectors of LANES channels: the inner pixels by `_tiles.depthwise_segment`
+    (the last block of fewer than LANES channels masked), the border ones by
     `_pixel_by_taps`, then the activation `code` (p0, p1; 0: none) by `epilogue_loops` on
     each band's rows, in cache."""
     N, H, W, C = x4.shape
@@ -689,13 +698,13 @@ def _depthwise_vector_rows(x4, vectors, taps, w3, b, out4, ph, pw, sh, sw, dh, d
                                    hi, x4.shape, kh, kw)
             a, z = max(r0, top), min(r1, bottom)
             if right > left and z > a:
-                for block in range(C // _tiles.LANES):
+                for block in range(vectors.shape[0]):
                     c0 = block * _tiles.LANES
                     _tiles.depthwise_segment(
                         kh * kw, x, ((n * H + a * sh - ph) * W + left * sw - pw) * C + c0,
                         sw * C, taps, vectors[block], b[c0:c0 + _tiles.LANES], lo, hi, out,
                         ((n * Oh + a) * Ow + left) * C + c0, C, right - left, z - a,
-                        sh * W * C, Ow * C)
+                        sh * W * C, Ow * C, min(_tiles.LANES, C - c0))
             if code:
                 epilogue_loops(out4[n, r0:r1].reshape((r1 - r0) * Ow, C), no_bias, False,
                                no_residual, code, p0, p1, 0, (r1 - r0) * Ow)

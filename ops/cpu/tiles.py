@@ -163,49 +163,51 @@ def conv_tiles_loops(image, image_size, pixels, taps, channels, packed, bias, lo
 
 
 def depthwise_pixels(pixels, taps_count, image, start, step, taps, weights, bias, lo, hi,
-                     out, at, out_step, groups, rows, row_step, out_row_step):
+                     out, at, out_step, groups, rows, row_step, out_row_step, width):
     """The depthwise kernel's semantics in numpy (compiled: the intrinsic below): in each of
     `rows` rows (the i-th starting at start + i * row_step in the image, at + i *
-    out_row_step in out), `groups` groups of `pixels` consecutive output pixels, LANES
-    channels each; pixel q's value at out[at + q * out_step + lane] is clip(sum over the
-    taps t of image[start + q * step + taps[t] + lane] * weights[t, lane] + bias[lane], lo,
-    hi)."""
-    lanes = np.arange(LANES)
+    out_row_step in out), `groups` groups of `pixels` consecutive output pixels, the first
+    `width` of LANES channels each (the others neither read nor written: an image's last
+    channels, fewer than LANES); pixel q's value at out[at + q * out_step + lane] is
+    clip(sum over the taps t of image[start + q * step + taps[t] + lane] * weights[t, lane]
+    + bias[lane], lo, hi). weights and bias hold whole vectors."""
+    lanes = np.arange(width)
     for i in range(rows):
         for q in range(pixels * groups):
             x = image[start + i * row_step + q * step + taps[:taps_count, None] + lanes]
-            y = (x * weights.reshape(-1, LANES)[:taps_count]).sum(axis=0) + bias[:LANES]
+            y = (x * weights.reshape(-1, LANES)[:taps_count, :width]).sum(axis=0) \
+                + bias[:width]
             out[at + i * out_row_step + q * out_step + lanes] = np.clip(y, lo, hi)
 
 
 @_compiled.kernel_math
 def depthwise_segment(T, image, start, step, taps, w, b, lo, hi, out, at, out_step, pixels,
-                      rows, row_step, out_row_step):
+                      rows, row_step, out_row_step, width):
     """`pixels` consecutive output pixels in each of `rows` rows, one block of LANES
-    channels (as `depthwise_pixels`), DEPTHWISE_PIXELS at a time, then one by one; T (the
-    window's taps: 9, 25 or 49) picks the compiled intrinsic."""
+    channels, the first `width` of them (as `depthwise_pixels`), DEPTHWISE_PIXELS at a time,
+    then one by one; T (the window's taps: 9, 25 or 49) picks the compiled intrinsic."""
     if T == 9:
         _depthwise_segment(9, image, start, step, taps, w, b, lo, hi, out, at, out_step,
-                           pixels, rows, row_step, out_row_step)
+                           pixels, rows, row_step, out_row_step, width)
     elif T == 25:
         _depthwise_segment(25, image, start, step, taps, w, b, lo, hi, out, at, out_step,
-                           pixels, rows, row_step, out_row_step)
+                           pixels, rows, row_step, out_row_step, width)
     else:
         _depthwise_segment(49, image, start, step, taps, w, b, lo, hi, out, at, out_step,
-                           pixels, rows, row_step, out_row_step)
+                           pixels, rows, row_step, out_row_step, width)
 
 
 @_compiled.kernel_math
 def _depthwise_segment(T, image, start, step, taps, w, b, lo, hi, out, at, out_step, pixels,
-                       rows, row_step, out_row_step):
+                       rows, row_step, out_row_step, width):
     groups = pixels // DEPTHWISE_PIXELS
     depthwise_pixels(DEPTHWISE_PIXELS, T, image, start, step, taps, w, b, lo, hi, out, at,
-                     out_step, groups, rows, row_step, out_row_step)
+                     out_step, groups, rows, row_step, out_row_step, width)
     q = groups * DEPTHWISE_PIXELS
     if q < pixels:
         depthwise_pixels(1, T, image, start + q * step, step, taps, w, b, lo, hi, out,
                          at + q * out_step, out_step, pixels - q, rows, row_step,
-                         out_row_step)
+                         out_row_step, width)
 
 
 def row_columns(rows, blocks, h, P, j, G):
@@ -380,6 +382,16 @@ class _Vectors:
         counts = self.builder.shuffle_vector(one, one, self.kit.splat_mask)
         return self.builder.icmp_signed("<", lanes, counts)
 
+    def masked_load(self, ptr, index, mask):
+        """LANES floats at ptr[index] where `mask` is set (the others 0, not read)."""
+        ir, vec, i32 = self.kit.ir, self.kit.vec, self.kit.i32
+        load = self.kit.cgutils.get_or_insert_function(
+            self.builder.module, ir.FunctionType(vec, [
+                vec.as_pointer(), i32, ir.VectorType(ir.IntType(1), LANES), vec]),
+            f"llvm.masked.load.v{LANES}f32.p0v{LANES}f32")
+        return self.builder.call(load, [self._at(ptr, index), ir.Constant(i32, 4), mask,
+                                        ir.Constant(vec, [0.0] * LANES)])
+
     def masked_store(self, value, ptr, index, mask):
         ir, vec, i32 = self.kit.ir, self.kit.vec, self.kit.i32
         store = self.kit.cgutils.get_or_insert_function(
@@ -514,32 +526,45 @@ def _register_tiles(numba, kit, intrinsic, overload):
 
 def _emit_depthwise(kit, Q, T, context, builder, sig, args):
     """`depthwise_pixels`' IR for Q pixels by T taps: the T weight vectors in registers,
-    each group of Q pixels a row summed tap by tap, then clipped and stored."""
+    each group of Q pixels a row summed tap by tap, then clipped and stored; a block of
+    fewer than LANES channels (`width`) in a copy of the loops with masked loads and stores,
+    so that whole blocks keep plain ones."""
     cgutils, const, splat = kit.cgutils, kit.const, kit.splat
     (_, _, _, start, step, _, _, _, lo, hi, _, at, out_step, groups, rows, row_step,
-     out_row_step) = args
+     out_row_step, width) = args
     v = _Vectors(kit, context, builder, sig, args)
     image_p, taps_p, w_p, bias_p, out_p = (v.data(i) for i in (2, 5, 6, 7, 10))
     w = [v.load(w_p, const(t * LANES)) for t in range(T)]
     offsets = [builder.load(builder.gep(taps_p, [const(t)])) for t in range(T)]
     b = v.load(bias_p, const(0))
     lo_v, hi_v = splat(builder, lo), splat(builder, hi)
-    with cgutils.for_range(builder, rows) as r:
-        row_in = builder.add(start, builder.mul(r.index, row_step))
-        row_out = builder.add(at, builder.mul(r.index, out_row_step))
-        with cgutils.for_range(builder, groups) as g:
-            first = builder.mul(g.index, const(Q))
-            src = builder.add(row_in, builder.mul(first, step))
-            dst = builder.add(row_out, builder.mul(first, out_step))
-            acc = [b] * Q
-            for t in range(T):
-                tap = builder.add(src, offsets[t])
+
+    def loops(load, store):
+        with cgutils.for_range(builder, rows) as r:
+            row_in = builder.add(start, builder.mul(r.index, row_step))
+            row_out = builder.add(at, builder.mul(r.index, out_row_step))
+            with cgutils.for_range(builder, groups) as g:
+                first = builder.mul(g.index, const(Q))
+                src = builder.add(row_in, builder.mul(first, step))
+                dst = builder.add(row_out, builder.mul(first, out_step))
+                acc = [b] * Q
+                for t in range(T):
+                    tap = builder.add(src, offsets[t])
+                    for q in range(Q):
+                        x = load(image_p, builder.add(tap, builder.mul(const(q), step)))
+                        acc[q] = v.fma(x, w[t], acc[q])
                 for q in range(Q):
-                    x = v.load(image_p, builder.add(tap, builder.mul(const(q), step)))
-                    acc[q] = v.fma(x, w[t], acc[q])
-            for q in range(Q):
-                v.store(v.clip(acc[q], lo_v, hi_v), out_p,
-                        builder.add(dst, builder.mul(const(q), out_step)))
+                    store(v.clip(acc[q], lo_v, hi_v), out_p,
+                          builder.add(dst, builder.mul(const(q), out_step)))
+
+    whole = builder.icmp_signed(">=", width, const(LANES))
+    with builder.if_else(whole) as (plain, masked):
+        with plain:
+            loops(v.load, v.store)
+        with masked:
+            mask = v.lanes_below(width)
+            loops(lambda p, i: v.masked_load(p, i, mask),
+                  lambda value, p, i: v.masked_store(value, p, i, mask))
     return context.get_dummy_value()
 
 
@@ -551,11 +576,11 @@ def _register_depthwise(numba, kit, intrinsic, overload):
         @intrinsic
         def fma_depthwise(typingctx, pixels, taps_count, image, start, step, taps,
                           weights, bias, lo, hi, out, at, out_step, groups, rows,
-                          row_step, out_row_step):
+                          row_step, out_row_step, width):
             sig = types.void(pixels, taps_count, image, types.int64, types.int64, taps,
                              weights, bias, types.float32, types.float32, out,
                              types.int64, types.int64, types.int64, types.int64,
-                             types.int64, types.int64)
+                             types.int64, types.int64, types.int64)
             return sig, (lambda context, builder, s, args:
                          _emit_depthwise(kit, Q, T, context, builder, s, args))
         return fma_depthwise
@@ -565,18 +590,19 @@ def _register_depthwise(numba, kit, intrinsic, overload):
 
     @overload(depthwise_pixels)
     def _depthwise_pixels(pixels, taps_count, image, start, step, taps, weights, bias, lo,
-                          hi, out, at, out_step, groups, rows, row_step, out_row_step):
+                          hi, out, at, out_step, groups, rows, row_step, out_row_step,
+                          width):
         key = (getattr(pixels, "literal_value", None),
                getattr(taps_count, "literal_value", None))
         if key not in depthwise:
             return None
         fma_depthwise = depthwise[key]
         return (lambda pixels, taps_count, image, start, step, taps, weights, bias, lo, hi,
-                out, at, out_step, groups, rows, row_step, out_row_step: fma_depthwise(
+                out, at, out_step, groups, rows, row_step, out_row_step, width: fma_depthwise(
                     pixels, taps_count, image, np.int64(start), np.int64(step), taps,
                     weights, bias, np.float32(lo), np.float32(hi), out, np.int64(at),
                     np.int64(out_step), np.int64(groups), np.int64(rows),
-                    np.int64(row_step), np.int64(out_row_step)))
+                    np.int64(row_step), np.int64(out_row_step), np.int64(width)))
 
 
 def _emit_row_columns(kit, R, Q, context, builder, sig, args):

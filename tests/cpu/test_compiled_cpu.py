@@ -83,6 +83,8 @@ CASES = [  # c, size, kernel, strides, dilations, pads
     (48, 20, [7, 7], [1, 1], [1, 1], [3, 3, 3, 3]),   # ConvNeXt's
     (20, 11, [7, 3], [1, 2], [1, 2], [2, 1, 4, 0]),
     (16, 19, [5, 5], [1, 2], [2, 1], [4, 2, 3, 1]),  # rows of 5 taps, dilated, strided
+    (120, 14, [5, 5], [1, 1], [1, 1], [2, 2, 2, 2]),  # MobileNetV3's: 7 blocks and 8 masked
+    (72, 13, [3, 3], [2, 2], [1, 1], [1, 1, 1, 1]),
 ]
 
 
@@ -106,11 +108,19 @@ def kernel(request, monkeypatch):
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"c{c[0]}-{c[1]}-k{c[2][0]}s{c[3]}d{c[4]}")
 def test_depthwise_matches_onnxruntime(kernel, case, batch, pointwise_first):
+    """Every channel count: on AVX-512 the vector kernel takes them all, a last block of
+    fewer than 16 channels masked."""
     proto, feeds = _model(*case, pointwise_first, batch)
     want = ort.InferenceSession(proto, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
-    got = ember.load(proto).run(feeds)["y"]
+    session = ember.load(proto)
+    got = session.run(feeds)["y"]
     assert got.flags.c_contiguous
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    square = case[2][0] == case[2][1] and case[2][0] * case[2][1] in _tiles.DEPTHWISE_TAPS
+    if kernel == "numba" and square and _tiles.WIDE and _tiles.depthwise_kernel(
+            conv._depthwise_vector_rows) is not None:
+        assert [k for _, op, k, _ in session.kernels if op.endswith("Conv")][-1] == \
+            "cpu.depthwise-vector"
 
 
 def test_split_rows_leaves_a_helper_that_does_not_start_out(monkeypatch):
@@ -250,6 +260,8 @@ def test_rows_split_among_threads_give_the_same_bits(kernel, window, stride, dil
     for i in range(0, oh, 3):  # uneven pieces, in any order
         compiled(x, w, b, c, *args, i, min(oh, i + 3))
     np.testing.assert_array_equal(a, c)
+    # the loops' route (the vector kernel, tested on its own below, takes 40 channels too)
+    monkeypatch.setattr(conv, "_depthwise_vector_fits", lambda x, kernel: False)
     route = conv._DepthwiseRoute.make(  # over the pool; x and w as a Conv's (N, C, H, W)
         x.transpose(0, 3, 1, 2), w.transpose(2, 0, 1)[:, None], b, (0, 6), window,
         (stride, stride), (dilation, dilation), (pad, pad), (oh, ow), {})

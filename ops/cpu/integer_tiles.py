@@ -139,11 +139,13 @@ def conv_loops(image, image_size, C, Cp, pixels, taps, quads, weights, w_sum, w_
 
 
 @_compiled.kernel_math
-def pad_images_loops(x, planar, flip, pad, top, left, image, r0, r1):
+def pad_images_loops(x, planar, flip, pad, top, left, whole, image, r0, r1):
     """Rows [r0, r1) of the padded images (N * Hp rows): image (N, Hp, Wp, Cp) uint8 holds
     the images x XOR `flip` in their place, `pad` around them, and 0 in the Cp - C channels
-    added to make whole words (their weights are 0). x is C-contiguous, (N, C, H, W) if
-    `planar` else (N, H, W, C): each read in its memory order."""
+    added to make whole words (their weights are 0); not `whole`, only the images' own
+    values are written (a kept image: the rest as an earlier call left it). x is
+    C-contiguous, (N, C, H, W) if `planar` else (N, H, W, C): each read in its memory
+    order."""
     N = x.shape[0]
     if planar:
         C, H, W = x.shape[1], x.shape[2], x.shape[3]
@@ -157,14 +159,16 @@ def pad_images_loops(x, planar, flip, pad, top, left, image, r0, r1):
         dst = image[n, r]
         flat = dst.reshape(-1)
         if y < 0 or y >= H:
-            for i in range(Wp * Cp):
-                flat[i] = pad
+            if whole:
+                for i in range(Wp * Cp):
+                    flat[i] = pad
             continue
-        for i in range(left * Cp):
-            flat[i] = pad
-        for i in range((left + W) * Cp, Wp * Cp):
-            flat[i] = pad
-        if C < Cp and not (planar and Cp == 4):   # (the words below write those zeros)
+        if whole:
+            for i in range(left * Cp):
+                flat[i] = pad
+            for i in range((left + W) * Cp, Wp * Cp):
+                flat[i] = pad
+        if whole and C < Cp and not (planar and Cp == 4):   # (the words below write those)
             for col in range(left, left + W):
                 for c in range(C, Cp):
                     dst[col, c] = 0
@@ -348,23 +352,40 @@ class Plan:
         # tile-major where the image outweighs the weights: each read once into the cache
         self.tiles_outer = weights.blocks.nbytes < N * Hp * Wp * Cp if not self.depthwise \
             else False
+        self.images: list[tuple[np.ndarray, int]] = []   # kept padded copies: (image, pad)
 
     def image(self, x: np.ndarray, zero: int) -> np.ndarray:
         """x as the tiles read it: its own channels-last memory, or a padded copy (int8
-        flipped to uint8, the padding the zero point, 0 in the channels added)."""
+        flipped to uint8, the padding the zero point, 0 in the channels added), into a kept
+        image where one is free whose padding is this zero point's (only x's values then
+        copied; `keep` returns it), else a new one."""
         if self.in_place:
             return x.transpose(0, 2, 3, 1)
-        N, Hp, Wp, Cp = self.image_shape
-        size = N * Hp * Wp * Cp
-        image = np.empty(size + 16, np.uint8)[:size].reshape(self.image_shape)
+        pad = (int(zero) + self.flip) & 0xFF
+        try:
+            image, kept_pad = self.images.pop()   # atomic: threads sharing the plan
+        except IndexError:
+            image, kept_pad = None, None
+        whole = kept_pad != pad
+        if image is None:
+            N, Hp, Wp, Cp = self.image_shape
+            size = N * Hp * Wp * Cp
+            # (16 bytes of slack after it: the depthwise vectors' reads past a last pixel)
+            image = np.empty(size + 16, np.uint8)[:size].reshape(self.image_shape)
         source = x if self.planar else x.transpose(0, 2, 3, 1)
         if not source.flags.c_contiguous:   # neither layout: a strided view
             source = np.ascontiguousarray(source)
         _compiled.run_rows(_kernels()[1], self.pad_bounds, source.view(np.uint8),
-                           self.planar, np.uint8(self.flip),
-                           np.uint8((int(zero) + self.flip) & 0xFF), self.begin[0],
-                           self.begin[1], image, piece=_pad_piece)
+                           self.planar, np.uint8(self.flip), np.uint8(pad), self.begin[0],
+                           self.begin[1], whole, image, piece=_pad_piece)
         return image
+
+    def keep(self, image: np.ndarray, zero: int) -> None:
+        """Keep a padded copy `image` made for zero point `zero` for a next call (at most
+        KEEP_IMAGE_BYTES an image): its padding stays, and allocating it again cost more
+        than the copy (a fresh array's pages fault in on each write)."""
+        if image.nbytes <= tuning.KEEP_IMAGE_BYTES and not self.in_place:
+            self.images.append((image, (int(zero) + self.flip) & 0xFF))
 
     def run(self, x: np.ndarray, x_zero: int, out: np.ndarray, mode: int = _integer.INT32,
             bias=None, mult=None, fbias=None, y_zero: float = 0.0, lo: float = 0.0,
@@ -386,12 +407,13 @@ class Plan:
                                self.taps, w.taps, w.sums, zero, mode, bias, mult, fbias,
                                *limits, out.reshape(-1, M), N,
                                piece=_DEPTHWISE_PIECES.get(out.dtype))
-            return
-        _compiled.run_rows(_kernels()[0], self.bounds, image.reshape(-1), size, x.shape[1],
-                           image.shape[3], self.pixels, self.taps, self.quads, w.blocks, w.sums,
-                           w.zero, np.int64(w.K), zero, w.need_sums, mode, bias, mult, fbias,
-                           *limits, out.reshape(-1, M), N, self.tiles_outer,
-                           piece=_CONV_PIECES.get(out.dtype))
+        else:
+            _compiled.run_rows(_kernels()[0], self.bounds, image.reshape(-1), size, x.shape[1],
+                               image.shape[3], self.pixels, self.taps, self.quads, w.blocks,
+                               w.sums, w.zero, np.int64(w.K), zero, w.need_sums, mode, bias,
+                               mult, fbias, *limits, out.reshape(-1, M), N, self.tiles_outer,
+                               piece=_CONV_PIECES.get(out.dtype))
+        self.keep(image, x_zero)
 
 
 # ------------------------------------------------------------------ the kernels' pieces
@@ -433,10 +455,10 @@ def _depthwise_piece(block, u0, u1, dtype):  # pragma: no cover - numba
 
 
 def _pad_piece(block, r0, r1):  # pragma: no cover - numba
-    v = _compiled.array_at(block, (15,), np.int64)
+    v = _compiled.array_at(block, (16,), np.int64)
     pad_images_loops(_compiled.array_at(v[0], (v[1], v[2], v[3], v[4]), np.uint8), v[5] != 0,
-                     np.uint8(v[6]), np.uint8(v[7]), v[8], v[9],
-                     _compiled.array_at(v[10], (v[11], v[12], v[13], v[14]), np.uint8), r0, r1)
+                     np.uint8(v[6]), np.uint8(v[7]), v[8], v[9], v[10] != 0,
+                     _compiled.array_at(v[11], (v[12], v[13], v[14], v[15]), np.uint8), r0, r1)
 
 
 def _conv_piece_u8(block, u0, u1):  # pragma: no cover - numba

@@ -106,6 +106,28 @@ def test_depthwise_exact(adt, N, C, H, k, s, d, cl):
         np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize("depthwise", [False, True])
+def test_a_plan_keeps_its_padded_copy_and_rewrites_its_padding_for_a_new_zero_point(depthwise):
+    """A plan's later calls copy x into the padded image an earlier call kept, writing only
+    x's values; where the zero point (the padding) changes, the whole image anew: each call
+    exact, whatever the call before it left."""
+    rng = np.random.default_rng(11)
+    C, k, p = 32, 3, 1
+    w = _ints(rng, np.int8, (C, 1, k, k) if depthwise else (24, C, k, k))
+    zw = np.zeros(C if depthwise else 24, np.int64)
+    weights = integer_tiles.DepthwiseWeights(w, zw) if depthwise \
+        else integer_tiles.ConvWeights(w, zw)
+    M = C if depthwise else 24
+    xs = [_layout(_ints(rng, np.uint8, (1, C, 9, 11)), True) for _ in range(3)]
+    plan = integer_tiles.Plan(weights, xs[0], ((k, k), (1, 1), (1, 1), (p, p), (p, p)), (9, 11))
+    for x, zx in zip(xs, (7, 7, 200)):
+        out = np.empty((1, 9, 11, M), np.int32)
+        plan.run(x, zx, out)
+        want = _expected(x, zx, w, zw, 1, p, 1, groups=C if depthwise else 1)
+        np.testing.assert_array_equal(out.transpose(0, 3, 1, 2), want)
+        assert len(plan.images) == 1   # kept for the next call
+
+
 # ------------------------------------------------------------------ models against onnxruntime
 
 def _qlinear_block_model(rng, adt):

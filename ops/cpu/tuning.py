@@ -40,7 +40,7 @@ GROUPED_MIN_WIDTH = 8  # output channels a group from which groups run as block-
 # history: docs/performance.md#grouped_min_width-opsconvpy
 TILES_MIN_OUTPUTS = 8  # output channels from which the tiles run a conv: fewer waste a block
 # history: docs/performance.md#tiles_min_outputs-opsconvpy
-KEEP_IMAGE_BYTES = 8 << 20  # a tiled route keeps a padded image this small: border zeroed once
+KEEP_IMAGE_BYTES = 8 << 20  # a route or 8-bit plan keeps a padded image this small: border once
 # history: docs/performance.md#keep_image_bytes-opsconvpy
 PAD_NS_PER_VALUE = 0.4  # a padded image's row copy: time per value read and written
 # history: docs/performance.md#pad_ns_per_value-opsconvpy

@@ -400,46 +400,79 @@ class Layout(NamedTuple):
     strides: np.ndarray          # (inputs, outer dims): each input's element stride in them
 
 
-def layout(shapes: list[tuple[int, ...]]) -> Layout | None:
-    """The loop's layout for inputs of `shapes`, or None where they do not broadcast.
+def layout(shapes: list[tuple[int, ...]], element_strides: list | None = None
+           ) -> Layout | None:
+    """The loop's layout for inputs of `shapes`, or None where they do not broadcast (or a
+    strided input's values along the innermost run are not contiguous).
 
-    Y's dims of size 1 are dropped and neighbouring dims where every input either follows Y
-    or is broadcast alike are merged; the last merged dim is the innermost run, the others
-    are walked row by row with per-input strides."""
+    `element_strides`, per input, its strides in values along its own axes, or None for a
+    C-ordered input (all of them without the list): a view read where it lies, a Split's
+    channel slice of an image. Y's dims of size 1 are dropped and neighbouring dims where
+    every input either follows Y or is broadcast alike, and each that follows runs on in
+    memory from one to the next, are merged; the last merged dim is the innermost run, the
+    others are walked row by row with per-input strides."""
     try:
         out = tuple(int(d) for d in np.broadcast_shapes(*shapes))
     except ValueError:
         return None
     rank = len(out)
     aligned = [(1,) * (rank - len(s)) + tuple(s) for s in shapes]
-    merged: list[list] = []   # [size, pattern]: pattern[k] whether input k follows Y there
+    given = element_strides or [None] * len(shapes)
+    steps = []   # per input, its stride in values along each of Y's axes (0: broadcast)
+    for s, st in zip(aligned, given):
+        if st is None:
+            st, run = [], 1
+            for d in reversed(s):
+                st.append(run)
+                run *= d
+            st = st[::-1]
+        else:
+            st = [0] * (rank - len(st)) + list(st)
+        steps.append([st[a] if s[a] != 1 else 0 for a in range(rank)])
+    merged: list[list] = []   # [size, pattern, strides]: strides per input, the inner axis's
     for axis, size in enumerate(out):
         if size == 1:
             continue
         pattern = tuple(s[axis] != 1 for s in aligned)
-        if merged and merged[-1][1] == pattern:
+        here = [st[axis] for st in steps]
+        if merged and merged[-1][1] == pattern and all(
+                prev == cur * size for prev, cur in zip(merged[-1][2], here)):
             merged[-1][0] *= size
+            merged[-1][2] = here
         else:
-            merged.append([size, pattern])
+            merged.append([size, pattern, here])
     if not merged:
-        merged = [[1, tuple(False for _ in shapes)]]
-    inner, last = merged[-1]
+        merged = [[1, tuple(False for _ in shapes), [0] * len(shapes)]]
+    inner, last, inner_steps = merged[-1]
     outer = merged[:-1]
+    dense = [1] * len(outer)   # Y's own strides over the outer dims
+    for d in range(len(outer) - 2, -1, -1):
+        dense[d] = dense[d + 1] * outer[d + 1][0]
+    dense = [d * inner for d in dense]
     modes = []
     strides = np.zeros((len(shapes), len(outer)), np.int64)
     for k in range(len(shapes)):
-        if all(p[k] for _, p in merged):
+        if last[k] and inner_steps[k] != 1:
+            return None   # the innermost run not contiguous: the caller copies it
+        follows = all(p[k] for _, p, _ in merged)
+        if follows and all(st[k] == y for (_, _, st), y in zip(outer, dense)):
             modes.append("f")
             continue
         modes.append("v" if last[k] else "c")
-        step = inner if last[k] else 1
-        for d in range(len(outer) - 1, -1, -1):
-            size, pattern = outer[d]
-            if pattern[k]:
-                strides[k, d] = step
-                step *= size
+        for d, (_, pattern, st) in enumerate(outer):
+            strides[k, d] = st[k] if pattern[k] else 0
     return Layout(out, tuple(modes), inner,
-                  np.array([size for size, _ in outer], np.int64), strides)
+                  np.array([size for size, _, _ in outer], np.int64), strides)
+
+
+def _span(x) -> int | None:
+    """The values from a strided view's first to its last (it is read where it lies, as one
+    run of memory: a Split's channel slice of an image), or None where it is C-ordered, or
+    its strides are not whole non-negative values (copied to C order)."""
+    if x.flags.c_contiguous or x.size == 0 or any(
+            st < 0 or st % x.itemsize for n, st in zip(x.shape, x.strides) if n > 1):
+        return None
+    return 1 + sum((n - 1) * st // x.itemsize for n, st in zip(x.shape, x.strides) if n > 1)
 
 
 class _Route(NamedTuple):
@@ -453,6 +486,8 @@ class _Route(NamedTuple):
     rows: int                        # the loop's rows, split among the threads
     ns_per_row: float                # split_rows' estimate
     sizes: tuple                     # (inner, nsub, chunk, dims, strides): the loop's
+    spans: tuple                     # per input: values from its first to its last, where it
+    #                                  is read where it lies (a strided view); else None
 
 
 @register(OP_TYPE, versions=[1], domain=DOMAIN)
@@ -518,12 +553,15 @@ class ElementwiseChain(OpImpl):
                 self._last_route = (signature, route)
         if route is None:
             return None
-        order, back, shape, out_dtype, kernel, piece, rows, ns_per_row, sizes = route
+        order, back, shape, out_dtype, kernel, piece, rows, ns_per_row, sizes, spans = route
         out = _tiles.empty(shape, out_dtype)
         if out.size == 0:
             return out if back is None else out.transpose(back)
-        flat = [np.ascontiguousarray(x if order is None else moved(x, order)).reshape(-1)
-                for x in inputs]
+        flat = []
+        for x, span in zip(inputs, spans):
+            x = x if order is None else moved(x, order)
+            flat.append(np.ascontiguousarray(x).reshape(-1) if span is None else
+                        np.lib.stride_tricks.as_strided(x, (span,), (x.itemsize,)))
         _compiled.split_rows(kernel, rows, out.reshape(-1), *sizes, self._prm, *flat,
                              ns_per_row=ns_per_row, piece=piece)
         return out if back is None else out.transpose(back)
@@ -539,8 +577,15 @@ class ElementwiseChain(OpImpl):
             return None
         order = memory_order(inputs)
         back = None if order is None else tuple(int(axis) for axis in np.argsort(order))
-        shapes = [x.shape if order is None else moved(x, order).shape for x in inputs]
-        plan = layout(shapes)
+        views = [x if order is None else moved(x, order) for x in inputs]
+        shapes = [x.shape for x in views]
+        spans = tuple(_span(x) for x in views)
+        plan = layout(shapes, [None if span is None else
+                               tuple(st // x.itemsize for st in x.strides)
+                               for x, span in zip(views, spans)])
+        if plan is None and any(spans):   # a view's innermost values apart: copied
+            spans = (None,) * len(views)
+            plan = layout(shapes)
         if plan is None:
             return None
         out_dtype = np.dtype(np.float32 if result[-1] == "f" else bool)
@@ -554,7 +599,7 @@ class ElementwiseChain(OpImpl):
         rows = (math.prod(plan.shape) // inner if inner else 0) * nsub
         return _Route(order, back, plan.shape, out_dtype, kernel, piece, rows,
                       chunk * _NS_PER_STEP * len(self.steps),
-                      (inner, nsub, chunk, plan.dims, plan.strides))
+                      (inner, nsub, chunk, plan.dims, plan.strides), spans)
 
     def lower(self, inputs):
         lowering = compiled_rows(f"{len(self.steps)} elementwise steps in one loop, split "

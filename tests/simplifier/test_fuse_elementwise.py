@@ -373,10 +373,16 @@ def test_one_large_op_is_a_chain_and_a_small_one_stays():
     check(proto, {"x": x}, [])
 
 
-def test_a_strided_view_is_read_in_its_memory_order():
+def test_a_strided_view_is_read_in_its_memory_order(monkeypatch):
     """A Split's part of a channels-last image is a strided view: with no dense input the loop
-    runs in the view's memory order (a copy of it reads memory in order, not transposing)
-    and the result has that order; a dense input after it decides over it."""
+    runs in the view's memory order and the result has that order; a dense input after it
+    decides over it. Either way the view is read where it lies, not copied (its channels
+    contiguous); a view whose innermost values are apart (every other channel) is copied."""
+    copies = []
+    contiguous = np.ascontiguousarray
+    monkeypatch.setattr(np, "ascontiguousarray",
+                        lambda x, *a, **k: (copies.append(x.flags.c_contiguous),
+                                            contiguous(x, *a, **k))[1])
     node = Node(OP_TYPE, "ai.ember", 1, ["x"], ["y"],
                 attrs={"ops": ["Sigmoid", "Neg"], "args": [0, 1]})
     kernel = bind(node, lookup("ai.ember", OP_TYPE, 1), dict(node.attrs))
@@ -394,6 +400,14 @@ def test_a_strided_view_is_read_in_its_memory_order():
     got = kernel.run(part, image)
     assert got.strides == image.strides
     np.testing.assert_array_equal(got, kernel.portable([part, image]))
+    if kernel.kernels.get(*kernel._program, ("v", "f"), (np.dtype(np.float32),) * 2,
+                          np.dtype(np.float32))[0] is not None:   # (numba: the loop ran)
+        assert False not in copies   # only C-ordered arrays went through ascontiguousarray
+        apart = RNG.standard_normal((1, 5, 6, 32)).astype(np.float32)[..., ::2] \
+            .transpose(0, 3, 1, 2)
+        np.testing.assert_array_equal(kernel.run(apart, image),
+                                      kernel.portable([apart, image]))
+        assert False in copies
 
 
 def test_pieces_on_the_board_same_bits(monkeypatch):

@@ -178,16 +178,19 @@ class _ReduceMean(_Reduce):
 
 def _spatial_mean(x):
     """The mean over axes 2, 3 of float32 x (keepdims) by `_pixel_sums`, where x is a
-    channels-last view (not also C-ordered: numpy reads those in order) of at most
-    SPATIAL_MEAN_MAX_PIXELS pixels and the compiled kernel serves; else None."""
+    channels-last view (not also C-ordered: numpy reads those in order) and the compiled
+    kernel serves; else None. The pixels are cut in pieces of at most
+    SPATIAL_MEAN_MAX_PIXELS, each summed in order, then the pieces' sums in order: longer
+    runs summed in order would lose what numpy's pairwise sums keep."""
     N, C, H, W = x.shape
     xt = x.transpose(0, 2, 3, 1)
     sums = _compiled.jit(_pixel_sums)
     if sums is None or x.dtype != np.float32 or x.flags.c_contiguous or x.size == 0 \
-            or H * W > tuning.SPATIAL_MEAN_MAX_PIXELS or not xt.flags.c_contiguous:
+            or not xt.flags.c_contiguous:
         return None
-    cuts = np.array(_compiled.row_bounds(H * W, N * C * tuning.SPATIAL_MEAN_NS_PER_VALUE),
-                    np.int64)
+    pieces = max(len(_compiled.row_bounds(H * W, N * C * tuning.SPATIAL_MEAN_NS_PER_VALUE))
+                 - 1, -(-H * W // tuning.SPATIAL_MEAN_MAX_PIXELS))
+    cuts = np.array([H * W * i // pieces for i in range(pieces + 1)], np.int64)
     partial = np.empty((cuts.size - 1, N, C), np.float32)
     _compiled.run_rows(sums, list(range(cuts.size)), xt.reshape(N, H * W, C), cuts, partial,
                        piece=_pixel_sums_piece)

@@ -101,7 +101,7 @@ CHANNEL_AFFINE_NS = 0.1  # the compiled BatchNormalization's time per value (one
 # history: docs/performance.md#groupnorm_ns-channel_affine_ns-opsnormalizationpy
 SPATIAL_MEAN_NS_PER_VALUE = 1.0  # a global average pool's time per value, in a model
 # history: docs/performance.md#spatial_mean_ns_per_value-opsreductionpy
-SPATIAL_MEAN_MAX_PIXELS = 4096  # more rows summed in order lose what numpy's pairwise sums keep
+SPATIAL_MEAN_MAX_PIXELS = 4096  # pixels a piece sums in order: more lose what pairwise sums keep
 SOFTMAX_COMPILED_MIN = 1 << 12  # elements below which a compiled softmax is not worth its call
 SOFTMAX_NS_PER_VALUE = 1.3  # the compiled softmax's time per element
 SOFTMAX_COLUMNS = 256  # columns a piece of a softmax over another axis than the last

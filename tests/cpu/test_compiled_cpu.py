@@ -1863,11 +1863,12 @@ def test_an_arrays_address_is_its_data_pointer(tmp_path):
         assert _compiled.address(x) == x.__array_interface__["data"][0]
 
 
-@pytest.mark.parametrize("batch, size", [(1, 7), (3, 14)])
+@pytest.mark.parametrize("batch, size", [(1, 7), (3, 14), (1, 112)])
 def test_mean_over_a_channels_last_images_pixels(batch, size, monkeypatch):
     """ReduceMean over the pixels of a channels-last image (a depthwise convolution's result)
     by the compiled pieces (reduction._pixel_sums), on two threads, in a session shared by
-    threads too: onnxruntime's means, and the same bits run after run."""
+    threads too: onnxruntime's means, and the same bits run after run; 112x112 pixels are
+    more than a piece sums in order (SPATIAL_MEAN_MAX_PIXELS)."""
     pytest.importorskip("numba")
     from ember.ops import reduction
     rng = np.random.default_rng(14)

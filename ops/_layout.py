@@ -42,6 +42,21 @@ def pixel_stride(x) -> int | None:
     return x.shape[1] if step is None else step
 
 
+def memory_span(x) -> int | None:
+    """The values from a strided view's first to its last, where a kernel reads it where it
+    lies as one run of memory (`as_run`: a Split's channel slice of an image); None where x
+    is C-ordered or its strides are not whole non-negative values."""
+    if x.flags.c_contiguous or x.size == 0 or any(
+            st < 0 or st % x.itemsize for n, st in zip(x.shape, x.strides) if n > 1):
+        return None
+    return 1 + sum((n - 1) * st // x.itemsize for n, st in zip(x.shape, x.strides) if n > 1)
+
+
+def as_run(x, span: int):
+    """x's memory from its first value on, `span` values (`memory_span`), as a 1-D view."""
+    return np.lib.stride_tricks.as_strided(x, (span,), (x.itemsize,))
+
+
 def memory_order(inputs: tuple) -> tuple[int, ...] | None:
     """The axes of the first dense input of the inputs' broadcast shape in its memory's order
     (a channels-last image between convolutions: (0, 2, 3, 1)), where that is a permutation

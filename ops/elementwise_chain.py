@@ -35,7 +35,7 @@ import numpy as np
 
 from ember import config
 from ember.ops import activations as _act, elementwise as _elementwise
-from ember.ops._layout import memory_order, moved
+from ember.ops._layout import as_run, memory_order, memory_span, moved
 from ember.ops._lowering import compiled_rows
 from ember.ops.cpu import compiled as _compiled, tiles as _tiles, tuning
 from ember.ops.cpu.compiled import exp_float32, tanh_float32
@@ -465,16 +465,6 @@ def layout(shapes: list[tuple[int, ...]], element_strides: list | None = None
                   np.array([size for size, _, _ in outer], np.int64), strides)
 
 
-def _span(x) -> int | None:
-    """The values from a strided view's first to its last (it is read where it lies, as one
-    run of memory: a Split's channel slice of an image), or None where it is C-ordered, or
-    its strides are not whole non-negative values (copied to C order)."""
-    if x.flags.c_contiguous or x.size == 0 or any(
-            st < 0 or st % x.itemsize for n, st in zip(x.shape, x.strides) if n > 1):
-        return None
-    return 1 + sum((n - 1) * st // x.itemsize for n, st in zip(x.shape, x.strides) if n > 1)
-
-
 class _Route(NamedTuple):
     """The compiled loop's call for one set of input geometries (ElementwiseChain._route)."""
     order: tuple[int, ...] | None    # the inputs' axes in memory order (in_memory_order)
@@ -561,7 +551,7 @@ class ElementwiseChain(OpImpl):
         for x, span in zip(inputs, spans):
             x = x if order is None else moved(x, order)
             flat.append(np.ascontiguousarray(x).reshape(-1) if span is None else
-                        np.lib.stride_tricks.as_strided(x, (span,), (x.itemsize,)))
+                        as_run(x, span))
         _compiled.split_rows(kernel, rows, out.reshape(-1), *sizes, self._prm, *flat,
                              ns_per_row=ns_per_row, piece=piece)
         return out if back is None else out.transpose(back)
@@ -579,7 +569,7 @@ class ElementwiseChain(OpImpl):
         back = None if order is None else tuple(int(axis) for axis in np.argsort(order))
         views = [x if order is None else moved(x, order) for x in inputs]
         shapes = [x.shape for x in views]
-        spans = tuple(_span(x) for x in views)
+        spans = tuple(memory_span(x) for x in views)
         plan = layout(shapes, [None if span is None else
                                tuple(st // x.itemsize for st in x.strides)
                                for x, span in zip(views, spans)])

@@ -14,7 +14,7 @@ import numpy as np
 
 from ember import limits
 from ember.ops.cpu import compiled as _compiled, tiles as _tiles, tuning
-from ember.ops._layout import channels_last, memory_order, pixel_stride
+from ember.ops._layout import as_run, channels_last, memory_order, memory_span, pixel_stride
 from ember.ops.registry import Lowering, PORTABLE, OpImpl, register
 
 
@@ -480,9 +480,8 @@ def _concat_channels_last(xs):
         if step is None:
             out[..., c0:c0 + x.shape[1]] = x.transpose(0, 2, 3, 1)
         else:   # x's memory from its first value to its last, as one run
-            span = (N * H * W - 1) * step + x.shape[1]
-            flat = np.lib.stride_tricks.as_strided(x, (span,), (x.itemsize,))
-            _compiled.split_rows(kernel, rows.shape[0], flat, step, x.shape[1], rows, c0,
+            _compiled.split_rows(kernel, rows.shape[0], as_run(x, memory_span(x)), step,
+                                 x.shape[1], rows, c0,
                                  ns_per_row=tuning.CONCAT_NS_PER_VALUE * x.shape[1],
                                  piece=_copy_pixels_piece)
         c0 += x.shape[1]
